@@ -1,0 +1,35 @@
+"""Every name shared across processes: Celery task and queue, Redis keys, metric names.
+
+Producers, workers, dashboards and alert rules all refer to these strings; keep them in one
+place so a rename cannot leave one side behind.
+"""
+
+# Celery: the task any client sends (`app.send_task(TASK_CLASSIFY, args=[payload])`) and its queue.
+TASK_CLASSIFY = "ticketq.classify"
+QUEUE = "ticketq"
+
+# Redis streams (capped with MAXLEN ~ settings.stream_maxlen).
+RESULTS_STREAM = "ticketq:results"
+DEAD_LETTER_STREAM = "ticketq:dead"
+
+# Default labels of the closed set.
+DEFAULT_LABELS = ("billing", "technical", "account")
+
+# Prometheus metric names (the client adds `_total` to counters, `_bucket/_sum/_count` to histograms).
+METRIC_PREFIX = "ticketq"
+M_TICKETS = "ticketq_tickets"  # counter, labels: label, outcome
+M_TOKENS_REAL = "ticketq_tokens_real"  # counter: real (non-pad) tokens run through the model
+M_TOKENS_COMPUTED = "ticketq_tokens_computed"  # counter: all tokens computed, pads included
+M_TOKENS_PADDED = "ticketq_tokens_padded"  # counter: pad tokens computed
+M_PADDING_RATIO_LAST = "ticketq_batch_padding_ratio"  # gauge: last forward batch
+M_BATCH_SIZE = "ticketq_batch_size"  # histogram: tickets per forward batch
+M_BATCH_TOKENS = "ticketq_batch_tokens"  # histogram: padded tokens per forward batch
+M_QUEUE_WAIT = "ticketq_queue_wait_seconds"  # histogram: enqueue -> batch start
+M_FORWARD = "ticketq_forward_seconds"  # histogram: one forward batch
+M_LATENCY = "ticketq_latency_seconds"  # histogram: enqueue -> result published
+M_PREFIX_REUSES = "ticketq_prefix_cache_reuses"  # counter
+M_DEAD_LETTERS = "ticketq_dead_letters"  # counter, labels: reason
+M_SHADOW_CHECKED = "ticketq_shadow_checked"  # counter
+M_SHADOW_AGREED = "ticketq_shadow_agreed"  # counter
+M_MODEL_INFO = "ticketq_model"  # info: model, standin, dtype, device
+M_FLUSHES = "ticketq_flushes"  # counter: celery-batches flushes (buffer drains)

@@ -1,0 +1,381 @@
+"""The classification engine: the only module that touches tensors.
+
+One model replica, a prompt whose prefix KV cache is computed once, and two ways to classify:
+
+- `classify` — the optimised path: tickets planned into length-sorted batches under a token
+  budget (`worker.batching`), each batch's rows right-padded after the cached prefix, and only
+  the label rows of the LM head evaluated at each row's last real token.
+- `reference` — the obvious path every optimisation is judged against: one ticket at a time,
+  the full prompt, no cache, full-vocabulary logits.
+
+Both produce trie-constrained label probabilities: at every point where labels diverge, the
+softmax over the allowed next tokens (exactly what constrained decoding would choose from).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from worker import batching
+from worker.prompt import EncodedTicket, PromptTemplate, system_text
+from worker.settings import Settings
+from worker.standin import STANDIN_MARKER
+
+log = logging.getLogger(__name__)
+
+
+class ModelNotFound(RuntimeError):
+    """The model could not be loaded; the message names the stand-in command."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    label: str
+    probs: dict[str, float]
+    margin: float  # probability of the best label minus the runner-up's
+    truncated: bool
+    tokens: int  # ticket tokens after truncation
+
+
+@dataclass(frozen=True)
+class BatchReport:
+    rows: int
+    width: int
+    real_tokens: int
+    seconds: float
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.rows * self.width
+
+    @property
+    def pad_tokens(self) -> int:
+        return self.computed_tokens - self.real_tokens
+
+    @property
+    def padding_ratio(self) -> float:
+        return self.pad_tokens / self.computed_tokens if self.computed_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    standin: bool
+    device: str
+    dtype: str
+
+
+def resolve_device(name: str) -> torch.device:
+    if name != "auto":
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16()):
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype):
+    """`from_pretrained` for a hub id or a local directory; a clear error when neither works."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+    except OSError as exc:
+        raise ModelNotFound(
+            f"cannot load model {name_or_path!r} ({exc.__class__.__name__}: {str(exc).splitlines()[0]}). "
+            "Without model hub access, build the stand-in and point TICKETQ_MODEL at it:\n"
+            "    python -m worker.standin --size full --out models/qwen2.5-0.5b-standin\n"
+            "    export TICKETQ_MODEL=models/qwen2.5-0.5b-standin"
+        ) from exc
+    model.to(device).eval().requires_grad_(False)
+    return model, tokenizer
+
+
+def _cache_class():
+    from transformers import DynamicCache
+
+    return DynamicCache
+
+
+def _cache_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if hasattr(cache, "layers"):  # transformers >= 4.56
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache, strict=True))
+
+
+class Engine:
+    """A loaded model + prompt, ready to classify. Build with `Engine.from_settings`."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        labels: tuple[str, ...],
+        system: str,
+        max_ticket_tokens: int = 512,
+        max_batch_tokens: int = 1024,
+        max_batch_size: int = 64,
+        cost: batching.CostModel | None = None,
+        info: ModelInfo | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.labels = labels
+        self.prompt = PromptTemplate(tokenizer, system, labels, max_ticket_tokens)
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_size = max_batch_size
+        self.cost = cost or batching.CostModel(fixed_ms=25.0, token_ms=0.8)
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.info = info or ModelInfo(
+            getattr(model, "name_or_path", "?"), False, str(self.device), str(self.dtype)
+        )
+        self.decoder = model.get_decoder()
+        self.label_head = model.get_output_embeddings()  # (V, H) weight; only label rows are used
+        self._cache_kwarg = (
+            "cache" if "cache" in inspect.signature(self.decoder.forward).parameters else "past_key_values"
+        )
+        self.pad_id = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.prompt.suffix_ids[0]
+        )
+        self.prefix_reuses = 0
+        # full-vocabulary logits, but only at the last position (older transformers compute all)
+        forward_params = inspect.signature(model.forward).parameters
+        self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in forward_params else {}
+        self._prefix_kv = self._prime_prefix()
+        self._branch_rows = {
+            path: self.label_head.weight[list(kids)].detach()  # (C, H)
+            for path, kids in self.prompt.trie.branches.items()
+        }
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Engine:
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        device = resolve_device(settings.device)
+        dtype = resolve_dtype(settings.dtype, device)
+        model, tokenizer = load_model(settings.model, device, dtype)
+        standin = Path(settings.model, STANDIN_MARKER).is_file()
+        if standin:
+            note = json.loads(Path(settings.model, STANDIN_MARKER).read_text())["note"]
+            log.warning("model %s is a STAND-IN: %s", settings.model, note)
+        info = ModelInfo(settings.model, standin, str(device), str(dtype).removeprefix("torch."))
+        labels = settings.label_names
+        return cls(
+            model,
+            tokenizer,
+            labels=labels,
+            system=system_text(settings.system_prompt, labels, settings.label_descriptions),
+            max_ticket_tokens=settings.max_ticket_tokens,
+            max_batch_tokens=settings.max_batch_tokens,
+            max_batch_size=settings.max_batch_size,
+            cost=batching.CostModel(settings.cost_fixed_ms, settings.cost_token_ms),
+            info=info,
+        )
+
+    # ----- prefix cache -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _prime_prefix(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Run the shared prompt prefix once; its per-layer K/V are reused by every batch."""
+        ids = torch.tensor([self.prompt.prefix_ids], device=self.device)  # (1, P)
+        out = self.decoder(input_ids=ids, use_cache=True)
+        cache = getattr(out, "cache", None) or out.past_key_values
+        # (1, kv_heads, P, head_dim) per layer, owned by the engine and never written again
+        return [(k.detach().clone(), v.detach().clone()) for k, v in _cache_tensors(cache)]
+
+    @property
+    def prefix_len(self) -> int:
+        return len(self.prompt.prefix_ids)
+
+    def prefix_snapshot(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of the base cache, for tests that prove it is never mutated."""
+        return [(k.clone(), v.clone()) for k, v in self._prefix_kv]
+
+    def _batch_cache(self, rows: int):
+        """A fresh cache for one batch holding the prefix, expanded to `rows` (the base is untouched)."""
+        cache_cls = _cache_class()
+        try:
+            cache = cache_cls(config=self.model.config)
+        except TypeError:  # older transformers
+            cache = cache_cls()
+        for layer, (k, v) in enumerate(self._prefix_kv):
+            # expand is a view; the cache's first concatenation copies it into batch-owned storage
+            cache.update(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1), layer)
+        self.prefix_reuses += 1
+        return cache
+
+    # ----- optimised path ------------------------------------------------------------------
+
+    def encode(self, texts: Sequence[object]) -> list[EncodedTicket]:
+        return [self.prompt.encode(text) for text in texts]
+
+    def plan(self, encoded: Sequence[EncodedTicket]) -> batching.Plan:
+        return batching.plan_optimal(
+            [len(e.ids) for e in encoded],
+            max_batch_tokens=self.max_batch_tokens,
+            max_batch_size=self.max_batch_size,
+            cost=self.cost,
+        )
+
+    def classify(
+        self,
+        texts: Sequence[object],
+        plan: batching.Plan | None = None,
+        on_batch: Callable[[BatchReport], None] | None = None,
+    ) -> tuple[list[Prediction], list[BatchReport]]:
+        """Classify `texts` (in their order) with the planned, cached, label-only path."""
+        encoded = self.encode(texts)
+        return self.classify_encoded(encoded, plan, on_batch)
+
+    def classify_encoded(
+        self,
+        encoded: Sequence[EncodedTicket],
+        plan: batching.Plan | None = None,
+        on_batch: Callable[[BatchReport], None] | None = None,
+    ) -> tuple[list[Prediction], list[BatchReport]]:
+        plan = plan or self.plan(encoded)
+        results: list[Prediction | None] = [None] * len(encoded)
+        reports = []
+        for batch in plan.batches:
+            start = time.perf_counter()
+            predictions = self.forward_batch([encoded[i] for i in batch.indices], width=batch.width)
+            report = BatchReport(batch.rows, batch.width, batch.real_tokens, time.perf_counter() - start)
+            for index, prediction in zip(batch.indices, predictions, strict=True):
+                results[index] = prediction
+            reports.append(report)
+            if on_batch:
+                on_batch(report)
+        assert all(r is not None for r in results), "the plan must cover every ticket"
+        return results, reports  # type: ignore[return-value]
+
+    @torch.inference_mode()
+    def forward_batch(self, rows: Sequence[EncodedTicket], width: int | None = None) -> list[Prediction]:
+        """One forward pass over `rows` right-padded to `width`, after the cached prefix."""
+        lengths = torch.tensor([len(r.ids) for r in rows], device=self.device)  # (B,)
+        width = width or int(lengths.max())
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long, device=self.device)  # (B, W)
+        for i, row in enumerate(rows):
+            ids[i, : len(row.ids)] = torch.tensor(row.ids, device=self.device)
+        cache = self._batch_cache(len(rows))
+        mask = self._mask(lengths, width, extra=0)  # (B, 1, W, P+W)
+        positions = self.prefix_len + torch.arange(width, device=self.device).expand(len(rows), -1)  # (B, W)
+        hidden = self._decode(ids, mask, positions, cache)  # (B, W, H)
+        last = hidden[torch.arange(len(rows), device=self.device), lengths - 1]  # (B, H)
+        scores = {(): self._branch_scores((), last)}
+        for path in self.prompt.trie.branches:
+            if path:
+                scores[path] = self._continuation_scores(path, lengths, width, cache)
+        return [self._prediction(i, row, scores) for i, row in enumerate(rows)]
+
+    def _continuation_scores(
+        self, path: tuple[int, ...], lengths: torch.Tensor, width: int, cache
+    ) -> torch.Tensor:
+        """Scores after a shared label prefix `path`, appended to each row's real tokens via the batch cache."""
+        cache.crop(self.prefix_len + width)  # drop tokens of a previous continuation
+        rows = lengths.shape[0]
+        ids = torch.tensor(path, device=self.device).expand(rows, -1)  # (B, k)
+        mask = self._mask(lengths, width, extra=len(path))  # (B, 1, k, P+W+k)
+        positions = self.prefix_len + lengths[:, None] + torch.arange(len(path), device=self.device)  # (B, k)
+        hidden = self._decode(ids, mask, positions, cache)  # (B, k, H)
+        return self._branch_scores(path, hidden[:, -1])
+
+    def _branch_scores(self, path: tuple[int, ...], hidden: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax((hidden @ self._branch_rows[path].T).float(), dim=-1)  # (B, C)
+
+    def _mask(self, lengths: torch.Tensor, width: int, extra: int) -> torch.Tensor:
+        """Additive 4D mask: prefix always visible, each row's real tokens causally, pads never.
+
+        With `extra` > 0 the queries are `extra` continuation tokens stored after the padded rows.
+        """
+        P = self.prefix_len
+        kv = torch.arange(P + width + extra, device=self.device)  # (KV,)
+        q = torch.arange(extra or width, device=self.device)  # (Q,)
+        slot = kv - P  # position of a key inside the row region
+        real = (slot >= 0) & (slot < width) & (slot[None, :] < lengths[:, None])  # (B, KV)
+        if extra:
+            own = (kv >= P + width)[None, :] & (kv[None, :] - P - width <= q[:, None])  # (Q, KV)
+            allowed = (slot < 0)[None, None, :] | real[:, None, :] | own[None]  # (B, Q, KV)
+        else:
+            causal = slot[None, :] <= q[:, None]  # (Q, KV)
+            allowed = (slot < 0)[None, None, :] | (real[:, None, :] & causal[None])  # (B, Q, KV)
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        return mask[:, None]  # (B, 1, Q, KV)
+
+    def _decode(self, ids, mask, positions, cache) -> torch.Tensor:
+        out = self.decoder(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            **{self._cache_kwarg: cache},
+        )
+        return out.last_hidden_state
+
+    def _prediction(self, row: int, encoded: EncodedTicket, scores: dict) -> Prediction:
+        logprobs = {
+            name: sum(float(scores[path][row, child]) for path, child in self.prompt.trie.decisions(name))
+            for name in self.labels
+        }
+        return _make_prediction(logprobs, encoded)
+
+    # ----- reference path ------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def reference(self, text: object) -> Prediction:
+        """One ticket, full prompt, no cache, full-vocabulary logits: the answer to match."""
+        encoded = self.prompt.encode(text)
+        full = self.prompt.full_ids(encoded)
+        branch_logprobs = {}
+        for path, kids in self.prompt.trie.branches.items():
+            ids = torch.tensor([[*full, *path]], device=self.device)  # (1, T)
+            logits = (
+                self.model(input_ids=ids, use_cache=False, **self._last_only).logits[0, -1].float()
+            )  # (V,)
+            allowed = torch.log_softmax(logits, dim=-1)[list(kids)]  # (C,) full-vocab log-probs
+            branch_logprobs[path] = torch.log_softmax(allowed, dim=-1)  # renormalised over the choices
+        logprobs = {
+            name: sum(float(branch_logprobs[path][child]) for path, child in self.prompt.trie.decisions(name))
+            for name in self.labels
+        }
+        return _make_prediction(logprobs, encoded)
+
+
+def _make_prediction(logprobs: dict[str, float], encoded: EncodedTicket) -> Prediction:
+    probs = {name: float(torch.tensor(lp).exp()) for name, lp in logprobs.items()}
+    ranked = sorted(probs, key=probs.__getitem__, reverse=True)
+    return Prediction(
+        label=ranked[0],
+        probs=probs,
+        margin=probs[ranked[0]] - probs[ranked[1]],
+        truncated=encoded.truncated,
+        tokens=encoded.ticket_tokens,
+    )

@@ -1,0 +1,123 @@
+"""The prompt: system instructions + label set, rendered once with the chat template and split
+around the ticket into prefix / ticket / suffix token ids, plus the label trie.
+
+The batched path feeds `prefix_ids` once (cached) and `ticket_ids + suffix_ids` per row; the
+reference path feeds the three concatenated. Tickets are tokenised on their own with special
+tokens split, so a ticket that contains `<|im_end|>` cannot close its own user turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TICKET_MARKER = "\x00TICKET\x00"
+
+
+class InvalidTicket(ValueError):
+    """A ticket the engine refuses (empty text, not a string). The message says why."""
+
+
+@dataclass(frozen=True)
+class EncodedTicket:
+    ids: tuple[int, ...]  # ticket tokens + suffix tokens: what one batch row carries
+    ticket_tokens: int  # tokens of the ticket itself after truncation
+    truncated: bool
+
+
+def canonical_text(text: object) -> str:
+    """The text both paths classify: surrounding whitespace removed (it only moves token boundaries)."""
+    if not isinstance(text, str):
+        raise InvalidTicket(f"ticket text must be a string, got {type(text).__name__}")
+    stripped = text.strip()
+    if not stripped:
+        raise InvalidTicket("ticket text is empty or whitespace only")
+    return stripped
+
+
+def system_text(system_prompt: str, labels: tuple[str, ...], descriptions: dict[str, str]) -> str:
+    lines = [system_prompt.strip(), "", "Labels:"]
+    lines += [f"- {name}: {descriptions[name]}" if name in descriptions else f"- {name}" for name in labels]
+    lines += ["", "Answer with exactly one label: " + ", ".join(labels) + "."]
+    return "\n".join(lines)
+
+
+@dataclass
+class LabelTrie:
+    """Label token sequences (each ending in the end-of-turn token) as a trie.
+
+    Constrained decoding only chooses at nodes with two or more children; the probability of a
+    label is the product, over those nodes on its path, of the softmax among the node's children.
+    """
+
+    sequences: dict[str, tuple[int, ...]]
+    # branch node path -> its child tokens (sorted); only nodes where a choice is made
+    branches: dict[tuple[int, ...], tuple[int, ...]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        seen: dict[tuple[int, ...], str] = {}
+        for name, seq in self.sequences.items():
+            if seq in seen:
+                raise ValueError(f"labels {seen[seq]!r} and {name!r} tokenise identically")
+            seen[seq] = name
+        children: dict[tuple[int, ...], set[int]] = {}
+        for seq in self.sequences.values():
+            for depth in range(len(seq)):
+                children.setdefault(seq[:depth], set()).add(seq[depth])
+        self.branches = {path: tuple(sorted(kids)) for path, kids in children.items() if len(kids) > 1}
+
+    @property
+    def root_only(self) -> bool:
+        """True when every label starts with a distinct token: one forward pass decides."""
+        return set(self.branches) == {()}
+
+    def decisions(self, name: str) -> list[tuple[tuple[int, ...], int]]:
+        """The (branch path, child index) choices that spell `name`."""
+        seq = self.sequences[name]
+        return [
+            (seq[:depth], self.branches[seq[:depth]].index(seq[depth]))
+            for depth in range(len(seq))
+            if seq[:depth] in self.branches
+        ]
+
+
+class PromptTemplate:
+    """Chat-template prompt split around the ticket; owns all tokenisation of tickets and labels."""
+
+    def __init__(self, tokenizer, system: str, labels: tuple[str, ...], max_ticket_tokens: int = 512) -> None:
+        self.tokenizer = tokenizer
+        self.labels = labels
+        self.max_ticket_tokens = max_ticket_tokens
+        rendered = self.render(TICKET_MARKER, system)
+        if rendered.count(TICKET_MARKER) != 1:
+            raise ValueError("the chat template must place the user message exactly once")
+        self.system = system
+        self.prefix_text, self.suffix_text = rendered.split(TICKET_MARKER)
+        self.prefix_ids = tuple(self._encode_special(self.prefix_text))
+        self.suffix_ids = tuple(self._encode_special(self.suffix_text))
+        end_of_turn = tokenizer.convert_tokens_to_ids(tokenizer.eos_token) if tokenizer.eos_token else None
+        self.trie = LabelTrie(
+            {
+                name: (*self._encode_plain(name), *([end_of_turn] if end_of_turn is not None else []))
+                for name in labels
+            }
+        )
+
+    def render(self, ticket: str, system: str | None = None) -> str:
+        messages = [{"role": "system", "content": system or self.system}, {"role": "user", "content": ticket}]
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def encode(self, text: object) -> EncodedTicket:
+        ids = self._encode_plain(canonical_text(text))
+        truncated = len(ids) > self.max_ticket_tokens
+        ids = ids[: self.max_ticket_tokens]
+        return EncodedTicket(ids=(*ids, *self.suffix_ids), ticket_tokens=len(ids), truncated=truncated)
+
+    def full_ids(self, encoded: EncodedTicket) -> list[int]:
+        """The reference path's input: prefix + ticket + suffix, nothing cached."""
+        return [*self.prefix_ids, *encoded.ids]
+
+    def _encode_special(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
