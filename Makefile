@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup demo test lint bench
+.PHONY: setup demo test test-deps lint bench
 setup: $(VENV)/.installed
 
 # torch is pinned to the local CPU wheel first: a bare `torch` resolves to a multi-GB CUDA build.
@@ -20,7 +20,13 @@ demo: setup
 lint: setup
 	$(VENV)/bin/ruff check worker producer tests
 
-test: setup lint
+# The deploy tests run a real Prometheus; install it from Debian when missing (CI runs as root).
+test-deps:
+	@command -v promtool >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } || \
+		echo "prometheus not installed: the deploy tests that need it will skip"
+
+test: setup lint test-deps
 	$(VENV)/bin/pytest -q
 
 bench: setup

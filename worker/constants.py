@@ -33,3 +33,10 @@ M_SHADOW_CHECKED = "ticketq_shadow_checked"  # counter
 M_SHADOW_AGREED = "ticketq_shadow_agreed"  # counter
 M_MODEL_INFO = "ticketq_model"  # info: model, standin, dtype, device
 M_FLUSHES = "ticketq_flushes"  # counter: celery-batches flushes (buffer drains)
+M_QUEUE_DEPTH = "ticketq_queue_depth"  # gauge: LLEN of the broker queue, sampled at scrape
+M_DUPLICATES = "ticketq_duplicate_results"  # counter: re-executions whose result was already published
+M_SHADOW_DROPPED = "ticketq_shadow_dropped"  # counter: shadow samples dropped because the checker was busy
+
+# Redis keys written by workers (besides Celery's own).
+DONE_KEY = "ticketq:done:{task_id}:{slot}"  # set once per final result: makes stream publishing idempotent
+ATTEMPTS_KEY = "ticketq:attempts:{task_id}"  # deliveries of one message: bounds crash loops on poison tickets

@@ -26,6 +26,7 @@ import torch
 
 from worker import batching
 from worker.prompt import EncodedTicket, PromptTemplate, system_text
+from worker.results import BatchReport, Prediction
 from worker.settings import Settings
 from worker.standin import STANDIN_MARKER
 
@@ -34,35 +35,6 @@ log = logging.getLogger(__name__)
 
 class ModelNotFound(RuntimeError):
     """The model could not be loaded; the message names the stand-in command."""
-
-
-@dataclass(frozen=True)
-class Prediction:
-    label: str
-    probs: dict[str, float]
-    margin: float  # probability of the best label minus the runner-up's
-    truncated: bool
-    tokens: int  # ticket tokens after truncation
-
-
-@dataclass(frozen=True)
-class BatchReport:
-    rows: int
-    width: int
-    real_tokens: int
-    seconds: float
-
-    @property
-    def computed_tokens(self) -> int:
-        return self.rows * self.width
-
-    @property
-    def pad_tokens(self) -> int:
-        return self.computed_tokens - self.real_tokens
-
-    @property
-    def padding_ratio(self) -> float:
-        return self.pad_tokens / self.computed_tokens if self.computed_tokens else 0.0
 
 
 @dataclass(frozen=True)

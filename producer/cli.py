@@ -1,0 +1,274 @@
+"""`ticketq-produce`: enqueue tickets from a file or a synthetic generator, optionally wait for results.
+
+Thin glue over `producer.api.Producer`: read and validate input, send with a progress bar,
+collect with a progress bar, print a summary, write results JSONL.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from producer.api import BrokerUnavailable, Producer, mask_url
+from producer.synthetic import generate_tickets
+from producer.tickets import TicketFileError, read_tickets, write_results
+from worker.settings import Settings
+
+EXIT_PROBLEMS = 1  # some tickets were rejected, failed or timed out
+EXIT_UNUSABLE = 2  # bad configuration, unreadable input, Redis unreachable
+MAX_ERRORS_SHOWN = 20
+
+app = typer.Typer(
+    name="ticketq-produce",
+    help=(
+        "Send support tickets to ticketq workers through Redis and, with --wait, collect the labels.\n\n"
+        "Configuration comes from TICKETQ_* environment variables (TICKETQ_BROKER_URL, "
+        "TICKETQ_RESULT_BACKEND, TICKETQ_QUEUE, TICKETQ_MAX_TICKET_BYTES, ...); --broker-url and "
+        "--backend-url override them.\n\n"
+        "Exit status: 0 all tickets sent (and, with --wait, classified); 1 some tickets were rejected, "
+        "failed or timed out; 2 nothing could be done (bad settings, unreadable file, Redis unreachable)."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out_console = Console()
+err_console = Console(stderr=True)
+
+Pack = Annotated[
+    int,
+    typer.Option(
+        "--pack", "-k", min=1,
+        help="Tickets per Celery message. 1 sends one message per ticket; larger packs cut broker "
+        "round trips for bulk loads (the worker still batches across messages).",
+    ),
+]
+Wait = Annotated[bool, typer.Option("--wait", "-w", help="Wait for every result and print a summary.")]
+Out = Annotated[
+    Path | None,
+    typer.Option("--out", "-o", dir_okay=False, help="Write per-ticket results as JSONL (implies --wait)."),
+]
+Timeout = Annotated[
+    float,
+    typer.Option("--timeout", min=0.1, help="Seconds to wait for all results, overall; late ones count as timeout."),
+]
+BrokerUrl = Annotated[
+    str | None,
+    typer.Option("--broker-url", help="Redis broker URL, e.g. redis://:password@host:6379/0 "
+                 "(default: TICKETQ_BROKER_URL)."),
+]
+BackendUrl = Annotated[
+    str | None,
+    typer.Option("--backend-url", help="Result backend URL (default: TICKETQ_RESULT_BACKEND, else the broker)."),
+]
+Progress = Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars on stderr.")]
+
+
+@dataclass
+class RunOptions:
+    pack: int
+    wait: bool
+    out: Path | None
+    timeout: float
+    broker_url: str | None
+    backend_url: str | None
+    progress: bool
+
+
+@dataclass
+class Collected:
+    """Results as they arrive, with the time of the last one (for throughput)."""
+
+    results: list[dict] = field(default_factory=list)
+    last_at: float | None = None
+
+    def add(self, tickets: list[dict]) -> None:
+        self.results.extend(tickets)
+        self.last_at = time.monotonic()
+
+
+@app.command("file")
+def file_command(
+    path: Annotated[Path, typer.Argument(help="Tickets as JSONL ({\"id\", \"text\"} per line, id optional) "
+                                         "or CSV with a header naming 'text' (and optionally 'id').")],
+    fmt: Annotated[str, typer.Option("--format", help="auto (by extension, then content), jsonl or csv.")] = "auto",
+    pack: Pack = 1,
+    wait: Wait = False,
+    out: Out = None,
+    timeout: Timeout = 600.0,
+    broker_url: BrokerUrl = None,
+    backend_url: BackendUrl = None,
+    progress: Progress = True,
+) -> None:
+    """Send the tickets in a JSONL or CSV file. Malformed rows are reported with file:line and skipped."""
+    if fmt not in ("auto", "jsonl", "csv"):
+        raise typer.BadParameter(f"must be auto, jsonl or csv, got {fmt!r}", param_hint="--format")
+    try:
+        parsed = read_tickets(path, fmt)  # type: ignore[arg-type]
+    except TicketFileError as exc:
+        _error(str(exc))
+        raise typer.Exit(EXIT_UNUSABLE) from None
+    _report_errors([str(error) for error in parsed.errors], f"{len(parsed.errors)} malformed rows, skipped:")
+    options = RunOptions(pack, wait, out, timeout, broker_url, backend_url, progress)
+    raise typer.Exit(_run(parsed.tickets, len(parsed.errors), options))
+
+
+@app.command("synthetic")
+def synthetic_command(
+    n: Annotated[int, typer.Argument(min=1, help="How many synthetic tickets to send.")],
+    seed: Annotated[int, typer.Option("--seed", help="Random seed; the same seed gives the same tickets.")] = 0,
+    pack: Pack = 1,
+    wait: Wait = False,
+    out: Out = None,
+    timeout: Timeout = 600.0,
+    broker_url: BrokerUrl = None,
+    backend_url: BackendUrl = None,
+    progress: Progress = True,
+) -> None:
+    """Send N generated tickets with known labels (long-tailed lengths, unicode, code, injections).
+
+    With --wait the summary also shows agreement with the generator's expected labels.
+    """
+    settings = _settings()
+    tickets = generate_tickets(n, seed=seed, labels=settings.label_names)
+    options = RunOptions(pack, wait, out, timeout, broker_url, backend_url, progress)
+    raise typer.Exit(_run(tickets, 0, options, settings))
+
+
+def _settings() -> Settings:
+    try:
+        return Settings()
+    except ValidationError as exc:
+        _error(f"invalid TICKETQ_* settings:\n{exc}")
+        raise typer.Exit(EXIT_UNUSABLE) from None
+
+
+def _run(tickets: list[dict], rejected: int, options: RunOptions, settings: Settings | None = None) -> int:
+    """Validate, send, optionally collect; returns the exit status."""
+    if options.out and not options.out.resolve().parent.is_dir():
+        _error(f"--out {options.out}: directory {options.out.resolve().parent} does not exist")
+        return EXIT_UNUSABLE
+    producer = Producer(settings or _settings(), broker_url=options.broker_url, backend_url=options.backend_url)
+    try:
+        good, problems = _validate(producer, tickets)
+        _report_errors(problems, f"{len(problems)} tickets rejected, not sent:")
+        rejected += len(problems)
+        if not good:
+            _error("no valid tickets to send")
+            return EXIT_UNUSABLE
+        producer.check_connection()
+        return _send_and_collect(producer, good, rejected, options)
+    except BrokerUnavailable as exc:
+        _error(str(exc))
+        return EXIT_UNUSABLE
+    finally:
+        producer.close()
+
+
+def _validate(producer: Producer, tickets: list[dict]) -> tuple[list[dict], list[str]]:
+    good, problems = [], []
+    for ticket in tickets:
+        try:
+            producer.validate(ticket["text"], ticket["id"])
+        except (ValueError, TypeError) as exc:
+            problems.append(str(exc))
+        else:
+            good.append(ticket)
+    return good, problems
+
+
+def _send_and_collect(producer: Producer, tickets: list[dict], rejected: int, options: RunOptions) -> int:
+    settings = producer.settings
+    started = time.monotonic()
+    sent = producer.submit_many(tickets, pack=options.pack, progress=options.progress)
+    elapsed = time.monotonic() - started
+    out_console.print(
+        f"enqueued {len(tickets)} tickets in {len(sent)} messages to queue '{settings.queue}' at "
+        f"{mask_url(settings.broker_url)} in {elapsed:.2f} s ({len(tickets) / max(elapsed, 1e-9):,.0f} tickets/s); "
+        f"queue depth now {producer.queue_depth()}",
+        highlight=False,
+        markup=False,
+    )
+    if not (options.wait or options.out):
+        return EXIT_PROBLEMS if rejected else 0
+
+    collected = Collected()
+    results = producer.wait(sent, timeout=options.timeout, progress=options.progress, on_result=collected.add)
+    expected = {ticket["id"]: ticket["expected"] for ticket in tickets if "expected" in ticket}
+    for result in results:
+        if result.get("id") in expected:
+            result["expected"] = expected[result["id"]]
+    _print_summary(results, rejected, started, collected.last_at)
+    if options.out:
+        count = write_results(options.out, results)
+        out_console.print(f"wrote {count} results to {options.out}", highlight=False, markup=False)
+    bad = rejected + sum(result.get("status") != "ok" for result in results)
+    return EXIT_PROBLEMS if bad else 0
+
+
+def _print_summary(results: list[dict], rejected: int, started: float, last_at: float | None) -> None:
+    statuses = Counter(result.get("status", "?") for result in results)
+    ok = [result for result in results if result.get("status") == "ok"]
+    table = Table(title="ticketq results", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("tickets", f"{len(results)} sent, {rejected} rejected before sending")
+    table.add_row("outcome", ", ".join(f"{count} {status}" for status, count in statuses.most_common()))
+    if last_at is not None:
+        span = max(last_at - started, 1e-9)
+        done = statuses["ok"] + statuses["failed"]
+        table.add_row("throughput", f"{done / span:,.1f} tickets/s (first send to last result, {span:.2f} s)")
+    labels = Counter(result.get("label") for result in ok)
+    if labels:
+        table.add_row("labels", ", ".join(f"{label}: {count} ({count / len(ok):.0%})"
+                                          for label, count in labels.most_common()))
+    _add_latency_rows(table, ok)
+    scored = [result for result in ok if "expected" in result]
+    if scored:
+        agree = sum(result["label"] == result["expected"] for result in scored)
+        note = " (stand-in model: labels are not meaningful)" if any(r.get("standin") for r in scored) else ""
+        table.add_row("agreement", f"{agree}/{len(scored)} = {agree / len(scored):.1%} with expected{note}")
+    out_console.print(table)
+    errors = Counter(result.get("error", "") for result in results if result.get("status") != "ok")
+    lines = [f"{count} x {error}" for error, count in errors.most_common()]
+    _report_errors(lines, f"{sum(errors.values())} tickets without a label, by error:")
+
+
+def _add_latency_rows(table: Table, ok: list[dict]) -> None:
+    for key, name in (("queue_wait_s", "queue wait"), ("processing_s", "processing")):
+        values = sorted(r[key] for r in ok if isinstance(r.get(key), (int, float)))
+        if values:
+            p95 = values[min(len(values) - 1, int(0.95 * len(values)))]
+            table.add_row(name, f"median {statistics.median(values) * 1000:.0f} ms, p95 {p95 * 1000:.0f} ms")
+
+
+def _error(message: str) -> None:
+    err_console.print(f"[red]error:[/] {escape(message)}", highlight=False)
+
+
+def _report_errors(lines: list[str], header: str) -> None:
+    if not lines:
+        return
+    err_console.print(f"[yellow]{escape(header)}[/]", highlight=False)
+    for line in lines[:MAX_ERRORS_SHOWN]:
+        err_console.print(f"  {line}", highlight=False, markup=False)
+    if len(lines) > MAX_ERRORS_SHOWN:
+        err_console.print(f"  ... and {len(lines) - MAX_ERRORS_SHOWN} more")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""Shared fixtures: the tiny stand-in model (built once per session) and an engine on it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The tiny stand-in: real Qwen2 tokenizer and chat template, two small random layers."""
+    from worker.standin import build
+
+    cached = os.environ.get("TICKETQ_TEST_TINY_MODEL")
+    if cached and Path(cached, "config.json").is_file():
+        return Path(cached)
+    return build("tiny", tmp_path_factory.mktemp("tiny-standin"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_settings(tiny_model_dir):
+    from worker.settings import Settings
+
+    return Settings(model=str(tiny_model_dir), dtype="float32", device="cpu", threads=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_settings):
+    from worker.engine import Engine
+
+    return Engine.from_settings(tiny_settings)

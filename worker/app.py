@@ -1,0 +1,209 @@
+"""Celery glue: the app, the batching task and the worker's start-up. No model logic here.
+
+    celery -A worker.app worker --pool threads --concurrency 1 -Q ticketq
+    ticketq worker          # the same, with the right flags and a Redis preflight
+
+Settings come from TICKETQ_* at import time. The model is loaded and its prefix primed in
+`worker_init`, before the consumer takes any message.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import time
+from typing import Any
+
+import redis
+from celery import Celery, signals
+from celery.worker.consumer import Consumer
+from celery_batches import Batches
+
+from worker import constants as c
+from worker.metrics import Metrics
+from worker.service import NullClassifier, TicketService
+from worker.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings) -> Celery:
+    app = Celery("ticketq", broker=settings.broker_url, backend=settings.backend_url)
+    transport = {"visibility_timeout": settings.visibility_timeout_s}
+    app.conf.update(
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],  # pickle/yaml are refused (and dead-lettered by DeadLetterConsumer)
+        result_accept_content=["json"],
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        # celery-batches buffers unacked messages: the prefetch window must hold a full batch window
+        worker_prefetch_multiplier=settings.effective_prefetch,
+        worker_concurrency=1,
+        worker_pool="threads",  # one model per process; the consumer keeps buffering while it computes
+        worker_consumer="worker.app:DeadLetterConsumer",
+        broker_transport_options=transport,
+        result_backend_transport_options=transport,
+        result_expires=settings.result_expires_s,
+        result_extended=False,
+        task_default_queue=settings.queue,
+        task_routes={c.TASK_CLASSIFY: {"queue": settings.queue}},
+        broker_connection_retry_on_startup=True,
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+        worker_hijack_root_logger=False,
+    )
+    app.task(
+        name=c.TASK_CLASSIFY,
+        base=Batches,
+        bind=True,
+        flush_every=settings.batch_window,
+        flush_interval=settings.max_wait_ms / 1000,
+        acks_late=True,
+    )(classify_batch)
+    return app
+
+
+def classify_batch(task, requests: list) -> None:
+    """The batch function: hands the drained buffer to the service, which never raises."""
+    if STATE.service is None:  # a worker started without worker_init (e.g. eager tests)
+        start_service()
+    STATE.service.process(requests, task.backend)
+
+
+class ModelNotReady(RuntimeError):
+    """The engine could not be built (model missing, bad settings)."""
+
+
+class _State:
+    service: TicketService | None = None
+    metrics: Metrics | None = None
+
+
+STATE = _State()
+settings = Settings()
+app = create_app(settings)
+
+
+def preflight(settings: Settings) -> redis.Redis:
+    """Fail fast with a clear message when Redis is unreachable or refuses our credentials."""
+    client = redis.Redis.from_url(settings.broker_url, socket_connect_timeout=3, socket_timeout=10)
+    try:
+        client.ping()
+    except redis.AuthenticationError as exc:
+        raise SystemExit(
+            f"Redis at {_safe_url(settings.broker_url)} refused the credentials ({exc}). "
+            "Check the password/user in TICKETQ_BROKER_URL (redis://:PASSWORD@host:6379/0)."
+        ) from None
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise SystemExit(
+            f"Redis is not reachable at {_safe_url(settings.broker_url)} ({exc}). Start one "
+            "(redis-server --port 6379) or set TICKETQ_BROKER_URL."
+        ) from None
+    return client
+
+
+def start_service() -> TicketService:
+    client = preflight(settings)
+    metrics = Metrics()
+    if settings.null_classifier:
+        log.warning("TICKETQ_NULL_CLASSIFIER is on: labels are a hash, for measuring queue overhead only")
+        classifier = NullClassifier(settings.label_names)
+        metrics.model.info({"model": "null-classifier", "standin": "false", "dtype": "-", "device": "-"})
+    else:
+        from worker.engine import Engine, ModelNotFound  # torch is imported only by workers that classify
+
+        started = time.perf_counter()
+        try:
+            classifier = Engine.from_settings(settings)
+        except ModelNotFound as exc:
+            raise ModelNotReady(str(exc)) from None
+        if settings.autotune:
+            from worker.autotune import autotune
+
+            autotune(classifier)
+        info = classifier.info
+        metrics.model.info(
+            {"model": info.name, "standin": str(info.standin).lower(), "dtype": info.dtype, "device": info.device}
+        )
+        log.info(
+            "model %s ready on %s/%s in %.1fs (prefix %d tokens cached)%s",
+            info.name, info.device, info.dtype, time.perf_counter() - started, classifier.prefix_len,
+            " — STAND-IN: labels are meaningless" if info.standin else "",
+        )  # fmt: skip
+    metrics.watch_queue(lambda: client.llen(settings.queue))
+    if settings.metrics_port:
+        metrics.serve(settings.metrics_host, settings.metrics_port)
+        log.info("metrics on http://%s:%d/metrics", settings.metrics_host, settings.metrics_port)
+    STATE.metrics = metrics
+    STATE.service = TicketService(settings, classifier, metrics, client)
+    return STATE.service
+
+
+@signals.worker_init.connect
+def _on_worker_init(**_: Any) -> None:
+    # Celery logs and swallows exceptions from signal handlers; a worker without a model must stop.
+    try:
+        start_service()
+    except Exception as exc:
+        log.critical("ticketq worker cannot start: %s", exc, exc_info=not isinstance(exc, ModelNotReady))
+        raise SystemExit(1) from exc
+    except SystemExit as exc:
+        log.critical("ticketq worker cannot start: %s", exc)
+        raise
+
+
+@signals.worker_ready.connect
+def _on_worker_ready(**_: Any) -> None:
+    log.info("ticketq worker ready: queue %r, window %d, max wait %d ms", settings.queue, settings.batch_window,
+             settings.max_wait_ms)  # fmt: skip
+
+
+class DeadLetterConsumer(Consumer):
+    """Celery's consumer, plus a dead-letter entry for every message Celery itself refuses.
+
+    Celery logs and drops undecodable messages (pickle/yaml content, bad UTF-8) and unknown or
+    invalid tasks; each of those now leaves its raw payload and reason in the dead-letter stream.
+    """
+
+    def on_decode_error(self, message, exc) -> None:
+        _dead_letter_raw("decode_error", exc, message.headers, message.content_type, message.body)
+        super().on_decode_error(message, exc)
+
+    def on_unknown_message(self, body, message) -> None:
+        _dead_letter_raw("unknown_message", None, message.headers, message.content_type, message.body)
+        super().on_unknown_message(body, message)
+
+    def on_unknown_task(self, body, message, exc) -> None:
+        _dead_letter_raw("unknown_task", exc, message.headers, message.content_type, message.body)
+        super().on_unknown_task(body, message, exc)
+
+    def on_invalid_task(self, body, message, exc) -> None:
+        _dead_letter_raw("invalid_task", exc, message.headers, message.content_type, message.body)
+        super().on_invalid_task(body, message, exc)
+
+
+def _dead_letter_raw(reason: str, exc: Exception | None, headers, content_type, body) -> None:
+    raw = body if isinstance(body, bytes) else str(body).encode("utf-8", "backslashreplace")
+    entry = {
+        "task_id": str((headers or {}).get("id", "")),
+        "task": str((headers or {}).get("task", "")),
+        "reason": reason,
+        "error": f"{type(exc).__name__}: {exc}"[:2000] if exc else reason,
+        "content_type": str(content_type),
+        "payload_b64": base64.b64encode(raw[:65536]).decode(),
+        "at": f"{time.time():.3f}",
+    }
+    try:
+        client = STATE.service.redis if STATE.service else redis.Redis.from_url(settings.broker_url)
+        client.xadd(c.DEAD_LETTER_STREAM, entry, maxlen=settings.stream_maxlen)
+        if STATE.metrics:
+            STATE.metrics.dead_letters.labels(reason=reason).inc()
+    except redis.RedisError:
+        log.exception("could not dead-letter a refused message: %s", json.dumps(entry)[:500])
+
+
+def _safe_url(url: str) -> str:
+    from kombu.utils.url import maybe_sanitize_url
+
+    return maybe_sanitize_url(url)

@@ -1,0 +1,168 @@
+"""`ticketq demo`: the main job end to end on this machine.
+
+Model (the configured one, or the full stand-in when no model hub is reachable) -> a real worker
+process on the local Redis -> N synthetic tickets through the producer -> items/s, padding ratio,
+label counts and the metrics URL.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+from rich.table import Table
+
+from producer.api import Producer
+from producer.synthetic import generate_tickets
+from worker.settings import DEFAULT_MODEL, Settings
+
+STANDIN_DIR = Path("models/qwen2.5-0.5b-standin")
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the model hub answers at all (this machine may have no internet)."""
+    if os.environ.get("HF_HUB_OFFLINE") in ("1", "true", "yes"):
+        return False
+    host = urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def resolve_model(name: str, console: Console) -> str:
+    """The model to serve: a local dir or a reachable hub id as given, else the full stand-in."""
+    if Path(name).is_dir():
+        return name
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return name
+    except Exception:  # not a hub id, or no cache: decide by reachability below
+        pass
+    if hub_reachable():
+        return name
+    console.print(f"[yellow]No model hub reachable for {name!r}: using the full-size stand-in at {STANDIN_DIR} "
+                  "(real Qwen2.5-0.5B architecture and tokenizer, random weights — labels are meaningless, "
+                  "speed is real).[/]")  # fmt: skip
+    if not (STANDIN_DIR / "config.json").is_file():
+        from worker.standin import build
+
+        with console.status("building the stand-in (about 30 s)…"):
+            build("full", STANDIN_DIR)
+    return str(STANDIN_DIR)
+
+
+def free_port(preferred: int) -> int:
+    for port in (preferred, 0):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+                return sock.getsockname()[1]
+            except OSError:
+                continue
+    raise RuntimeError("no free port")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """`/metrics` parsed with prometheus_client's own parser: sample name+labels -> value."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}"] = sample.value
+    return samples
+
+
+def start_worker(env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    log = log_path.open("w")
+    return subprocess.Popen(
+        [sys.executable, "-m", "worker.cli", "worker", "--loglevel", "INFO"], env=env, stdout=log, stderr=log
+    )
+
+
+def wait_ready(proc: subprocess.Popen, metrics_url: str, log_path: Path, timeout: float = 600) -> None:
+    """Ready = the worker serves metrics with its model info (the model is loaded and primed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"worker exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            if any(key.startswith("ticketq_model_info") for key in scrape(metrics_url)):
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"worker not ready after {timeout:.0f} s; see {log_path}")
+
+
+def run_demo(tickets: int, seed: int, console: Console) -> int:
+    settings = Settings()
+    try:
+        from worker.app import preflight
+
+        preflight(settings)
+    except SystemExit as exc:
+        console.print(f"[red]{exc}[/]")
+        return 2
+    model = resolve_model(settings.model if settings.model else DEFAULT_MODEL, console)
+    port = free_port(settings.metrics_port or 9808)
+    queue = f"ticketq-demo-{os.getpid()}"
+    env = {**os.environ, "TICKETQ_MODEL": model, "TICKETQ_QUEUE": queue, "TICKETQ_METRICS_PORT": str(port)}
+    metrics_url = f"http://127.0.0.1:{port}/metrics"
+    log_path = Path("ticketq-demo-worker.log")
+    worker = start_worker(env, log_path)
+    try:
+        with console.status(f"starting a worker with {model} (log: {log_path})…"):
+            wait_ready(worker, metrics_url, log_path)
+        producer = Producer(settings.model_copy(update={"queue": queue}))
+        batch = generate_tickets(tickets, seed=seed)
+        start = time.perf_counter()
+        sent = producer.submit_many(batch, progress=True)
+        results = producer.wait(sent, timeout=3600, progress=True)
+        seconds = time.perf_counter() - start
+        report(console, results, seconds, scrape(metrics_url), metrics_url, model)
+        return 0 if all(r["status"] == "ok" for r in results) else 1
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        try:
+            worker.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+
+
+def report(console: Console, results: list[dict], seconds: float, metrics: dict, url: str, model: str) -> None:
+    ok = [r for r in results if r["status"] == "ok"]
+    padded = metrics.get("ticketq_tokens_padded_total{}", 0.0)
+    computed = metrics.get("ticketq_tokens_computed_total{}", 0.0)
+    batches = metrics.get("ticketq_batch_size_count{}", 0.0)
+    table = Table(title=f"ticketq demo — {model}")
+    for column in ("tickets", "ok", "failed", "items/s", "padding", "forward batches", "labels"):
+        table.add_column(column)
+    labels = Counter(r["label"] for r in ok)
+    table.add_row(
+        str(len(results)),
+        str(len(ok)),
+        str(len(results) - len(ok)),
+        f"{len(results) / seconds:.2f}",
+        f"{padded / computed:.1%}" if computed else "-",
+        f"{batches:.0f} (mean {len(ok) / batches:.1f} tickets)" if batches else "-",
+        ", ".join(f"{k}={v}" for k, v in labels.most_common()),
+    )
+    console.print(table)
+    if ok and ok[0].get("standin"):
+        console.print("[yellow]stand-in model: labels are meaningless; speed is real[/]")
+    console.print(f"metrics were served at {url} (the demo worker has now stopped; `ticketq worker` keeps one up)")
