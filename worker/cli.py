@@ -110,6 +110,39 @@ def demo(
     raise typer.Exit(run_demo(tickets, seed, console))
 
 
+@cli.command()
+def config(markdown: Annotated[bool, typer.Option(help="Print a Markdown table (for docs).")] = False) -> None:
+    """Show every TICKETQ_* setting: its effective value, default and meaning (passwords masked)."""
+    from kombu.utils.url import maybe_sanitize_url
+
+    from worker.settings import Settings
+
+    try:
+        current = Settings()
+    except ValueError as exc:
+        console.print(f"[red]invalid settings:[/] {exc}")
+        raise typer.Exit(2) from None
+    rows = []
+    for name, field in Settings.model_fields.items():
+        value = getattr(current, name)
+        shown = maybe_sanitize_url(value) if isinstance(value, str) and "://" in value else value
+        if isinstance(shown, tuple):
+            shown = ",".join(shown)
+        default = ",".join(field.default) if isinstance(field.default, tuple) else field.default
+        rows.append((f"TICKETQ_{name.upper()}", str(default), str(shown), field.description or ""))
+    if markdown:
+        print("| setting | default | meaning |\n|---|---|---|")
+        for env, default, _, meaning in rows:
+            print(f"| `{env}` | `{default}` | {meaning} |")
+        return
+    table = Table(title="ticketq settings (environment)")
+    for column in ("setting", "value", "default", "meaning"):
+        table.add_column(column)
+    for env, default, shown, meaning in rows:
+        table.add_row(env, shown, default, meaning)
+    Console().print(table)
+
+
 @cli.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench(ctx: typer.Context) -> None:
     """The benchmark table (see `ticketq bench --help` for its options)."""
