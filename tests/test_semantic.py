@@ -84,7 +84,14 @@ def trained_engine(tiny_model_dir, tiny_engine) -> Engine:
     prompt = tiny_engine.prompt
     examples = training_examples(prompt, generate_tickets(2000, seed=TRAIN_SEED))
     assert len(examples) > 1500
-    losses = train(model, examples, tiny_engine.pad_id)
+    # One intra-op thread: ops this small gain nothing from a second one, and on a busy two-core
+    # machine the threads' synchronisation made training four times slower (measured).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        losses = train(model, examples, tiny_engine.pad_id)
+    finally:
+        torch.set_num_threads(threads)
     assert sum(losses[-10:]) / 10 < 0.2, losses[-10:]
     engine = Engine(model, tiny_engine.tokenizer, labels=tiny_engine.labels, system=prompt.system)
     assert engine.prompt.prefix_ids == prompt.prefix_ids and engine.prompt.trie.sequences == prompt.trie.sequences
@@ -96,8 +103,13 @@ def heldout() -> list[dict]:
     return generate_tickets(300, seed=HELDOUT_SEED)
 
 
-def test_trained_model_routes_heldout_tickets(trained_engine, heldout):
-    predictions, reports = trained_engine.classify([t["text"] for t in heldout])
+@pytest.fixture(scope="module")
+def classified(trained_engine, heldout):
+    return trained_engine.classify([t["text"] for t in heldout])
+
+
+def test_trained_model_routes_heldout_tickets(trained_engine, heldout, classified):
+    predictions, reports = classified
     assert any(r.rows > 1 for r in reports)  # the batched, cached path
     correct = Counter(t["expected"] for t, p in zip(heldout, predictions, strict=True) if p.label == t["expected"])
     total = Counter(t["expected"] for t in heldout)
@@ -108,9 +120,9 @@ def test_trained_model_routes_heldout_tickets(trained_engine, heldout):
         assert correct[label] >= 0.85 * total[label], (label, correct[label], total[label])
 
 
-def test_trained_model_classify_matches_reference(trained_engine, heldout):
+def test_trained_model_classify_matches_reference(trained_engine, heldout, classified):
     texts = [t["text"] for t in heldout]
-    predictions, _ = trained_engine.classify(texts)
+    predictions, _ = classified
     worst = 0.0
     for text, got in zip(texts, predictions, strict=True):
         want = trained_engine.reference(text)

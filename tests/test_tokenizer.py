@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -107,7 +108,8 @@ def test_chat_template_renders_system_user_and_assistant_opening(tokenizer):
 
 
 def test_chat_template_default_system_is_qwen25s(tokenizer):
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    messages = [{"role": "user", "content": "hi"}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert rendered == (
         "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
@@ -126,7 +128,8 @@ def test_engine_prompt_is_the_chat_template_split_around_the_ticket(tiny_engine,
     assert prompt.prefix_text.endswith("<|im_start|>user\n")
     assert prompt.suffix_text == "<|im_end|>\n<|im_start|>assistant\n"
     assert prompt.suffix_ids == (IM_END, 198, IM_START, 77091, 198)
-    assert tokenizer.decode(prompt.full_ids(prompt.encode("My invoice is wrong"))) == prompt.render("My invoice is wrong")
+    ticket = "My invoice is wrong"
+    assert tokenizer.decode(prompt.full_ids(prompt.encode(ticket))) == prompt.render(ticket)
 
 
 # ----- token boundary guard ----------------------------------------------------------------
@@ -184,9 +187,12 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_standin_build_is_deterministic_per_seed(tmp_path):
+def test_standin_build_is_deterministic_per_seed(tiny_model_dir, tmp_path):
     first = build("tiny", tmp_path / "a", seed=0)
-    again = build("tiny", tmp_path / "b", seed=0)
+    # conftest built tiny_model_dir with seed 0 this session, unless it reuses a cached directory
+    # (TICKETQ_TEST_TINY_MODEL) that an older builder may have written: then build again here
+    fresh = not os.environ.get("TICKETQ_TEST_TINY_MODEL")
+    again = tiny_model_dir if fresh else build("tiny", tmp_path / "b", seed=0)
     other = build("tiny", tmp_path / "c", seed=1)
     names = sorted(p.name for p in first.iterdir())
     assert "model.safetensors" in names and STANDIN_MARKER in names

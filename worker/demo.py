@@ -16,7 +16,6 @@ import time
 import urllib.request
 from collections import Counter
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
@@ -27,18 +26,6 @@ from producer.synthetic import generate_tickets
 from worker.settings import DEFAULT_MODEL, Settings
 
 STANDIN_DIR = Path("models/qwen2.5-0.5b-standin")
-
-
-def hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether the model hub answers at all (this machine may have no internet)."""
-    if os.environ.get("HF_HUB_OFFLINE") in ("1", "true", "yes"):
-        return False
-    host = urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
-    try:
-        socket.create_connection((host, 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
 
 
 def resolve_model(name: str, console: Console) -> str:
@@ -52,6 +39,8 @@ def resolve_model(name: str, console: Console) -> str:
             return name
     except Exception:  # not a hub id, or no cache: decide by reachability below
         pass
+    from worker.engine import hub_reachable
+
     if hub_reachable():
         return name
     console.print(f"[yellow]No model hub reachable for {name!r}: using the full-size stand-in at {STANDIN_DIR} "

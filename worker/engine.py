@@ -17,10 +17,13 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import os
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 
@@ -71,14 +74,28 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the model hub answers at all (machines may have no internet)."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    host = urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype):
     """`from_pretrained` for a hub id or a local directory; a clear error when neither works."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # Without a reachable hub, look only in the local cache: fail in a second, not after a minute of retries.
+    local_only = not Path(name_or_path).is_dir() and not hub_reachable()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
-    except OSError as exc:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=local_only)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, local_files_only=local_only)
+    except (OSError, ValueError) as exc:  # ValueError: a directory without a (complete) model
         raise ModelNotFound(
             f"cannot load model {name_or_path!r} ({exc.__class__.__name__}: {str(exc).splitlines()[0]}). "
             "Without model hub access, build the stand-in and point TICKETQ_MODEL at it:\n"
@@ -271,7 +288,9 @@ class Engine:
         self, path: tuple[int, ...], lengths: torch.Tensor, width: int, cache
     ) -> torch.Tensor:
         """Scores after a shared label prefix `path`, appended to each row's real tokens via the batch cache."""
-        cache.crop(self.prefix_len + width)  # drop tokens of a previous continuation
+        extra = cache.get_seq_length() - (self.prefix_len + width)
+        if extra:  # drop a previous continuation's tokens (negative crop works across transformers versions)
+            cache.crop(-extra)
         rows = lengths.shape[0]
         ids = torch.tensor(path, device=self.device).expand(rows, -1)  # (B, k)
         mask = self._mask(lengths, width, extra=len(path))  # (B, 1, k, P+W+k)
