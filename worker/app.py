@@ -13,10 +13,12 @@ import base64
 import json
 import logging
 import time
+from queue import Empty
 from typing import Any
 
 import redis
 from celery import Celery, signals
+from celery.exceptions import InvalidTaskError
 from celery.worker.consumer import Consumer
 from celery_batches import Batches
 
@@ -31,6 +33,15 @@ log = logging.getLogger(__name__)
 def create_app(settings: Settings) -> Celery:
     app = Celery("ticketq", broker=settings.broker_url, backend=settings.backend_url)
     transport = {"visibility_timeout": settings.visibility_timeout_s}
+    broker_transport = {
+        **transport,
+        # kombu sweeps the unacked set for messages past the visibility timeout only every
+        # interval x throttle seconds (10 x 10 by default): a kill -9'd worker's messages came
+        # back up to 100 s after the timeout. Sweep every quarter timeout (at most 10 s) instead;
+        # one sweep is a ZRANGE under a mutex, cheap enough.
+        "unacked_restore_interval": max(1, min(10, settings.visibility_timeout_s // 4)),
+        "unacked_restore_throttle": 1,
+    }
     app.conf.update(
         task_serializer="json",
         result_serializer="json",
@@ -43,7 +54,7 @@ def create_app(settings: Settings) -> Celery:
         worker_concurrency=1,
         worker_pool="threads",  # one model per process; the consumer keeps buffering while it computes
         worker_consumer="worker.app:DeadLetterConsumer",
-        broker_transport_options=transport,
+        broker_transport_options=broker_transport,
         result_backend_transport_options=transport,
         result_expires=settings.result_expires_s,
         result_extended=False,
@@ -121,7 +132,7 @@ def start_service() -> TicketService:
         if settings.autotune:
             from worker.autotune import autotune
 
-            autotune(classifier)
+            autotune(classifier, budget_s=settings.autotune_s)
         info = classifier.info
         metrics.model.info(
             {"model": info.name, "standin": str(info.standin).lower(), "dtype": info.dtype, "device": info.device}
@@ -163,8 +174,56 @@ class DeadLetterConsumer(Consumer):
     """Celery's consumer, plus a dead-letter entry for every message Celery itself refuses.
 
     Celery logs and drops undecodable messages (pickle/yaml content, bad UTF-8) and unknown or
-    invalid tasks; each of those now leaves its raw payload and reason in the dead-letter stream.
+    invalid tasks; each of those now leaves its raw payload and reason in the dead-letter stream,
+    and a message malformed in a way Celery does not expect is refused instead of stopping the
+    worker (see `create_task_handler`). It also hardens the channel it reads (`_harden_channel`)
+    and re-arms the batch flush timer after a broker reconnect (see `on_ready`).
     """
+
+    def on_ready(self) -> None:
+        super().on_ready()
+        # On a lost broker connection Celery's event loop clears every hub timer, celery-batches'
+        # flush_interval timer included, but the task keeps its stale `_tref` and never arms a new
+        # one: after the reconnect a buffer below flush_every waited for more traffic, forever at
+        # the tail of a burst. asynloop calls on_ready after every (re)connect; re-arm it here.
+        task = self.app.tasks.get(c.TASK_CLASSIFY)
+        if isinstance(task, Batches) and task._tref is not None:
+            task._tref.cancel()
+            task._tref = self.timer.call_repeatedly(task.flush_interval, task._do_flush)
+
+    def connect(self):
+        connection = super().connect()
+        _harden_channel(connection.default_channel)  # the channel the task consumer reads
+        return connection
+
+    def create_task_handler(self, *args, **kwargs):
+        on_task_received = super().create_task_handler(*args, **kwargs)
+        # kombu's Redis transport counts KeyError as a connection error; from a message it is not
+        # one, and re-raising it made the consumer reconnect, restore the message and loop on it.
+        connection_errors = tuple(error for error in self.connection_errors if error is not KeyError)
+
+        def on_task_received_guarded(message) -> None:
+            # Celery turns only decode and content errors into on_decode_error/on_invalid_task. A
+            # JSON message with our task name but headers or body that are not Celery's (no 'id'
+            # header, a body that is not [args, kwargs, embed]) raised KeyError/ValueError out of
+            # the event loop: "Unrecoverable error", the worker stopped, and the message, restored
+            # at shutdown, stopped the next worker too. Refuse it like any invalid task instead.
+            headers = message.headers
+            task_id = headers.get("id") if isinstance(headers, dict) and "task" in headers else ""
+            if not isinstance(task_id, str):  # a dict/int id got as far as the batch and failed it all
+                self.on_invalid_task(None, message, InvalidTaskError(f"task id must be a string, got {task_id!r:.80}"))
+                return
+            try:
+                on_task_received(message)
+            except connection_errors:
+                raise
+            except Exception as exc:
+                if message.acknowledged:  # already rejected and dead-lettered on the way
+                    log.exception("error after refusing message %r", (message.headers or {}).get("id"))
+                else:
+                    self.on_invalid_task(None, message, exc)
+
+        return on_task_received_guarded
 
     def on_decode_error(self, message, exc) -> None:
         _dead_letter_raw("decode_error", exc, message.headers, message.content_type, message.body)
@@ -181,6 +240,58 @@ class DeadLetterConsumer(Consumer):
     def on_invalid_task(self, body, message, exc) -> None:
         _dead_letter_raw("invalid_task", exc, message.headers, message.content_type, message.body)
         super().on_invalid_task(body, message, exc)
+
+
+def _harden_channel(channel) -> None:
+    """Two guards on the kombu Redis channel the task consumer reads (no-ops on other transports).
+
+    kombu pops a message off the queue list (BRPOP), parses its JSON envelope, and only then
+    records it in the unacked set (ZADD + HSET). Two things went wrong in between:
+
+    - anything else pushed onto the list (raw bytes, bad UTF-8, JSON that is not an envelope)
+      raised out of the event loop: "Unrecoverable error", the worker exited with status 0. The
+      item is already popped and never delivered: dead-letter the error (its bytes are gone by
+      then) and keep reading;
+    - Redis going away right after the pop made the unacked write fail and the message vanish:
+      popped, persisted as popped (AOF), never recorded, never delivered. Retry the write until
+      Redis is back (up to TICKETQ_WORST_BATCH_S, the same ride-out as the service's writes).
+    """
+    handlers = getattr(channel, "handlers", None)  # kombu.transport.redis.Channel: type -> reader
+    read = handlers.get("BRPOP") if isinstance(handlers, dict) else None
+    if read is None or getattr(read, "hardened", False):
+        return  # not the Redis transport, or already guarded
+    # kombu counts KeyError as a connection error; here it means an envelope without its fields.
+    broker_errors = tuple(error for error in channel.connection_errors if error is not KeyError)
+
+    def read_guarded(**options):
+        try:
+            return read(**options)
+        except (Empty, *broker_errors):
+            raise
+        except Exception as exc:
+            log.error("refused an unreadable item on the queue (not a kombu message): %r", exc)
+            _dead_letter_raw("unreadable_message", exc, {}, "", b"")
+            return None
+
+    qos = channel.qos
+    append = qos.append
+
+    def append_retrying(message, delivery_tag) -> None:
+        deadline = time.monotonic() + settings.worst_batch_s
+        while True:
+            try:
+                return append(message, delivery_tag)
+            except broker_errors as exc:
+                if time.monotonic() > deadline:
+                    log.critical("message %s popped but not recorded as unacked (%s); it is lost: %s",
+                                 message.headers.get("id"), exc, json.dumps(message.headers)[:2000])  # fmt: skip
+                    raise
+                log.warning("Redis unavailable right after a pop (%s); retrying the unacked record", exc)
+                time.sleep(0.2)
+
+    read_guarded.hardened = True
+    handlers["BRPOP"] = read_guarded
+    qos.append = append_retrying
 
 
 def _dead_letter_raw(reason: str, exc: Exception | None, headers, content_type, body) -> None:

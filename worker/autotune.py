@@ -39,20 +39,32 @@ class Tuning:
         )
 
 
-def measure(engine, max_tokens: int = 4096, budget_s: float = 20.0) -> list[tuple[int, int, float]]:
-    """Time one forward per shape (after a warm-up), cheapest shapes first, within `budget_s`."""
+def shape_order(max_tokens: int) -> list[tuple[int, int]]:
+    """Every width once at one row and at the most rows first, so a short budget still spans the
+    widths the planner will use; then the rest of the grid, cheapest first."""
+    grid = [(r, w) for r in ROWS for w in WIDTHS if r * w <= max_tokens]
+    first = [(1, w) for w in WIDTHS] + [(max(r for r in ROWS if r * w <= max_tokens), w) for w in WIDTHS]
+    first = list(dict.fromkeys(s for s in first if s in grid))
+    return first + sorted((s for s in grid if s not in first), key=lambda s: s[0] * s[1])
+
+
+def measure(engine, max_tokens: int = 1024, budget_s: float = 20.0) -> list[tuple[int, int, float]]:
+    """Timed forwards per shape (best of two for short ones), widest coverage first, within `budget_s`."""
     token = engine.prompt.encode("hello").ids[0]
-    shapes = sorted(((r, w) for r in ROWS for w in WIDTHS if r * w <= max_tokens), key=lambda s: s[0] * s[1])
-    engine.forward_batch([_row(engine, token, 16)])  # warm-up: allocator, kernels
+    for width in (16, max(WIDTHS)):  # warm-up: allocator and kernels for small and large shapes
+        engine.forward_batch([_row(engine, token, width)])
     deadline = time.monotonic() + budget_s
     samples = []
-    for rows, width in shapes:
+    for rows, width in shape_order(max_tokens):
         if time.monotonic() > deadline and len(samples) >= 6:
             break
         batch = [_row(engine, token, width)] * rows
-        start = time.perf_counter()
-        engine.forward_batch(batch)
-        samples.append((rows, width, (time.perf_counter() - start) * 1000))
+        timings = []
+        for _ in range(2 if rows * width < 512 else 1):  # a minimum filters out a neighbour's burst
+            start = time.perf_counter()
+            engine.forward_batch(batch)
+            timings.append((time.perf_counter() - start) * 1000)
+        samples.append((rows, width, min(timings)))
     return samples
 
 
@@ -71,6 +83,10 @@ def autotune(engine, budget_s: float = 20.0) -> Tuning:
     """Measure, fit, and apply the cost model and token budget to `engine`; returns what it chose."""
     samples = measure(engine, budget_s=budget_s)
     cost = CostModel.fit(samples)
+    if cost.fixed_ms <= 0 or cost.token_ms <= 0:
+        # A zero term would make the DP favour batches of one (or one giant batch): noise, not the device.
+        log.warning("autotune fit %s looks like noise; keeping the configured cost model", cost)
+        cost = engine.cost
     floor = engine.prompt.max_ticket_tokens + len(engine.prompt.suffix_ids)
     tuning = Tuning(cost, choose_budget(samples, floor), tuple(samples))
     engine.cost, engine.max_batch_tokens = tuning.cost, tuning.max_batch_tokens

@@ -143,12 +143,14 @@ def config(markdown: Annotated[bool, typer.Option(help="Print a Markdown table (
     Console().print(table)
 
 
-@cli.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@cli.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, add_help_option=False
+)
 def bench(ctx: typer.Context) -> None:
-    """The benchmark table (see `ticketq bench --help` for its options)."""
+    """The benchmark table: every mode side by side on the same tickets (`ticketq bench --help`)."""
     from worker.bench import main as bench_main
 
-    bench_main(ctx.args)
+    raise typer.Exit(bench_main(ctx.args))
 
 
 def _logging() -> None:

@@ -185,7 +185,7 @@ class Engine:
             max_ticket_tokens=settings.max_ticket_tokens,
             max_batch_tokens=settings.max_batch_tokens,
             max_batch_size=settings.max_batch_size,
-            cost=batching.CostModel(settings.cost_fixed_ms, settings.cost_token_ms),
+            cost=batching.CostModel(settings.cost_fixed_ms, settings.cost_token_ms, settings.cost_quad_ms),
             info=info,
         )
 

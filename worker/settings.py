@@ -46,9 +46,11 @@ class Settings(BaseSettings):
     )
     max_batch_tokens: int = Field(1024, ge=16, description="Padded-token budget of one forward pass.")
     max_batch_size: int = Field(64, ge=1, description="Rows in one forward pass.")
-    cost_fixed_ms: float = Field(25.0, gt=0, description="Planner: fixed cost of one forward pass.")
-    cost_token_ms: float = Field(0.8, gt=0, description="Planner: cost of one computed token.")
+    cost_fixed_ms: float = Field(25.0, ge=0, description="Planner: fixed cost of one forward pass.")
+    cost_token_ms: float = Field(0.8, ge=0, description="Planner: cost of one computed token.")
+    cost_quad_ms: float = Field(0.0, ge=0, description="Planner: attention term, per row x width^2.")
     autotune: bool = Field(False, description="Measure the planner's cost model on this device at start-up.")
+    autotune_s: float = Field(20.0, gt=0, description="Seconds of timed forward passes for autotune.")
 
     # --- queue service ---
     broker_url: str = Field("redis://127.0.0.1:6379/0", description="Celery broker (redis://, rediss://).")
