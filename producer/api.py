@@ -261,6 +261,10 @@ class Producer:
                     bar.update(len(tickets))
                     if on_result is not None:
                         on_result(tickets)
+                    if len(by_task) == len(sent):
+                        # ResultSet can miss that it is complete when some results arrived over
+                        # pub/sub during an earlier wait; stop as soon as every task is collected.
+                        break
             except CeleryTimeoutError:
                 pass  # whatever is missing from by_task is reported as a timeout below
             except (*_CONNECTION_ERRORS, RuntimeError) as exc:

@@ -5,11 +5,12 @@ Three layers:
   dashboard panel or alert rule uses is one the worker exports (names from worker/constants.py);
 - promtool: `promtool check config` / `promtool check rules` accept the Prometheus files;
 - live (`integration`): a real Prometheus (1 s scrapes, our alert rules loaded) evaluates every
-  dashboard and alert expression through its HTTP API against running exporters.
+  dashboard expression against a real `ticketq worker` (tiny stand-in, Redis at 127.0.0.1:6379 db 4)
+  and every alert expression against fixture exporters in deliberately degraded/healthy states.
 
 Prometheus/promtool come from the Debian package: `apt-get install -y --no-install-recommends
-prometheus`. Without them those tests skip, unless TICKETQ_REQUIRE_PROMETHEUS=1 (CI), which turns
-the skip into a failure.
+prometheus`. Without them those tests skip, except on CI (`CI` set, as CI systems do) or with
+TICKETQ_REQUIRE_PROMETHEUS=1, where a missing Prometheus (or Redis) fails them instead.
 """
 
 from __future__ import annotations
@@ -481,6 +482,18 @@ def test_k8s_keda_scales_on_the_celery_queue():
 # promtool / prometheus binaries
 
 
+def _required() -> bool:
+    """On CI (CI=true, set by every CI system) or with TICKETQ_REQUIRE_PROMETHEUS=1, missing tools fail."""
+    ci = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+    return ci or os.environ.get("TICKETQ_REQUIRE_PROMETHEUS") == "1"
+
+
+def _skip_or_fail(reason: str) -> None:
+    if _required():
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="session")
 def prometheus_bins() -> dict[str, str]:
     """Paths of `promtool` and `prometheus` (Debian package `prometheus`)."""
@@ -491,9 +504,7 @@ def prometheus_bins() -> dict[str, str]:
             f"{', '.join(missing)} not on PATH; install with "
             "`apt-get update && apt-get install -y --no-install-recommends prometheus`"
         )
-        if os.environ.get("TICKETQ_REQUIRE_PROMETHEUS") == "1":
-            pytest.fail(reason)
-        pytest.skip(reason)
+        _skip_or_fail(reason)
     return {name: str(path) for name, path in found.items()}
 
 
@@ -517,8 +528,8 @@ def test_promtool_check_rules(prometheus_bins):
 
 
 # FIXTURE-ONLY exporter: NOT the ticketq worker. It serves every ticketq metric with synthetic,
-# steadily advancing values so that a real Prometheus can evaluate the dashboard and alert
-# expressions before (and independently of) the worker. Run as `python -c SRC MODE`:
+# steadily advancing values so that a real Prometheus can evaluate the alert expressions in
+# states a real worker cannot be put in on demand (the dashboard test uses a real worker). Run as `python -c SRC MODE`:
 #   degraded: every alert condition holds (queue growing, 20% padding, 18% failures, shadow 50%);
 #   healthy:  no alert condition holds (flat queue, 5% padding, no failures, shadow 100%).
 # Prints its port, then runs until killed or orphaned.
@@ -625,19 +636,70 @@ def _fixture_exporter(mode: str) -> Iterator[str]:
             proc.wait(timeout=10)
 
 
-@pytest.fixture(scope="module")
-def metrics_target() -> Iterator[str]:
-    """host:port of a live ticketq metrics endpoint, for the dashboard test.
+DEPLOY_REDIS_URL = "redis://127.0.0.1:6379/4"  # the live worker's broker; the queue name is unique per run
 
-    FOR NOW this is the fixture-only exporter above (every metric populated, nonzero).
-    TODO(lead): swap the body for a real `ticketq worker` (tiny stand-in model, TICKETQ_METRICS_PORT
-    on a free port, a little load sent through Redis incl. a malformed ticket and a nonzero
-    TICKETQ_SHADOW_RATE so the failure/dead-letter/shadow panels have series) and yield its
-    "127.0.0.1:PORT". Nothing else in this file needs to change: the alert tests keep using the
-    fixture exporter, because they need deliberately degraded and healthy states.
-    """
-    with _fixture_exporter("degraded") as target:
-        yield target
+
+@pytest.fixture(scope="module")
+def metrics_target(tiny_model_dir, tmp_path_factory) -> Iterator[str]:
+    """host:port of a real `ticketq worker` (tiny stand-in, TICKETQ_SHADOW_RATE=1) that has classified
+    tickets, rejected a malformed one (dead letter) and shadow-checked its answers, so that the
+    failure, dead-letter and shadow panels have series. The alert tests keep the fixture exporters:
+    they need deliberately degraded and healthy states."""
+    import redis
+    from workers import running_worker, worker_env
+
+    client = redis.Redis.from_url(DEPLOY_REDIS_URL, socket_connect_timeout=2)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        _skip_or_fail(f"no Redis at {DEPLOY_REDIS_URL} for the live worker ({exc})")
+    finally:
+        client.close()
+    queue = f"deploy-{os.urandom(4).hex()}"
+    env = worker_env(tiny_model_dir, DEPLOY_REDIS_URL, queue, TICKETQ_SHADOW_RATE="1")
+    log = tmp_path_factory.mktemp("deploy-worker") / "worker.log"
+    with running_worker(env, log, ready_timeout=180) as worker:
+        _feed_worker(worker, queue)
+        yield f"127.0.0.1:{worker.metrics_port}"
+
+
+def _feed_worker(worker, queue: str) -> None:
+    """Valid tickets one per message and two malformed ones (a message, and a ticket in a pack);
+    returns once every ticket is counted and the shadow checker has caught up."""
+    from workers import wait_for
+
+    from producer.api import Producer
+    from producer.synthetic import generate_tickets
+    from worker.constants import TASK_CLASSIFY
+    from worker.settings import Settings
+
+    tickets = [{"id": t["id"], "text": t["text"]} for t in generate_tickets(30, seed=5)]
+    # Malformed tickets go raw, past the producer's validation: one alone, one inside a pack.
+    pack = [tickets[0], {"id": "malformed-in-pack", "text": 12345}, tickets[1]]
+    with Producer(Settings(broker_url=DEPLOY_REDIS_URL, queue=queue)) as producer:
+        sent = producer.submit_many(tickets[2:])
+        for args in ([{"id": "malformed", "text": "   "}], [pack]):
+            sent.append(producer.app.send_task(TASK_CLASSIFY, args=args, queue=queue))
+        results = producer.wait(sent, timeout=120)
+    assert len(results) == len(tickets) + 2
+    assert [r["status"] for r in results].count("failed") == 2, results
+
+    def settled() -> bool:
+        metrics = worker.metrics()
+
+        def total(name: str, label: str = "") -> float:
+            return sum(v for k, v in metrics.items() if k.startswith(name + "{") and label in k)
+
+        shadow = total("ticketq_shadow_checked_total") + total("ticketq_shadow_dropped_total")
+        return (
+            total("ticketq_tickets_total") == len(tickets) + 2
+            and total("ticketq_tickets_total", "outcome=rejected") == 2
+            and total("ticketq_dead_letters_total") == 2
+            and total("ticketq_shadow_checked_total") > 0
+            and shadow == total("ticketq_tickets_total", "outcome=ok")
+        )
+
+    wait_for(settled, 60, f"worker metrics settled (log {worker.log_path})")
 
 
 @pytest.fixture(scope="module")
@@ -780,6 +842,8 @@ def prometheus(prometheus_bins, tmp_path_factory) -> Iterator:
 def test_live_dashboard_expressions(prometheus, metrics_target):
     prom = prometheus([metrics_target])
     prom.wait_for_scrapes(1)
+    models = {r["metric"]["model"] for r in prom.query("ticketq_model_info")}
+    assert models and "fixture-exporter" not in models, f"the dashboard must be checked on a real worker: {models}"
     exprs = sorted(set(_dashboard_exprs()))
 
     def all_non_empty():

@@ -33,7 +33,13 @@ def worker(
     name: Annotated[str | None, typer.Option(help="Worker node name (default ticketq-<pid>@<host>).")] = None,
 ) -> None:
     """Start one worker process (one model replica) consuming the ticket queue. Configure with TICKETQ_*."""
-    from worker.app import app, preflight, settings
+    from pydantic import ValidationError
+
+    try:
+        from worker.app import app, preflight, settings
+    except ValidationError as exc:
+        console.print(f"[red]invalid settings, the worker refuses to start:[/]\n{_errors(exc)}")
+        raise typer.Exit(2) from None
 
     preflight(settings)
     argv = [
@@ -151,6 +157,10 @@ def bench(ctx: typer.Context) -> None:
     from worker.bench import main as bench_main
 
     raise typer.Exit(bench_main(ctx.args))
+
+
+def _errors(exc) -> str:
+    return "\n".join(f"  - {error['msg'].removeprefix('Value error, ')}" for error in exc.errors())
 
 
 def _logging() -> None:

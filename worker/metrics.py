@@ -64,6 +64,15 @@ class Metrics:
         self.flushes = Counter(c.M_FLUSHES, "Buffer drains (micro-batches handed to the engine).", registry=r)
         self.model = Info(c.M_MODEL_INFO, "The model this worker serves.", registry=r)
 
+    def preinit(self, labels: tuple[str, ...], reasons: tuple[str, ...]) -> None:
+        """Create the labelled series at 0 so dashboards and rate() see them before the first event."""
+        for label in labels:
+            self.tickets.labels(label=label, outcome="ok")
+        for outcome in ("failed", "rejected"):
+            self.tickets.labels(label="none", outcome=outcome)
+        for reason in reasons:
+            self.dead_letters.labels(reason=reason)
+
     def observe_batch(self, rows: int, width: int, real_tokens: int, seconds: float) -> None:
         computed = rows * width
         self.tokens_real.inc(real_tokens)
