@@ -82,6 +82,14 @@ def classify_batch(task, requests: list) -> None:
     STATE.service.process(requests, task.backend)
 
 
+# Every reason a ticket or message can be dead-lettered for (service.py and DeadLetterConsumer).
+REJECTION_REASONS = (
+    "bad_payload", "missing_field", "wrong_type", "invalid_utf8", "oversize", "empty_text", "engine_error",
+    "too_many_deliveries", "worker_error", "decode_error", "unknown_message", "unknown_task", "invalid_task",
+    "unreadable_message",
+)  # fmt: skip
+
+
 class ModelNotReady(RuntimeError):
     """The engine could not be built (model missing, bad settings)."""
 
@@ -142,6 +150,7 @@ def start_service() -> TicketService:
             info.name, info.device, info.dtype, time.perf_counter() - started, classifier.prefix_len,
             " — STAND-IN: labels are meaningless" if info.standin else "",
         )  # fmt: skip
+    metrics.preinit(settings.label_names, REJECTION_REASONS)
     metrics.watch_queue(lambda: client.llen(settings.queue))
     if settings.metrics_port:
         metrics.serve(settings.metrics_host, settings.metrics_port)
@@ -283,11 +292,11 @@ def _harden_channel(channel) -> None:
                 return append(message, delivery_tag)
             except broker_errors as exc:
                 if time.monotonic() > deadline:
-                    log.critical("message %s popped but not recorded as unacked (%s); it is lost: %s",
-                                 message.headers.get("id"), exc, json.dumps(message.headers)[:2000])  # fmt: skip
+                    headers = json.dumps(message.headers or {}, default=str)[:2000]
+                    log.critical("a popped message could not be recorded as unacked (%s); it is lost: %s", exc, headers)
                     raise
                 log.warning("Redis unavailable right after a pop (%s); retrying the unacked record", exc)
-                time.sleep(0.2)
+                time.sleep(0.2)  # blocks the event loop, which has nothing to do while Redis is away
 
     read_guarded.hardened = True
     handlers["BRPOP"] = read_guarded

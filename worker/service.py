@@ -63,7 +63,9 @@ class Classifier(Protocol):
 class Backend(Protocol):
     def mark_as_done(self, task_id: str, result: Any, request: Any = None) -> Any: ...
 
-    def mark_as_failure(self, task_id: str, exc: BaseException, request: Any = None) -> Any: ...
+    def mark_as_failure(
+        self, task_id: str, exc: BaseException, request: Any = None, call_errbacks: bool = True
+    ) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -131,22 +133,58 @@ class TicketService:
     def process(self, requests: Sequence[Any], backend: Backend) -> None:
         """Classify and publish one buffer; never raises (see module docstring)."""
         self.metrics.flushes.inc()
+        try:
+            fresh, redelivered = self._triage(requests)
+        except Exception as exc:  # Redis away for longer than worst_batch_s
+            self._fail_batch(requests, backend, exc)
+            return
+        self._run(fresh, backend)
+        for request in redelivered:
+            self._run([request], backend, count_delivery=True)
+
+    def _run(self, requests: Sequence[Any], backend: Backend, count_delivery: bool = False) -> None:
+        """Classify and publish `requests` as one batch; mark them failed on an unexpected error."""
         started = time.time()
         try:
-            work = self._unpack(requests, backend)
+            if count_delivery and self._too_many_deliveries(requests[0], backend):
+                return
+            work = self._unpack(requests)
             live = [s for s in work.slots if s.ticket is not None and s.result is None]
             self._classify(live, started)
             self._publish(work, backend, started)
         except Exception as exc:  # last line of defence: mark everything still open as failed
-            log.exception("batch of %d requests failed outside the engine", len(requests))
-            self._fail_open(requests, backend, exc)
+            self._fail_batch(requests, backend, exc)
 
-    def _unpack(self, requests: Sequence[Any], backend: Backend) -> Work:
+    def _fail_batch(self, requests: Sequence[Any], backend: Backend, exc: Exception) -> None:
+        log.exception("batch of %d requests failed outside the engine", len(requests))
+        self._fail_open(requests, backend, exc)
+
+    def _triage(self, requests: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        """Split the buffer into first deliveries (counted now) and redelivered messages.
+
+        A message whose attempts key still exists was in a batch that never finished: its worker
+        died, maybe because of one ticket in that batch. Each such message runs alone, after the
+        fresh batch and least-tried first, and counts its delivery only when it runs: a ticket that
+        kills workers spends its own deliveries, not those of the tickets that shared its batch
+        (counting the whole buffer up front dead-lettered them all together).
+        """
+        keys = [c.ATTEMPTS_KEY.format(task_id=request.id) for request in requests]
+        seen = self._retrying(lambda: self.redis.mget(keys)) if keys else []
+        fresh = [request for request, count in zip(requests, seen, strict=True) if count is None]
+        redelivered = sorted(
+            ((int(count), request) for request, count in zip(requests, seen, strict=True) if count is not None),
+            key=lambda pair: pair[0],
+        )
+        if fresh:
+            self._retrying(lambda: self._incr_attempts(*(c.ATTEMPTS_KEY.format(task_id=r.id) for r in fresh)))
+        return fresh, [request for _, request in redelivered]
+
+    def _unpack(self, requests: Sequence[Any]) -> Work:
         work = Work()
         for request in requests:
-            if self._too_many_deliveries(request, backend):
-                continue
-            args = tuple(request.args or ())
+            # Not a list (a hand-built message): treat as no arguments; tuple() of it could raise
+            # and fail the whole buffer instead of this one request.
+            args = tuple(request.args) if isinstance(request.args, list | tuple) else ()
             payload = args[0] if len(args) == 1 else None
             packed = isinstance(payload, list)
             work.packed[request.id] = packed
@@ -172,13 +210,15 @@ class TicketService:
             return False
         rejection = TicketRejected("too_many_deliveries", f"delivered {attempts} times; it may crash workers")
         self._dead_letter(request, None, request.args, rejection)
-        self._retrying(lambda: backend.mark_as_failure(request.id, rejection, request=request))
+        self._retrying(lambda: _mark_failed(backend, request, rejection))
         return True
 
-    def _incr_attempts(self, key: str) -> int:
+    def _incr_attempts(self, *keys: str) -> int:
+        """INCR each attempts key (with its expiry); the first key's new count."""
         pipe = self.redis.pipeline()
-        pipe.incr(key)
-        pipe.expire(key, self.settings.result_expires_s)
+        for key in keys:
+            pipe.incr(key)
+            pipe.expire(key, self.settings.result_expires_s)
         return int(pipe.execute()[0])
 
     # ----- classification with retries ----------------------------------------------------
@@ -264,7 +304,7 @@ class TicketService:
             self._retrying(lambda: backend.mark_as_done(task_id, results[0], request=request))
         else:
             error = TicketRejected(results[0]["reason"], results[0]["error"].split(": ", 1)[-1])
-            self._retrying(lambda: backend.mark_as_failure(task_id, error, request=request))
+            self._retrying(lambda: _mark_failed(backend, request, error))
         self._retrying(lambda: self.redis.delete(c.ATTEMPTS_KEY.format(task_id=task_id)))
         self._count(slots)
 
@@ -307,7 +347,7 @@ class TicketService:
         error = TicketRejected("worker_error", f"{type(exc).__name__}: {exc}")
         for request in requests:
             try:
-                backend.mark_as_failure(request.id, error, request=request)
+                _mark_failed(backend, request, error)
                 self._dead_letter(request, None, request.args, error)
             except Exception:  # Redis gone too: the message is acked; log loudly so it is visible
                 log.exception("could not mark task %s failed", request.id)
@@ -371,6 +411,14 @@ class ShadowChecker:
                 self._queue.task_done()
 
 
+def _mark_failed(backend: Backend, request: Any, exc: BaseException) -> None:
+    # call_errbacks=False: Celery's mark_as_failure reads `request.errbacks` after storing the
+    # state, and celery-batches' SimpleRequest has no such attribute. The AttributeError used to
+    # reach process()'s last line of defence, which then marked the whole buffer failed (successes
+    # included) and dead-lettered every ticket in it a second time. Batch tasks carry no errbacks.
+    backend.mark_as_failure(request.id, exc, request=request, call_errbacks=False)
+
+
 def _model_fields(classifier: Classifier, settings: Settings) -> dict:
     info = getattr(classifier, "info", None)
     return {
@@ -400,18 +448,38 @@ def _dump(raw: Any) -> str:
         return repr(raw)[:65536]
 
 
+# Fault injection for the reliability tests only; never set it in a deployment (see NullClassifier).
+POISON_MARKER_ENV = "TICKETQ_TEST_POISON_MARKER"
+
+
+class EngineFault(RuntimeError):
+    """Raised by the null classifier's fault-injection hook, standing in for an engine exception."""
+
+
 class NullClassifier:
     """Zero-cost classifier (TICKETQ_NULL_CLASSIFIER=1): only for measuring the queue's own ceiling.
 
     Labels are a hash of the text; no model is loaded. Token counts are bytes/4, roughly BPE's.
+
+    Fault-injection hook, for tests only: with `TICKETQ_TEST_POISON_MARKER=<marker>` in the
+    environment, a batch holding a text that contains `<marker>` raises `EngineFault` (an engine
+    exception), and a text containing `<marker>:exit` ends the process with `os._exit(1)` (a
+    worker that crashes on a ticket). The variable is deliberately outside `Settings`, is read
+    only by this test classifier and the marker is chosen by the test, so no real ticket or
+    deployment trips it by accident.
     """
 
     info = None
 
-    def __init__(self, labels: tuple[str, ...]) -> None:
+    def __init__(self, labels: tuple[str, ...], poison_marker: str | None = None) -> None:
         self.labels = labels
+        self.poison_marker = poison_marker if poison_marker is not None else os.environ.get(POISON_MARKER_ENV) or None
+        if self.poison_marker:
+            log.warning("%s is set: tickets containing %r fail on purpose", POISON_MARKER_ENV, self.poison_marker)
 
     def classify(self, texts: Sequence[str], on_batch: Callable[[BatchReport], None] | None = None):
+        if self.poison_marker:
+            self._inject_faults(texts)
         predictions = [self.reference(text) for text in texts]
         lengths = [len(text) // 4 + 1 for text in texts]
         report = BatchReport(rows=len(texts), width=max(lengths), real_tokens=sum(lengths), seconds=0.0)
@@ -423,3 +491,14 @@ class NullClassifier:
         label = self.labels[zlib.crc32(text.encode("utf-8", "surrogatepass")) % len(self.labels)]
         probs = {name: float(name == label) for name in self.labels}
         return Prediction(label=label, probs=probs, margin=1.0, truncated=False, tokens=len(text) // 4 + 1)
+
+    def _inject_faults(self, texts: Sequence[str]) -> None:
+        marker = self.poison_marker
+        if any(f"{marker}:exit" in text for text in texts):
+            log.critical("fault injection: crashing the worker process on a %s:exit ticket", marker)
+            logging.shutdown()
+            os._exit(1)
+        poisoned = sum(marker in text for text in texts)
+        if poisoned:
+            log.warning("fault injection: engine fault on a batch of %d texts (%d poisoned)", len(texts), poisoned)
+            raise EngineFault(f"injected engine fault ({poisoned} poisoned ticket(s) in a batch of {len(texts)})")
