@@ -395,19 +395,7 @@ BAD_INPUTS = {
     "two_arguments": ([{"text": "a"}, {"text": "b"}], "bad_payload"),
     "no_arguments": ([], "bad_payload"),
 }
-# A known worker bug (reported to the lead); strict, so the fix turns these into failures to remove.
-RAW_ARGS_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="worker/service.py TicketService._unpack dead-letters `null` instead of the message's args when "
-    "the argument count is wrong (payload = args[0] if len(args) == 1 else None)",
-)
-
-
-def _bad_input_param(name: str):
-    return pytest.param(name, marks=RAW_ARGS_BUG) if name in ("two_arguments", "no_arguments") else name
-
-
-@pytest.mark.parametrize("case", [_bad_input_param(name) for name in BAD_INPUTS])
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_bad_input_is_dead_lettered(pair, broker, fleet, case):
     args, reason = BAD_INPUTS[case]
     good = _short_tickets(4, seed=13)

@@ -185,8 +185,9 @@ class TicketService:
             # Not a list (a hand-built message): treat as no arguments; tuple() of it could raise
             # and fail the whole buffer instead of this one request.
             args = tuple(request.args) if isinstance(request.args, list | tuple) else ()
-            payload = args[0] if len(args) == 1 else None
-            packed = isinstance(payload, list)
+            # A wrong argument count is dead-lettered with the arguments as they came.
+            payload = args[0] if len(args) == 1 else list(args)
+            packed = len(args) == 1 and isinstance(payload, list)
             work.packed[request.id] = packed
             raws = payload if packed else [payload]
             if packed and not raws:
