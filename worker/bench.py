@@ -535,10 +535,6 @@ def run_queue_mode(bench: Bench, tickets: list[dict], warm: list[str]) -> ModeRe
     log_path = Path(tempfile.gettempdir(), f"ticketq-bench-worker-{os.getpid()}.log")
     port = _free_port()
     proc = _start_worker(_worker_env(bench, queue, port), log_path)
-    if bench.engine.cost.quad_ms:
-        result.notes.append(
-            "ticketq-queue: the worker plans with fixed_ms and token_ms only (Settings has no quadratic cost term)"
-        )
     try:
         _drive_queue(producer, proc, port, log_path, tickets, warm, result)
     except (RuntimeError, OSError) as exc:  # worker died or never got ready, Redis went away
@@ -595,9 +591,10 @@ def _worker_env(bench: Bench, queue: str, port: int) -> dict[str, str]:
         "TICKETQ_METRICS_HOST": "127.0.0.1",
         "TICKETQ_METRICS_PORT": str(port),
         "TICKETQ_MAX_BATCH_TOKENS": str(engine.max_batch_tokens),
-        # Settings wants both > 0; a fitted 0 becomes "negligible"
-        "TICKETQ_COST_FIXED_MS": repr(max(cost.fixed_ms, 1e-6)),
-        "TICKETQ_COST_TOKEN_MS": repr(max(cost.token_ms, 1e-6)),
+        # the worker plans with exactly the cost model the in-process mode used
+        "TICKETQ_COST_FIXED_MS": repr(cost.fixed_ms),
+        "TICKETQ_COST_TOKEN_MS": repr(cost.token_ms),
+        "TICKETQ_COST_QUAD_MS": repr(cost.quad_ms),
         "TICKETQ_AUTOTUNE": "false",
         "TICKETQ_NULL_CLASSIFIER": "false",
         "PYTHONUNBUFFERED": "1",
