@@ -12,13 +12,13 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import redis
-from prometheus_client.parser import text_string_to_metric_families
+
+from worker.demo import scrape as scrape_url
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,13 +43,7 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, interva
 
 def scrape(port: int, host: str = "127.0.0.1") -> dict[str, float]:
     """Parse /metrics with prometheus_client's parser: 'name{k=v,...}' -> value."""
-    text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5).read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            samples[f"{sample.name}{{{labels}}}"] = sample.value
-    return samples
+    return scrape_url(f"http://{host}:{port}/metrics")
 
 
 class Worker:
