@@ -52,7 +52,7 @@ def bench_run(tiny_model_dir, tmp_path_factory, monkeypatch_module):
     argv = [
         "--model", str(tiny_model_dir), "--dtype", "float32", "--device", "cpu", "--threads", "2",
         "--tickets", "30", "--seed", "3", "--modes", ",".join(modes), "--warmup", "2", "--no-autotune",
-        "--json", str(out / "bench.json"), "--chart", str(out / "bench.png"),
+        "--json", str(out / "bench.json"), "--chart", str(out / "bench.png"), "--markdown", str(out / "bench.md"),
     ]  # fmt: skip
     assert main(argv) == 0
     rows = json.loads((out / "bench.json").read_text())
@@ -87,6 +87,9 @@ def test_padding_is_ordered_as_the_article_says(bench_run):
     real = {mode: row["computed_tokens"] - row["pad_tokens"] for mode, row in rows.items()}
     for mode in ("sequential", "naive", "naive-global", "sorted"):
         assert real[mode] == 30 * prefix + real["ticketq"], mode
+    for mode, row in rows.items():
+        assert row["tokens_per_ticket"] == pytest.approx(row["computed_tokens"] / 30), mode
+        assert row["tokens_per_s"] == pytest.approx(row["computed_tokens"] / row["seconds"]), mode
 
 
 def test_outputs_carry_the_required_fields(bench_run):
@@ -101,6 +104,11 @@ def test_outputs_carry_the_required_fields(bench_run):
         assert row["items_per_s"] > 0 and row["peak_rss_mb"] > 0
     assert rows["sequential"]["speedup"] == pytest.approx(1.0)
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    markdown = (out / "bench.md").read_text().splitlines()
+    for mode, row in rows.items():  # one Markdown row per mode, carrying the JSON's figures
+        line = next(line for line in markdown if line.startswith(f"| `{mode}` |"))
+        assert f"| {row['items_per_s']:.2f} |" in line and f"| {row['padding_ratio']:.1%} |" in line, line
+    assert header["command"] in markdown[-1]
 
 
 def test_compare_separates_near_ties_from_real_disagreements():

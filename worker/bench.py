@@ -62,7 +62,8 @@ QUICK = {"tickets": 12, "batch_size": 4, "warmup": 1, "autotune_s": 3.0}
 ROOT = Path(__file__).resolve().parent.parent
 # Per-mode figures in the JSON rows (None where a mode was skipped).
 FIGURES = (
-    "tickets", "seconds", "items_per_s", "speedup", "padding_ratio", "pad_tokens", "computed_tokens", "forwards",
+    "tickets", "seconds", "items_per_s", "speedup", "padding_ratio", "pad_tokens", "computed_tokens",
+    "tokens_per_ticket", "tokens_per_s", "forwards",
     "agreement", "max_abs_prob_diff", "near_ties", "disagreements_non_tie", "disagreements_near_tie", "failed",
 )  # fmt: skip
 STANDIN_LINE = "stand-in model (random weights): labels meaningless; speed is real"
@@ -125,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ticketq bench",
         description=textwrap.fill(
             "Load one model once and classify the same tickets in every mode below. Per mode: items/s, speedup "
-            "over sequential, padding ratio (pad / tokens computed), agreement and max |delta prob| against "
+            "over sequential, padding ratio (pad / tokens computed), tokens computed per ticket and tokens/s (where "
+            "the time goes: fewer tokens, or faster tokens), agreement and max |delta prob| against "
             "sequential, disagreements on near-ties and on the rest, peak RSS. A rich table on stdout, "
             "optionally JSON and a PNG chart.",
             100,
@@ -181,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     out = parser.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", type=Path, help="write [header, one object per mode] as JSON")
     out.add_argument("--chart", metavar="PATH", type=Path, help="write a PNG: items/s and padding ratio per mode")
+    out.add_argument("--markdown", metavar="PATH", type=Path, help="write the table as Markdown (for a README)")
     return parser
 
 
@@ -240,6 +243,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.chart:
         write_chart(args.chart, header, rows)
         console.print(f"chart written to {args.chart}")
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(markdown_table(header, rows))
+        console.print(f"Markdown table written to {args.markdown}")
     if args.strict and any(row["disagreements_non_tie"] for row in rows if row["status"] == "ok"):
         return 1
     return 0
@@ -686,12 +693,21 @@ def summarise(result: ModeResult, results: list[ModeResult], tie_tolerance: floa
         "padding_ratio": pad / computed if computed else 0.0,
         "pad_tokens": pad,
         "computed_tokens": computed,
+        **token_rates(computed, n, result.seconds),
         "forwards": result.forwards if result.forwards is not None else len(result.reports),
         "failed": sum(a.label.startswith("<") for a in result.answers),
     }
     row["speedup"] = row["items_per_s"] / baseline if baseline and row["items_per_s"] else None
     row |= compare(result.answers, reference.answers, tie_tolerance)
     return row
+
+
+def token_rates(computed: int | None, tickets: int | None, seconds: float | None) -> dict:
+    """Where the time goes: fewer tokens per ticket (prefix cache, padding) or more tokens/s (batching)."""
+    return {
+        "tokens_per_ticket": computed / tickets if computed is not None and tickets else None,
+        "tokens_per_s": computed / seconds if computed is not None and seconds else None,
+    }
 
 
 def compare(answers: list[Answer], reference: list[Answer], tie_tolerance: float) -> dict:
@@ -815,6 +831,8 @@ def print_report(console: Console, header: dict, rows: list[dict]) -> None:
         "items/s",
         "speedup",
         "padding",
+        "tokens/ticket",
+        "tokens/s",
         "forwards",
         "agreement",
         "max |Δp|",
@@ -824,13 +842,15 @@ def print_report(console: Console, header: dict, rows: list[dict]) -> None:
         table.add_column(column, justify="left" if column == "mode" else "right")
     for row in rows:
         if row["status"] != "ok":
-            table.add_row(row["mode"], *["—"] * 8)
+            table.add_row(row["mode"], *["—"] * 10)
             continue
         table.add_row(
             row["mode"],
             _fmt(row["items_per_s"], "{:.2f}"),
             _fmt(row["speedup"], "{:.2f}x"),
             _fmt(row["padding_ratio"], "{:.1%}"),
+            _fmt(row["tokens_per_ticket"], "{:.1f}"),
+            _fmt(row["tokens_per_s"], "{:.0f}"),
             str(row["forwards"]),
             _fmt(row["agreement"], "{:.1%}"),
             _fmt(row["max_abs_prob_diff"], "{:.1e}"),
@@ -841,6 +861,48 @@ def print_report(console: Console, header: dict, rows: list[dict]) -> None:
     console.print(f"planner: {header['autotune']['description']}")
     for note in header["notes"]:
         console.print(f"[yellow]note:[/] {note}")
+
+
+MARKDOWN_COLUMNS = (
+    ("items/s", "items_per_s", "{:.2f}"),
+    ("speedup", "speedup", "{:.2f}×"),
+    ("padding", "padding_ratio", "{:.1%}"),
+    ("tokens/ticket", "tokens_per_ticket", "{:.1f}"),
+    ("tokens/s", "tokens_per_s", "{:.0f}"),
+    ("forwards", "forwards", "{}"),
+    ("agreement", "agreement", "{:.1%}"),
+    ("max \\|Δp\\|", "max_abs_prob_diff", "{:.1e}"),
+)
+
+
+def markdown_table(header: dict, rows: list[dict]) -> str:
+    """The stdout table as GitHub Markdown, with the run's command and machine underneath."""
+    names = [name for name, _, _ in MARKDOWN_COLUMNS]
+    lines = [
+        "| mode | " + " | ".join(names) + " | disagreements (real / near-tie) | peak RSS MB |",
+        "|---" * (len(names) + 3) + "|",
+    ]
+    for row in rows:
+        if row["status"] != "ok":
+            lines.append(f"| `{row['mode']}` | " + " | ".join(["—"] * (len(names) + 2)) + " |")
+            continue
+        row = token_rates(row["computed_tokens"], row["tickets"], row["seconds"]) | row  # older JSON lacks them
+        cells = [_fmt(row[key], spec) for _, key, spec in MARKDOWN_COLUMNS]
+        disagree = f"{row['disagreements_non_tie']} / {row['disagreements_near_tie']}"
+        cells += [disagree, _fmt(row["peak_rss_mb"], "{:.0f}")]
+        lines.append(f"| `{row['mode']}` | " + " | ".join(cells) + " |")
+    machine = header["machine"]
+    lines += [
+        "",
+        f"{header['tickets']} tickets ({header['ticket_source']}), {header['dtype']} on {header['device']} "
+        f"({machine['cpu']}, {machine.get('usable_cores', machine['cores'])} cores, {header['torch_threads']} "
+        f"torch threads), torch {header['torch']}, transformers {header['transformers']}, {header['date'][:10]}; "
+        f"planner: {header['autotune']['description']}.",
+        "",
+        f"`{header['command']}`",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def _fmt(value: float | None, spec: str) -> str:
