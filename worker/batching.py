@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
+from worker.results import PaddedTokens
+
 __all__ = [
     "Batch",
     "CostModel",
@@ -144,7 +146,7 @@ def _sse(
 
 
 @dataclass(frozen=True)
-class Batch:
+class Batch(PaddedTokens):
     """One forward pass: which items (indices into the caller's list), their lengths, the padded width."""
 
     indices: tuple[int, ...]
@@ -172,17 +174,9 @@ class Batch:
     def computed_tokens(self) -> int:
         return self.rows * self.width
 
-    @property
-    def pad_tokens(self) -> int:
-        return self.computed_tokens - self.real_tokens
-
-    @property
-    def padding_ratio(self) -> float:
-        return _ratio(self.pad_tokens, self.computed_tokens)
-
 
 @dataclass(frozen=True)
-class Plan:
+class Plan(PaddedTokens):
     """Batches in execution order, with the padding and cost totals used to compare planners."""
 
     batches: tuple[Batch, ...]
@@ -194,14 +188,6 @@ class Plan:
     @property
     def computed_tokens(self) -> int:
         return sum(b.computed_tokens for b in self.batches)
-
-    @property
-    def pad_tokens(self) -> int:
-        return self.computed_tokens - self.real_tokens
-
-    @property
-    def padding_ratio(self) -> float:
-        return _ratio(self.pad_tokens, self.computed_tokens)
 
     @property
     def forwards(self) -> int:
@@ -323,7 +309,3 @@ def _check_positive(name: str, value: int) -> None:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _ratio(part: int, whole: int) -> float:
-    return part / whole if whole else 0.0

@@ -14,8 +14,26 @@ class Prediction:
     tokens: int  # ticket tokens after truncation
 
 
+class PaddedTokens:
+    """Padding arithmetic for a planned or measured forward (or a sum of them).
+
+    Subclasses provide `computed_tokens` (rows x padded width) and `real_tokens`.
+    """
+
+    computed_tokens: int
+    real_tokens: int
+
+    @property
+    def pad_tokens(self) -> int:
+        return self.computed_tokens - self.real_tokens
+
+    @property
+    def padding_ratio(self) -> float:
+        return self.pad_tokens / self.computed_tokens if self.computed_tokens else 0.0
+
+
 @dataclass(frozen=True)
-class BatchReport:
+class BatchReport(PaddedTokens):
     """What one forward pass computed: `rows` tickets right-padded to `width` tokens."""
 
     rows: int
@@ -26,14 +44,6 @@ class BatchReport:
     @property
     def computed_tokens(self) -> int:
         return self.rows * self.width
-
-    @property
-    def pad_tokens(self) -> int:
-        return self.computed_tokens - self.real_tokens
-
-    @property
-    def padding_ratio(self) -> float:
-        return self.pad_tokens / self.computed_tokens if self.computed_tokens else 0.0
 
 
 def padding_ratio(reports: list[BatchReport]) -> float:
