@@ -390,3 +390,25 @@ def test_directory_without_a_model_raises_model_not_found(offline, tmp_path):
     """An empty or half-written directory (e.g. an interrupted stand-in build) must not leak a raw error."""
     with pytest.raises(ModelNotFound, match=r"python -m worker\.standin"):
         load_model(str(tmp_path), torch.device("cpu"), torch.float32)
+
+
+def test_auto_dtype_takes_bfloat16_only_where_it_measures_faster(monkeypatch):
+    from worker import engine as engine_module
+
+    cpu = torch.device("cpu")
+    assert engine_module.resolve_dtype("float32", cpu) is torch.float32
+    assert engine_module.resolve_dtype("bfloat16", cpu) is torch.bfloat16
+    monkeypatch.setattr(engine_module, "cpu_has_native_bf16", lambda: True)
+    for speedup, expected in ((2.0, torch.bfloat16), (1.1, torch.float32), (0.5, torch.float32)):
+        monkeypatch.setattr(engine_module, "bf16_matmul_speedup", lambda s=speedup: s)
+        assert engine_module.resolve_dtype("auto", cpu) is expected, speedup
+    monkeypatch.setattr(engine_module, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(engine_module, "bf16_matmul_speedup", lambda: pytest.fail("no probe without native bf16"))
+    assert engine_module.resolve_dtype("auto", cpu) is torch.float32
+
+
+def test_bf16_probe_measures_a_real_ratio():
+    from worker.engine import bf16_matmul_speedup
+
+    speedup = bf16_matmul_speedup(rows=16, reps=1)
+    assert math.isfinite(speedup) and speedup > 0
