@@ -382,6 +382,43 @@ def test_redis_restart_same_worker_resumes(redis_server, workers, tiny_model_dir
     assert resumed_s < 30
 
 
+@pytest.mark.parametrize("outage", ["short", "long"])
+def test_message_popped_just_before_redis_dies_is_still_delivered(redis_server, monkeypatch, outage):
+    """kombu pops a message (persisted as popped) and only then records it as unacked; Redis dying
+    in between used to drop it. Short outage: the record is written once Redis is back. Outage
+    longer than TICKETQ_WORST_BATCH_S: the message is delivered from memory instead of dropped."""
+    from kombu import Queue
+
+    from worker import app as worker_app
+
+    ride_out = 3.0  # the short outage must fit it even on a busy machine
+    monkeypatch.setattr(worker_app.settings, "worst_batch_s", ride_out)
+    with Connection(redis_server.url) as conn:
+        conn.Producer().publish({"id": "t1", "text": "hello"}, routing_key="pop-window",
+                                declare=[Queue("pop-window")], serializer="json")  # fmt: skip
+        channel = conn.default_channel
+        worker_app._harden_channel(channel)
+        message = channel.Message(channel._get("pop-window"), channel=channel)  # the pop (BRPOP's twin)
+        redis_server.kill()
+        restart = threading.Timer(0.3 if outage == "short" else ride_out + 1.0, redis_server.start)
+        restart.start()
+        started = time.monotonic()
+        channel.qos.append(message, message.delivery_tag)  # what kombu does next, before delivering
+        waited = time.monotonic() - started
+        restart.join()
+        client = redis_server.client()
+        assert client.llen("pop-window") == 0, "the pop itself survived the restart (AOF)"
+        assert message.delivery_tag in channel.qos._delivered, "delivered, so it will be classified"
+        if outage == "short":
+            assert waited < ride_out + 0.5
+            assert client.hexists("unacked", message.delivery_tag), "recorded: a crash now cannot lose it"
+        else:
+            assert waited >= ride_out
+            assert not client.hexists("unacked", message.delivery_tag)
+        message.ack()  # the ack after publishing works either way
+        assert client.hlen("unacked") == 0
+
+
 # --------------------------------------------------------------------------------------------
 # 4. poison tickets: engine exceptions and a ticket that kills the worker
 

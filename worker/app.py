@@ -21,6 +21,7 @@ from celery import Celery, signals
 from celery.exceptions import InvalidTaskError
 from celery.worker.consumer import Consumer
 from celery_batches import Batches
+from kombu.transport.virtual import QoS as VirtualQoS
 
 from worker import constants as c
 from worker.metrics import Metrics
@@ -263,7 +264,10 @@ def _harden_channel(channel) -> None:
       then) and keep reading;
     - Redis going away right after the pop made the unacked write fail and the message vanish:
       popped, persisted as popped (AOF), never recorded, never delivered. Retry the write until
-      Redis is back (up to TICKETQ_WORST_BATCH_S, the same ride-out as the service's writes).
+      Redis is back (up to TICKETQ_WORST_BATCH_S, the same ride-out as the service's writes);
+      past that, deliver the message anyway, held in this worker's memory only: it is classified
+      and published once Redis is back, and lost only if this worker dies first (dropping it
+      lost it for certain).
     """
     handlers = getattr(channel, "handlers", None)  # kombu.transport.redis.Channel: type -> reader
     read = handlers.get("BRPOP") if isinstance(handlers, dict) else None
@@ -293,8 +297,14 @@ def _harden_channel(channel) -> None:
             except broker_errors as exc:
                 if time.monotonic() > deadline:
                     headers = json.dumps(message.headers or {}, default=str)[:2000]
-                    log.critical("a popped message could not be recorded as unacked (%s); it is lost: %s", exc, headers)
-                    raise
+                    log.error(
+                        "a popped message could not be recorded as unacked (%s); processing it from memory, "
+                        "unrecoverable if this worker dies before publishing: %s",
+                        exc,
+                        headers,
+                    )
+                    VirtualQoS.append(qos, message, delivery_tag)  # in-memory bookkeeping only, so ack works
+                    return None
                 log.warning("Redis unavailable right after a pop (%s); retrying the unacked record", exc)
                 time.sleep(0.2)  # blocks the event loop, which has nothing to do while Redis is away
 
