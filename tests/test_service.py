@@ -300,6 +300,8 @@ def test_cli_run_metrics_endpoint(cli_run, fleet, tiny_engine):
     assert _total(metrics, "ticketq_tokens_computed_total") == real + _total(metrics, "ticketq_tokens_padded_total")
     (info,) = metrics["ticketq_model_info"]
     assert info[0]["standin"] == "true" and info[0]["dtype"] == "float32" and info[0]["device"] == "cpu"
+    # the start-up lines run before Celery configures logging; they must still reach the log
+    assert "ready on cpu/float32" in fleet.cli.log() and "metrics on http://" in fleet.cli.log()
     assert _total(metrics, "ticketq_latency_seconds_count") == CLI_TICKETS
     assert _total(metrics, "ticketq_dead_letters_total") == 0
     assert _total(metrics, "ticketq_queue_depth") == 0

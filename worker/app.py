@@ -13,6 +13,7 @@ import base64
 import json
 import logging
 import time
+from contextlib import contextmanager
 from queue import Empty
 from typing import Any
 
@@ -161,11 +162,32 @@ def start_service() -> TicketService:
     return STATE.service
 
 
+@contextmanager
+def _startup_logging():
+    """worker_init runs before Celery configures logging: without this, the start-up INFO lines
+    (dtype chosen, model ready, autotune fit) were dropped and only warnings reached the log."""
+    logger = logging.getLogger("worker")
+    if logging.getLogger().handlers or logger.handlers:  # somebody configured logging already
+        yield
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[%(asctime)s: %(levelname)s/%(processName)s] %(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 @signals.worker_init.connect
 def _on_worker_init(**_: Any) -> None:
     # Celery logs and swallows exceptions from signal handlers; a worker without a model must stop.
     try:
-        start_service()
+        with _startup_logging():
+            start_service()
     except Exception as exc:
         log.critical("ticketq worker cannot start: %s", exc, exc_info=not isinstance(exc, ModelNotReady))
         raise SystemExit(1) from exc
