@@ -816,6 +816,28 @@ def _machine() -> dict:
     return machine
 
 
+# (heading, JSON key, format) of the figure columns shared by the stdout and Markdown tables.
+COLUMNS = (
+    ("items/s", "items_per_s", "{:.2f}"),
+    ("speedup", "speedup", "{:.2f}x"),
+    ("padding", "padding_ratio", "{:.1%}"),
+    ("tokens/ticket", "tokens_per_ticket", "{:.1f}"),
+    ("tokens/s", "tokens_per_s", "{:.0f}"),
+    ("forwards", "forwards", "{}"),
+    ("agreement", "agreement", "{:.1%}"),
+    ("max |Δp|", "max_abs_prob_diff", "{:.1e}"),
+)
+
+
+def _cells(row: dict, markdown: bool = False) -> list[str]:
+    """One mode's figures as table cells (Markdown: × for speedup, no RSS owner)."""
+    cells = [_fmt(row[key], spec.replace("x", "×") if markdown else spec) for _, key, spec in COLUMNS]
+    rss = _fmt(row["peak_rss_mb"], "{:.0f}")
+    if not markdown and row["rss_of"] == "worker process":
+        rss += " (worker)"
+    return [*cells, f"{row['disagreements_non_tie']} / {row['disagreements_near_tie']}", rss]
+
+
 def print_report(console: Console, header: dict, rows: list[dict]) -> None:
     title = (
         f"ticketq bench — {header['model']} ({header['dtype']}, {header['device']}, "
@@ -826,58 +848,19 @@ def print_report(console: Console, header: dict, rows: list[dict]) -> None:
         caption=f"reference = sequential; near-tie = reference margin < "
         f"{header['tie_tolerance']:g} ({rows[0]['near_ties'] if rows else 0} tickets)",
     )
-    for column in (
-        "mode",
-        "items/s",
-        "speedup",
-        "padding",
-        "tokens/ticket",
-        "tokens/s",
-        "forwards",
-        "agreement",
-        "max |Δp|",
-        "disagree (real / near-tie)",
-        "peak RSS MB",
-    ):
+    for column in ("mode", *(name for name, _, _ in COLUMNS), "disagree (real / near-tie)", "peak RSS MB"):
         table.add_column(column, justify="left" if column == "mode" else "right")
     for row in rows:
-        if row["status"] != "ok":
-            table.add_row(row["mode"], *["—"] * 10)
-            continue
-        table.add_row(
-            row["mode"],
-            _fmt(row["items_per_s"], "{:.2f}"),
-            _fmt(row["speedup"], "{:.2f}x"),
-            _fmt(row["padding_ratio"], "{:.1%}"),
-            _fmt(row["tokens_per_ticket"], "{:.1f}"),
-            _fmt(row["tokens_per_s"], "{:.0f}"),
-            str(row["forwards"]),
-            _fmt(row["agreement"], "{:.1%}"),
-            _fmt(row["max_abs_prob_diff"], "{:.1e}"),
-            f"{row['disagreements_non_tie']} / {row['disagreements_near_tie']}",
-            _fmt(row["peak_rss_mb"], "{:.0f}") + (" (worker)" if row["rss_of"] == "worker process" else ""),
-        )
+        table.add_row(row["mode"], *(_cells(row) if row["status"] == "ok" else ["—"] * (len(COLUMNS) + 2)))
     console.print(table)
     console.print(f"planner: {header['autotune']['description']}")
     for note in header["notes"]:
         console.print(f"[yellow]note:[/] {note}")
 
 
-MARKDOWN_COLUMNS = (
-    ("items/s", "items_per_s", "{:.2f}"),
-    ("speedup", "speedup", "{:.2f}×"),
-    ("padding", "padding_ratio", "{:.1%}"),
-    ("tokens/ticket", "tokens_per_ticket", "{:.1f}"),
-    ("tokens/s", "tokens_per_s", "{:.0f}"),
-    ("forwards", "forwards", "{}"),
-    ("agreement", "agreement", "{:.1%}"),
-    ("max \\|Δp\\|", "max_abs_prob_diff", "{:.1e}"),
-)
-
-
 def markdown_table(header: dict, rows: list[dict]) -> str:
     """The stdout table as GitHub Markdown, with the run's command and machine underneath."""
-    names = [name for name, _, _ in MARKDOWN_COLUMNS]
+    names = [name.replace("|", "\\|") for name, _, _ in COLUMNS]
     lines = [
         "| mode | " + " | ".join(names) + " | disagreements (real / near-tie) | peak RSS MB |",
         "|---" * (len(names) + 3) + "|",
@@ -887,10 +870,7 @@ def markdown_table(header: dict, rows: list[dict]) -> str:
             lines.append(f"| `{row['mode']}` | " + " | ".join(["—"] * (len(names) + 2)) + " |")
             continue
         row = token_rates(row["computed_tokens"], row["tickets"], row["seconds"]) | row  # older JSON lacks them
-        cells = [_fmt(row[key], spec) for _, key, spec in MARKDOWN_COLUMNS]
-        disagree = f"{row['disagreements_non_tie']} / {row['disagreements_near_tie']}"
-        cells += [disagree, _fmt(row["peak_rss_mb"], "{:.0f}")]
-        lines.append(f"| `{row['mode']}` | " + " | ".join(cells) + " |")
+        lines.append(f"| `{row['mode']}` | " + " | ".join(_cells(row, markdown=True)) + " |")
     machine = header["machine"]
     lines += [
         "",
