@@ -123,10 +123,16 @@ def running_worker(env: dict[str, str], log_path: Path, ready_timeout: float = 1
 class RedisServer:
     """A private redis-server on its own port (optionally with AOF and a password) that tests may kill."""
 
-    def __init__(self, workdir: Path, port: int | None = None, password: str | None = None, aof: bool = True) -> None:
+    def __init__(
+        self, workdir: Path, port: int | None = None, password: str | None = None, aof: bool = True,
+        fsync: str = "always",
+    ) -> None:
+        """`fsync="always"`: every write a client saw acknowledged is on disk, so a test that kills
+        Redis knows exactly what survives (with everysec the last second or two may not)."""
         if shutil.which("redis-server") is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
         self.workdir, self.port, self.password, self.aof = workdir, port or free_port(), password, aof
+        self.fsync = fsync
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -139,7 +145,7 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
-                "--save", "", "--appendonly", "yes" if self.aof else "no", "--appendfsync", "everysec"]  # fmt: skip
+                "--save", "", "--appendonly", "yes" if self.aof else "no", "--appendfsync", self.fsync]  # fmt: skip
         if self.password:
             args += ["--requirepass", self.password]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

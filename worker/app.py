@@ -9,12 +9,10 @@ Settings come from TICKETQ_* at import time. The model is loaded and its prefix 
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import time
 from contextlib import contextmanager
-from queue import Empty
 from typing import Any
 
 import redis
@@ -22,11 +20,12 @@ from celery import Celery, signals
 from celery.exceptions import InvalidTaskError
 from celery.worker.consumer import Consumer
 from celery_batches import Batches
-from kombu.transport.virtual import QoS as VirtualQoS
 
 from worker import constants as c
+from worker import internals
+from worker.deadletter import raw_entry
 from worker.metrics import Metrics
-from worker.service import NullClassifier, TicketService
+from worker.service import NullClassifier, TicketRejected, TicketService
 from worker.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -34,9 +33,13 @@ log = logging.getLogger(__name__)
 
 def create_app(settings: Settings) -> Celery:
     app = Celery("ticketq", broker=settings.broker_url, backend=settings.backend_url)
+    if settings.fetch == "atomic":  # pop and record in one Redis step; see worker/internals.py
+        app.conf.broker_transport = "worker.internals:Transport"
     transport = {"visibility_timeout": settings.visibility_timeout_s}
     broker_transport = {
         **transport,
+        "ticketq_lease_s": settings.lease_s,
+        "ticketq_stream_maxlen": settings.stream_maxlen,
         # kombu sweeps the unacked set for messages past the visibility timeout only every
         # interval x throttle seconds (10 x 10 by default): a kill -9'd worker's messages came
         # back up to 100 s after the timeout. Sweep every quarter timeout (at most 10 s) instead;
@@ -99,6 +102,7 @@ class ModelNotReady(RuntimeError):
 class _State:
     service: TicketService | None = None
     metrics: Metrics | None = None
+    consumer_running: bool = False  # between worker_ready and worker_shutting_down: /readyz
 
 
 STATE = _State()
@@ -125,6 +129,7 @@ def preflight(settings: Settings) -> redis.Redis:
 
 
 def start_service() -> TicketService:
+    internals.check_versions()
     client = preflight(settings)
     metrics = Metrics()
     if settings.null_classifier:
@@ -155,7 +160,8 @@ def start_service() -> TicketService:
     metrics.preinit(settings.label_names, REJECTION_REASONS)
     metrics.watch_queue(lambda: client.llen(settings.queue))
     if settings.metrics_port:
-        metrics.serve(settings.metrics_host, settings.metrics_port)
+        metrics.serve(settings.metrics_host, settings.metrics_port,
+                      ready=lambda: None if STATE.consumer_running else "consumer not running")  # fmt: skip
         log.info("metrics on http://%s:%d/metrics", settings.metrics_host, settings.metrics_port)
     STATE.metrics = metrics
     STATE.service = TicketService(settings, classifier, metrics, client)
@@ -196,8 +202,14 @@ def _on_worker_init(**_: Any) -> None:
         raise
 
 
+@signals.worker_shutting_down.connect
+def _on_worker_shutting_down(**_: Any) -> None:
+    STATE.consumer_running = False
+
+
 @signals.worker_ready.connect
 def _on_worker_ready(**_: Any) -> None:
+    STATE.consumer_running = True
     log.info("ticketq worker ready: queue %r, window %d, max wait %d ms", settings.queue, settings.batch_window,
              settings.max_wait_ms)  # fmt: skip
 
@@ -208,25 +220,16 @@ class DeadLetterConsumer(Consumer):
     Celery logs and drops undecodable messages (pickle/yaml content, bad UTF-8) and unknown or
     invalid tasks; each of those now leaves its raw payload and reason in the dead-letter stream,
     and a message malformed in a way Celery does not expect is refused instead of stopping the
-    worker (see `create_task_handler`). It also hardens the channel it reads (`_harden_channel`)
-    and re-arms the batch flush timer after a broker reconnect (see `on_ready`).
+    worker (see `create_task_handler`). A refused message with a task id also gets a FAILURE result,
+    so its client learns at once. It re-arms the batch flush timer after a broker reconnect.
     """
 
     def on_ready(self) -> None:
         super().on_ready()
-        # On a lost broker connection Celery's event loop clears every hub timer, celery-batches'
-        # flush_interval timer included, but the task keeps its stale `_tref` and never arms a new
-        # one: after the reconnect a buffer below flush_every waited for more traffic, forever at
-        # the tail of a burst. asynloop calls on_ready after every (re)connect; re-arm it here.
+        # asynloop calls on_ready after every (re)connect; the flush timer did not survive it.
         task = self.app.tasks.get(c.TASK_CLASSIFY)
-        if isinstance(task, Batches) and task._tref is not None:
-            task._tref.cancel()
-            task._tref = self.timer.call_repeatedly(task.flush_interval, task._do_flush)
-
-    def connect(self):
-        connection = super().connect()
-        _harden_channel(connection.default_channel)  # the channel the task consumer reads
-        return connection
+        if isinstance(task, Batches):
+            internals.rearm_flush_timer(task, self.timer)
 
     def create_task_handler(self, *args, **kwargs):
         on_task_received = super().create_task_handler(*args, **kwargs)
@@ -258,99 +261,33 @@ class DeadLetterConsumer(Consumer):
         return on_task_received_guarded
 
     def on_decode_error(self, message, exc) -> None:
-        _dead_letter_raw("decode_error", exc, message.headers, message.content_type, message.body)
+        _dead_letter_raw(self.app, "decode_error", exc, message)
         super().on_decode_error(message, exc)
 
     def on_unknown_message(self, body, message) -> None:
-        _dead_letter_raw("unknown_message", None, message.headers, message.content_type, message.body)
+        _dead_letter_raw(self.app, "unknown_message", None, message)
         super().on_unknown_message(body, message)
 
     def on_unknown_task(self, body, message, exc) -> None:
-        _dead_letter_raw("unknown_task", exc, message.headers, message.content_type, message.body)
+        _dead_letter_raw(self.app, "unknown_task", exc, message)
         super().on_unknown_task(body, message, exc)
 
     def on_invalid_task(self, body, message, exc) -> None:
-        _dead_letter_raw("invalid_task", exc, message.headers, message.content_type, message.body)
+        _dead_letter_raw(self.app, "invalid_task", exc, message)
         super().on_invalid_task(body, message, exc)
 
 
-def _harden_channel(channel) -> None:
-    """Two guards on the kombu Redis channel the task consumer reads (no-ops on other transports).
-
-    kombu pops a message off the queue list (BRPOP), parses its JSON envelope, and only then
-    records it in the unacked set (ZADD + HSET). Two things went wrong in between:
-
-    - anything else pushed onto the list (raw bytes, bad UTF-8, JSON that is not an envelope)
-      raised out of the event loop: "Unrecoverable error", the worker exited with status 0. The
-      item is already popped and never delivered: dead-letter the error (its bytes are gone by
-      then) and keep reading;
-    - Redis going away right after the pop made the unacked write fail and the message vanish:
-      popped, persisted as popped (AOF), never recorded, never delivered. Retry the write until
-      Redis is back (up to TICKETQ_WORST_BATCH_S, the same ride-out as the service's writes);
-      past that, deliver the message anyway, held in this worker's memory only: it is classified
-      and published once Redis is back, and lost only if this worker dies first (dropping it
-      lost it for certain).
-    """
-    handlers = getattr(channel, "handlers", None)  # kombu.transport.redis.Channel: type -> reader
-    read = handlers.get("BRPOP") if isinstance(handlers, dict) else None
-    if read is None or getattr(read, "hardened", False):
-        return  # not the Redis transport, or already guarded
-    # kombu counts KeyError as a connection error; here it means an envelope without its fields.
-    broker_errors = tuple(error for error in channel.connection_errors if error is not KeyError)
-
-    def read_guarded(**options):
-        try:
-            return read(**options)
-        except (Empty, *broker_errors):
-            raise
-        except Exception as exc:
-            log.error("refused an unreadable item on the queue (not a kombu message): %r", exc)
-            _dead_letter_raw("unreadable_message", exc, {}, "", b"")
-            return None
-
-    qos = channel.qos
-    append = qos.append
-
-    def append_retrying(message, delivery_tag) -> None:
-        deadline = time.monotonic() + settings.worst_batch_s
-        while True:
-            try:
-                return append(message, delivery_tag)
-            except broker_errors as exc:
-                if time.monotonic() > deadline:
-                    headers = json.dumps(message.headers or {}, default=str)[:2000]
-                    log.error(
-                        "a popped message could not be recorded as unacked (%s); processing it from memory, "
-                        "unrecoverable if this worker dies before publishing: %s",
-                        exc,
-                        headers,
-                    )
-                    VirtualQoS.append(qos, message, delivery_tag)  # in-memory bookkeeping only, so ack works
-                    return None
-                log.warning("Redis unavailable right after a pop (%s); retrying the unacked record", exc)
-                time.sleep(0.2)  # blocks the event loop, which has nothing to do while Redis is away
-
-    read_guarded.hardened = True
-    handlers["BRPOP"] = read_guarded
-    qos.append = append_retrying
-
-
-def _dead_letter_raw(reason: str, exc: Exception | None, headers, content_type, body) -> None:
-    raw = body if isinstance(body, bytes) else str(body).encode("utf-8", "backslashreplace")
-    entry = {
-        "task_id": str((headers or {}).get("id", "")),
-        "task": str((headers or {}).get("task", "")),
-        "reason": reason,
-        "error": f"{type(exc).__name__}: {exc}"[:2000] if exc else reason,
-        "content_type": str(content_type),
-        "payload_b64": base64.b64encode(raw[:65536]).decode(),
-        "at": f"{time.time():.3f}",
-    }
+def _dead_letter_raw(app: Celery, reason: str, exc: Exception | None, message) -> None:
+    """Dead-letter a message Celery refused, raw bytes kept; a waiting client gets a FAILURE at once."""
+    entry = raw_entry(reason, exc, message.headers, message.content_type, message.body)
     try:
         client = STATE.service.redis if STATE.service else redis.Redis.from_url(settings.broker_url)
         client.xadd(c.DEAD_LETTER_STREAM, entry, maxlen=settings.stream_maxlen)
         if STATE.metrics:
             STATE.metrics.dead_letters.labels(reason=reason).inc()
+        task_id = (message.headers or {}).get("id") if isinstance(message.headers, dict) else None
+        if isinstance(task_id, str) and task_id:  # else the task stays PENDING: its client waits for its timeout
+            app.backend.mark_as_failure(task_id, TicketRejected(reason, entry["error"]), call_errbacks=False)
     except redis.RedisError:
         log.exception("could not dead-letter a refused message: %s", json.dumps(entry)[:500])
 

@@ -1,0 +1,381 @@
+"""Every place ticketq relies on a private part of kombu, Celery or celery-batches: here, guarded.
+
+`check_versions()` runs at worker start-up and stops the worker, naming the library, when a
+version outside the range these shims were written and tested against is installed, or when an
+attribute they override is gone. Nothing else in ticketq touches a private name of those libraries.
+
+1. `Transport` (selected with TICKETQ_FETCH=atomic, the default): kombu's Redis transport with an
+   atomic fetch. Stock kombu pops a message (BRPOP) and records it as unacked in a second step; a
+   worker killed in between loses the message (celery/kombu#305, celery#7950). Here one Redis
+   command moves the message from the queue list into this consumer's own `fetching` list
+   (BLMOVE, as Sidekiq's reliable fetch and RQ do), and one MULTI moves it from there into kombu's
+   unacked record. A crash at any instant leaves the message in the queue, in a fetching list or
+   in the unacked record, never nowhere. Each consuming channel holds a lease (`alive` key, TTL
+   TICKETQ_LEASE_S) that a thread renews; any live worker hands the fetching list and the unacked
+   messages of a consumer whose lease ran out back to the queue within seconds, instead of after
+   the visibility timeout (which stays as a backstop). A channel lost to a broker outage is such a
+   consumer too: its leftovers come back once its lease has run out. Producers and plain Celery clients are
+   unchanged: same queue list, same message format. Keys: see worker.constants (FETCHING_KEY,
+   OWNED_KEY, ALIVE_KEY, CONSUMERS_KEY).
+2. `rearm_flush_timer`: celery-batches' flush timer, lost when Celery reconnects to the broker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from importlib.metadata import version
+from queue import Empty
+from typing import Any
+
+import redis
+from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import dumps, loads
+
+from worker import constants as c
+from worker.deadletter import raw_entry
+
+log = logging.getLogger(__name__)
+
+# Library -> (lowest, first untested) versions the shims below were written and tested against.
+TESTED = {"kombu": ((5, 5), (5, 8)), "celery": ((5, 4), (5, 7)), "celery-batches": ((0, 10), (0, 12))}
+# Private names overridden or called below, per class.
+REQUIRED = {
+    kombu_redis.Channel: ("_brpop_start", "_brpop_read", "_in_poll", "_brpop_sent_at", "client", "_connparams",
+                          "_create_client", "_do_restore_message"),
+    kombu_redis.QoS: ("_remove_from_indices", "pipe_or_acquire"),
+    virtual.Transport: ("_deliver",),
+}
+REDIS_MIN = (6, 2)  # BLMOVE
+
+
+class IncompatibleLibrary(RuntimeError):
+    """A library changed under a shim of this module."""
+
+
+def check_versions() -> None:
+    """Fail loudly at start-up when kombu, Celery or celery-batches moved under these shims."""
+    for name, (low, high) in TESTED.items():
+        found = version(name)
+        parts = tuple(int(p) for p in found.split(".")[:2] if p.isdigit())
+        if not low <= parts < high:
+            raise IncompatibleLibrary(
+                f"{name} {found} is outside the range ticketq's shims were tested with "
+                f"({'.'.join(map(str, low))} <= version < {'.'.join(map(str, high))}); install a tested "
+                f"version (pip install 'ticketq') or review worker/internals.py for this release"
+            )
+    for cls, names in REQUIRED.items():
+        missing = [name for name in names if not hasattr(cls, name)]
+        if missing:
+            where = f"{cls.__module__}.{cls.__name__}"
+            raise IncompatibleLibrary(f"{where} no longer has {missing}: see worker/internals.py")
+    from celery_batches import Batches
+
+    if not hasattr(Batches, "_do_flush"):
+        raise IncompatibleLibrary("celery_batches.Batches no longer has _do_flush: see worker/internals.py")
+
+
+def rearm_flush_timer(task: Any, timer: Any) -> None:
+    """Re-arm a celery-batches task's flush timer after a broker (re)connect.
+
+    On a lost connection Celery's event loop clears every hub timer, celery-batches' flush_interval
+    timer included, but the task keeps its stale `_tref` and never arms a new one: after the
+    reconnect a buffer below flush_every waited for more traffic, forever at the tail of a burst.
+    """
+    if getattr(task, "_tref", None) is not None:
+        task._tref.cancel()
+        task._tref = timer.call_repeatedly(task.flush_interval, task._do_flush)
+
+
+# ------------------------------------------------------------------------------------------------
+# the atomic fetch
+
+def new_consumer_id() -> str:
+    """host:pid:random, one per consuming channel (Celery opens a new channel on every reconnect)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+class QoS(kombu_redis.QoS):
+    """kombu's unacked record, written in the same MULTI that empties the fetching list."""
+
+    def append(self, message: Any, delivery_tag: str) -> None:
+        channel: Channel = self.channel
+        delivery = message.delivery_info
+        record = dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
+        with self.pipe_or_acquire() as pipe:  # redis-py pipelines are MULTI/EXEC transactions
+            pipe.zadd(self.unacked_index_key, {delivery_tag: time.time()})
+            pipe.hset(self.unacked_key, delivery_tag, record)
+            pipe.sadd(channel.owned_key, delivery_tag)
+            if channel._fetched is not None:
+                fetching_key, item = channel._fetched
+                pipe.lrem(fetching_key, 1, item)
+            pipe.execute()
+        channel._fetched = None
+        virtual.QoS.append(self, message, delivery_tag)  # the in-memory bookkeeping of kombu's QoS
+
+    def _remove_from_indices(self, delivery_tag: str, pipe: Any = None) -> Any:
+        return super()._remove_from_indices(delivery_tag, pipe).srem(self.channel.owned_key, delivery_tag)
+
+
+class Channel(kombu_redis.Channel):
+    """kombu's Redis channel with BLMOVE into a per-consumer fetching list instead of BRPOP."""
+
+    QoS = QoS
+    from_transport_options = (*kombu_redis.Channel.from_transport_options, "ticketq_lease_s", "ticketq_stream_maxlen")
+    # One list per queue: a restored or re-sent message always goes back where BLMOVE reads.
+    # Messages a plain Celery client sent with a priority land in kombu's priority lists; the lease
+    # thread moves them into the queue list (see Lease.collect_priority_lists).
+    priority_steps = [0]  # noqa: RUF012  (kombu's own class attribute)
+    ticketq_lease_s = 10.0
+    ticketq_stream_maxlen = 100_000
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not hasattr(self, "_queue_cycle") or self.handlers.get("BRPOP") != self._brpop_read:
+            raise IncompatibleLibrary("kombu's Redis channel changed (_queue_cycle/handlers): see worker/internals.py")
+        if self.global_keyprefix:
+            self._disconnect_pools()
+            raise IncompatibleLibrary("TICKETQ_FETCH=atomic does not support kombu's global_keyprefix")
+        self.consumer = new_consumer_id()
+        self.owned_key = c.OWNED_KEY.format(consumer=self.consumer)
+        self._fetched: tuple[str, bytes] | None = None  # (fetching list, item) until recorded as unacked
+        self._fetch_queue: str | None = None
+        self._lease: Lease | None = None
+
+    def fetching_key(self, queue: str, consumer: str | None = None) -> str:
+        return c.FETCHING_KEY.format(consumer=consumer or self.consumer, queue=queue)
+
+    def basic_consume(self, queue: str, *args: Any, **kwargs: Any) -> Any:
+        result = super().basic_consume(queue, *args, **kwargs)
+        if self._lease is None and queue in self.active_queues:  # fetches with BLMOVE (not a fanout queue)
+            _check_redis_version(self.client)
+            self._lease = Lease(self)
+            with self.conn_or_acquire() as client:  # registered before its first fetch, or nobody would look
+                self._lease.beat(client)
+            self._lease.start()
+        return result
+
+    def _brpop_start(self, timeout: float | None = None) -> None:
+        # BLMOVE reads one list; with several queues the cycle watches each in turn (1 s each).
+        queues = self._queue_cycle.consume(len(self.active_queues))
+        if not queues:
+            return
+        queue = self._fetch_queue = queues[0]
+        self._in_poll = self.client.connection
+        self._brpop_sent_at = time.monotonic()
+        command = ("BLMOVE", queue, self.fetching_key(queue), "RIGHT", "LEFT", timeout or self.brpop_timeout or 0)
+        self.client.connection.send_command(*command)
+
+    def _brpop_read(self, **options: Any) -> bool:
+        queue = self._fetch_queue
+        try:
+            try:
+                item = self.client.parse_response(self.client.connection, "BLMOVE", **options)
+            except self.connection_errors:
+                self.client.connection.disconnect()  # the next poll reconnects, as kombu's BRPOP does
+                raise
+            self._queue_cycle.rotate(queue)
+            if item is None:
+                raise Empty()
+            self._deliver_fetched(queue, item)
+            return True
+        finally:
+            self._in_poll = None
+            flush_reauth = getattr(self, "_flush_brpop_reauth", None)  # kombu >= 5.7
+            if flush_reauth is not None:
+                flush_reauth()
+
+    def _deliver_fetched(self, queue: str, item: bytes) -> None:
+        """Hand one fetched item to kombu; an item that is not a kombu message is dead-lettered."""
+        self._fetched = (self.fetching_key(queue), item)
+        try:
+            self.connection._deliver(loads(bytes_to_str(item)), queue)
+        except (redis.ConnectionError, redis.TimeoutError):
+            # Not recorded (Redis went away): the item waits in this channel's fetching list, and a
+            # live worker puts it back in the queue once this channel's lease has run out.
+            raise
+        except Exception as exc:
+            if self._fetched is None:  # recorded and handed to Celery: not ours to refuse
+                raise
+            self._refuse(queue, item, exc)
+        finally:
+            self._fetched = None
+
+    def _refuse(self, queue: str, item: bytes, exc: Exception) -> None:
+        log.error("refused an unreadable item on queue %r (not a kombu message): %r", queue, exc)
+        entry = raw_entry("unreadable_message", exc, {}, "", item)
+        with self.conn_or_acquire() as client:
+            pipe = client.pipeline()  # dead letter and removal in one transaction: kept exactly once
+            pipe.xadd(c.DEAD_LETTER_STREAM, entry, maxlen=self.ticketq_stream_maxlen)
+            pipe.lrem(self.fetching_key(queue), 1, item)
+            pipe.execute()
+
+    def close(self) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.stop()
+            client = self._create_client()  # kombu's close drops the channel's connection and pools
+        super().close()  # kombu puts this channel's unacked messages back in the queue
+        if lease is not None:
+            lease.release(client)
+
+
+class Transport(kombu_redis.Transport):
+    """kombu's Redis transport with the atomic fetch (`broker_transport = "worker.internals:Transport"`)."""
+
+    Channel = Channel
+
+
+def _check_redis_version(client: redis.Redis) -> None:
+    found = client.info("server").get("redis_version", "0")
+    parts = tuple(int(p) for p in str(found).split(".")[:2])
+    if parts < REDIS_MIN:
+        raise IncompatibleLibrary(
+            f"TICKETQ_FETCH=atomic needs Redis >= {'.'.join(map(str, REDIS_MIN))} (BLMOVE); this server is "
+            f"{found}. Upgrade Redis, or set TICKETQ_FETCH=kombu (stock fetch, can lose a message on kill -9)"
+        )
+
+
+class Lease(threading.Thread):
+    """This consumer's lease, renewed every lease/4 s, and the recovery of consumers whose lease ran out.
+
+    A consumer is recovered only by a worker that has itself held its lease for a full lease
+    period since it last (re)connected: after a Redis restart every live worker gets one period to
+    renew its lease before anyone counts it dead.
+    """
+
+    def __init__(self, channel: Channel) -> None:
+        super().__init__(name="ticketq-lease", daemon=True)
+        self.channel = channel
+        self.lease_s = float(channel.ticketq_lease_s)
+        self.alive_key = c.ALIVE_KEY.format(consumer=channel.consumer)
+        self.started = time.time()
+        self._queues: set[str] = set()
+        self._stopped = threading.Event()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self.is_alive() and self is not threading.current_thread():
+            self.join(timeout=5)
+
+    def run(self) -> None:
+        steady_since: float | None = None
+        # Its own pool: kombu disconnects the channel's pools on close, under a running command.
+        pool = redis.ConnectionPool(**self.channel._connparams())
+        with self.channel.Client(connection_pool=pool) as client:
+            while True:
+                try:
+                    self.beat(client)
+                    steady_since = steady_since or time.monotonic()
+                    if time.monotonic() - steady_since >= self.lease_s:
+                        self.recover_expired(client)
+                except redis.RedisError as exc:
+                    if steady_since is not None:
+                        log.warning("lease not renewed, Redis unavailable (%s)", exc)
+                    steady_since = None
+                if self._stopped.wait(self.lease_s / 4):
+                    break
+        pool.disconnect()
+
+    @property
+    def queues(self) -> list[str]:
+        """Every queue this channel has consumed (kept after close, which cancels its consumers)."""
+        self._queues.update(self.channel.active_queues)
+        return sorted(self._queues)
+
+    def beat(self, client: redis.Redis) -> None:
+        info = {"host": socket.gethostname(), "pid": os.getpid(), "queues": self.queues,
+                "since": round(self.started, 3)}  # fmt: skip
+        pipe = client.pipeline()
+        pipe.set(self.alive_key, json.dumps(info), px=int(self.lease_s * 1000))
+        pipe.hset(c.CONSUMERS_KEY, self.channel.consumer, json.dumps(info))
+        pipe.execute()
+
+    def recover_expired(self, client: redis.Redis) -> None:
+        consumers = {bytes_to_str(k): json.loads(v) for k, v in client.hgetall(c.CONSUMERS_KEY).items()}
+        others = [name for name in consumers if name != self.channel.consumer]
+        pipe = client.pipeline(transaction=False)
+        for name in others:
+            pipe.exists(c.ALIVE_KEY.format(consumer=name))
+        for name, alive in zip(others, pipe.execute(), strict=True):
+            if not alive:
+                self.recover(client, name, consumers[name].get("queues", []))
+        self.collect_priority_lists(client)
+
+    def recover(self, client: redis.Redis, consumer: str, queues: list[str]) -> None:
+        """Put a dead consumer's fetched and unacked messages back in their queues (safe to race)."""
+        started = time.monotonic()
+        fetched = sum(self.requeue_fetching(client, consumer, queue) for queue in queues)
+        owned_key = c.OWNED_KEY.format(consumer=consumer)
+        tags = [bytes_to_str(tag) for tag in client.smembers(owned_key)]
+        restored = sum(self.restore_owned(client, owned_key, tag) for tag in tags)
+        pipe = client.pipeline()
+        pipe.delete(owned_key)
+        pipe.hdel(c.CONSUMERS_KEY, consumer)
+        pipe.execute()
+        if fetched or restored:
+            log.warning(
+                "recovered %d unacked and %d fetched message(s) of consumer %s (lease expired) in %.3fs",
+                restored, fetched, consumer, time.monotonic() - started,
+            )  # fmt: skip
+
+    def restore_owned(self, client: redis.Redis, owned_key: str, tag: str) -> bool:
+        """Put one unacked message of a dead consumer back in its queue, if that consumer still owns it.
+
+        One WATCH/MULTI on the dead consumer's set: of two workers recovering the same consumer, one
+        restores the message (the other's EXEC fails, and on retry the tag is gone from the set); a
+        message restored, fetched again and recorded by a live consumer (same delivery tag) is no
+        longer in the dead one's set. Watching kombu's unacked hash too would be just as correct and
+        never succeed under load: every fetch and ack of every worker writes it.
+        """
+        qos, restored = self.channel.qos, False
+
+        def transaction(pipe: Any) -> None:
+            nonlocal restored
+            owned, record = pipe.sismember(owned_key, tag), pipe.hget(qos.unacked_key, tag)
+            pipe.multi()
+            pipe.srem(owned_key, tag)
+            if owned and record:
+                pipe.zrem(qos.unacked_index_key, tag)
+                pipe.hdel(qos.unacked_key, tag)
+                message, exchange, routing_key = loads(bytes_to_str(record))
+                self.channel._do_restore_message(message, exchange, routing_key, pipe)
+            restored = bool(owned and record)
+
+        client.transaction(transaction, owned_key)
+        return restored
+
+    def collect_priority_lists(self, client: redis.Redis) -> None:
+        """Messages a plain Celery client sent with a priority wait in kombu's per-priority lists
+        (`<queue>\\x06\\x16<n>`), which BLMOVE does not read: move them into the queue list."""
+        sep = self.channel.sep
+        for queue in self.queues:
+            for step in kombu_redis.PRIORITY_STEPS[1:]:
+                while client.lmove(f"{queue}{sep}{step}", queue, "RIGHT", "LEFT"):
+                    pass
+
+    def release(self, client: redis.Redis) -> None:
+        """Clean shutdown: give back what was fetched, drop the lease (kombu restored the unacked)."""
+        try:
+            for queue in self.queues:
+                self.requeue_fetching(client, self.channel.consumer, queue)
+            pipe = client.pipeline()
+            pipe.delete(self.alive_key)
+            if not client.scard(self.channel.owned_key):
+                pipe.hdel(c.CONSUMERS_KEY, self.channel.consumer)
+            pipe.execute()
+        except redis.RedisError as exc:
+            log.warning("could not release the lease (%s); live workers recover it after %.0fs", exc, self.lease_s)
+
+    def requeue_fetching(self, client: redis.Redis, consumer: str, queue: str) -> int:
+        source, moved = self.channel.fetching_key(queue, consumer), 0
+        while client.lmove(source, queue, "RIGHT", "RIGHT"):  # back at the consuming end: it was next
+            moved += 1
+        return moved
