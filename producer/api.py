@@ -74,6 +74,7 @@ class TicketResult(AsyncResult):
 
     ticket_ids: tuple[str, ...] = ()
     packed: bool = False
+    message_args: tuple = ()  # what was sent, so `wait(resend_after=...)` can send it again
 
 
 class Producer:
@@ -195,37 +196,65 @@ class Producer:
             raise ValueError(f"{len(problems)} of {len(checked) + len(problems)} tickets are invalid, none sent: "
                              f"{shown}")
 
+        if not self._checked:
+            self.check_connection()
         results = []
-        with tqdm(total=len(checked), unit="ticket", desc="enqueue", disable=not progress) as bar:
+        # One pooled producer (and its broker connection) for the whole run, not one acquire per message.
+        with (
+            tqdm(total=len(checked), unit="ticket", desc="enqueue", disable=not progress) as bar,
+            self._acquire_producer() as kombu_producer,
+        ):
             for start in range(0, len(checked), pack):
                 chunk = checked[start : start + pack]
-                results.append(self._send(chunk, packed=pack > 1))
+                results.append(self._send(chunk, packed=pack > 1, producer=kombu_producer))
                 bar.update(len(chunk))
         return results
 
-    def _send(self, tickets: Sequence[tuple[str, str]], packed: bool) -> TicketResult:
+    def _acquire_producer(self):
+        try:
+            return self.app.producer_or_acquire()
+        except _CONNECTION_ERRORS as exc:
+            self._checked = False
+            raise self._unreachable(exc) from None
+
+    def _send(self, tickets: Sequence[tuple[str, str]], packed: bool, producer: object = None) -> TicketResult:
         if not self._checked:
             self.check_connection()
         now = time.time()
         payload = [{"id": ticket_id, "text": text, "submitted_at": now} for ticket_id, text in tickets]
-        task_id = str(uuid.uuid4())
+        ticket_ids = tuple(ticket_id for ticket_id, _ in tickets)
+        return self._publish(str(uuid.uuid4()), (payload if packed else payload[0],), ticket_ids, packed, producer)
+
+    def _publish(
+        self, task_id: str, args: tuple, ticket_ids: tuple[str, ...], packed: bool, producer: object = None
+    ) -> TicketResult:
         try:
             result = self.app.send_task(
                 TASK_CLASSIFY,
-                args=[payload if packed else payload[0]],
+                args=list(args),
                 queue=self.settings.queue,
                 task_id=task_id,
                 result_cls=self._result_cls,
                 # Celery copies repr(args) into the message headers, where logs and Flower show it;
                 # tickets carry customer text, so the headers name the ticket ids only.
-                argsrepr=_argsrepr([ticket_id for ticket_id, _ in tickets], packed),
+                argsrepr=_argsrepr(list(ticket_ids), packed),
+                producer=producer,  # None: Celery acquires one from its pool for this message
             )
         except (*_CONNECTION_ERRORS, RuntimeError) as exc:
             self._checked = False
             raise self._unreachable(exc) from None
-        result.ticket_ids = tuple(ticket_id for ticket_id, _ in tickets)
-        result.packed = packed
+        result.ticket_ids, result.packed, result.message_args = ticket_ids, packed, args
         return result
+
+    def resend(self, result: TicketResult) -> TicketResult:
+        """Send a message again with its original task id; the worker publishes each ticket once.
+
+        For a message that may have been lost after it was sent (a worker or Redis that lost it);
+        when both copies arrive, the second is classified and recognised as a duplicate.
+        """
+        if not result.message_args:
+            raise ValueError(f"task {result.id} was not sent by this producer: nothing to resend")
+        return self._publish(result.id, result.message_args, result.ticket_ids, result.packed)
 
     def _unreachable(self, exc: BaseException) -> BaseException:
         """Name the Redis that failed; give back any other error unchanged."""
@@ -244,29 +273,47 @@ class Producer:
         timeout: float | None = None,
         progress: bool = False,
         on_result: ResultCallback | None = None,
+        resend_after: float | None = None,
     ) -> list[dict]:
         """Per-ticket result dicts for `results`, in submission order.
 
         Blocks until every task is done or `timeout` seconds pass overall; unfinished tickets come
         back as `status: "timeout"`. `on_result` gets each task's ticket dicts as they arrive.
+        With `resend_after`, a message still without a result after that many seconds (and again
+        after each further period) is sent again with the same task id: covers a message lost
+        on its way (a Redis that lost its last writes), at the cost of a duplicate computation.
         """
+        if resend_after is not None and resend_after <= 0:
+            raise ValueError(f"resend_after must be > 0 seconds, got {resend_after!r}")
         by_task: dict[str, list[dict]] = {}
         sent = {result.id: result for result in results}
         total = sum(len(_ticket_ids(result)) or 1 for result in results)
+        deadline = None if timeout is None else time.monotonic() + timeout
         with tqdm(total=total, unit="ticket", desc="results", disable=not progress) as bar:
             try:
-                for task_id, state, value in self._iter_ready(results, timeout):
-                    tickets = ticket_results(sent[task_id], state, value)
-                    by_task[task_id] = tickets
-                    bar.update(len(tickets))
-                    if on_result is not None:
-                        on_result(tickets)
-                    if len(by_task) == len(sent):
-                        # ResultSet can miss that it is complete when some results arrived over
-                        # pub/sub during an earlier wait; stop as soon as every task is collected.
+                while len(by_task) < len(sent):
+                    pending = [result for result in results if result.id not in by_task]
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
                         break
-            except CeleryTimeoutError:
-                pass  # whatever is missing from by_task is reported as a timeout below
+                    periods = [p for p in (remaining, resend_after) if p is not None]
+                    period = min(periods) if periods else None
+                    try:
+                        for task_id, state, value in self._iter_ready(pending, period):
+                            tickets = ticket_results(sent[task_id], state, value)
+                            by_task[task_id] = tickets
+                            bar.update(len(tickets))
+                            if on_result is not None:
+                                on_result(tickets)
+                            if len(by_task) == len(sent):
+                                # ResultSet can miss that it is complete when some results arrived
+                                # over pub/sub during an earlier wait; stop once every task is in.
+                                break
+                    except CeleryTimeoutError:
+                        pass  # what is missing is re-sent below, or reported as a timeout
+                    if resend_after is None or len(by_task) == len(sent):
+                        break
+                    self._resend_missing(results, by_task)
             except (*_CONNECTION_ERRORS, RuntimeError) as exc:
                 raise self._unreachable(exc) from None
             finally:
@@ -281,6 +328,13 @@ class Producer:
                 ids = _ticket_ids(result) or [None]
                 collected.extend(_failed(result.id, ids, error, status="timeout"))
         return collected
+
+    def _resend_missing(self, results: Sequence[AsyncResult], by_task: dict[str, list[dict]]) -> None:
+        missing = [result for result in results if result.id not in by_task and getattr(result, "message_args", ())]
+        for result in missing:
+            self.resend(result)
+        if missing:
+            log.warning("re-sent %d message(s) without a result (same task ids)", len(missing))
 
     def _unsubscribe(self, results: Iterable[AsyncResult]) -> None:
         """Stop listening for results we gave up on (a later `wait` subscribes again).

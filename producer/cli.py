@@ -11,22 +11,30 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
-from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from producer.api import BrokerUnavailable, Producer, mask_url
+from producer.clitools import (
+    CONTEXT_SETTINGS,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    command,
+    exit_status,
+    report,
+    summary_line,
+)
 from producer.synthetic import generate_tickets
-from producer.tickets import TicketFileError, read_tickets, write_results
-from worker.settings import Settings
+from producer.tickets import OutputError, TicketFile, TicketFileError, check_output, read_tickets, write_results
+from worker.settings import Settings, SettingsError, load_settings
 
-EXIT_PROBLEMS = 1  # some tickets were rejected, failed or timed out
-EXIT_UNUSABLE = 2  # bad configuration, unreadable input, Redis unreachable
-MAX_ERRORS_SHOWN = 20
+EXIT_PROBLEMS = EXIT_FAILED  # some tickets were rejected, failed or timed out
+EXIT_UNUSABLE = EXIT_USAGE  # bad configuration, unreadable input, Redis unreachable
 
 app = typer.Typer(
     name="ticketq-produce",
@@ -36,11 +44,13 @@ app = typer.Typer(
         "TICKETQ_RESULT_BACKEND, TICKETQ_QUEUE, TICKETQ_MAX_TICKET_BYTES, ...); --broker-url and "
         "--backend-url override them.\n\n"
         "Exit status: 0 all tickets sent (and, with --wait, classified); 1 some tickets were rejected, "
-        "failed or timed out; 2 nothing could be done (bad settings, unreadable file, Redis unreachable)."
+        "failed or timed out; 2 nothing could be done (bad settings, unreadable file, Redis unreachable); "
+        "3 the input was read but no ticket was sent (or, with --wait, classified)."
     ),
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings=CONTEXT_SETTINGS,
 )
 out_console = Console()
 err_console = Console(stderr=True)
@@ -56,11 +66,19 @@ Pack = Annotated[
 Wait = Annotated[bool, typer.Option("--wait", "-w", help="Wait for every result and print a summary.")]
 Out = Annotated[
     Path | None,
-    typer.Option("--out", "-o", dir_okay=False, help="Write per-ticket results as JSONL (implies --wait)."),
+    typer.Option("--out", "-o", dir_okay=False, help="Write per-ticket results as JSONL (implies --wait); "
+                 "one row per input row, malformed and rejected ones included."),
 ]
+Force = Annotated[bool, typer.Option("--force", "-f", help="Replace --out if it exists.")]
 Timeout = Annotated[
     float,
     typer.Option("--timeout", min=0.1, help="Seconds to wait for all results, overall; late ones count as timeout."),
+]
+ResendAfter = Annotated[
+    float | None,
+    typer.Option("--resend-after", min=0.1, help="While waiting, re-send a message that has no result after this "
+                 "many seconds, with the same task id (the worker publishes each ticket once). Covers a message "
+                 "lost on its way, e.g. by a Redis that lost its last writes."),
 ]
 BrokerUrl = Annotated[
     str | None,
@@ -80,9 +98,9 @@ class RunOptions:
     wait: bool
     out: Path | None
     timeout: float
-    broker_url: str | None
-    backend_url: str | None
     progress: bool
+    force: bool = False
+    resend_after: float | None = None
 
 
 @dataclass
@@ -105,22 +123,28 @@ def file_command(
     pack: Pack = 1,
     wait: Wait = False,
     out: Out = None,
+    force: Force = False,
     timeout: Timeout = 600.0,
+    resend_after: ResendAfter = None,
     broker_url: BrokerUrl = None,
     backend_url: BackendUrl = None,
     progress: Progress = True,
 ) -> None:
-    """Send the tickets in a JSONL or CSV file. Malformed rows are reported with file:line and skipped."""
+    """Send the tickets in a JSONL or CSV file. Malformed rows are reported with file:line, not sent,
+    and (with --out) written as failed rows."""
+    settings = _settings(broker_url, backend_url)
     if fmt not in ("auto", "jsonl", "csv"):
-        raise typer.BadParameter(f"must be auto, jsonl or csv, got {fmt!r}", param_hint="--format")
+        _exit_error(f"--format {fmt}: must be auto, jsonl or csv")
     try:
+        if out:
+            check_output(out, [path], force)
         parsed = read_tickets(path, fmt)  # type: ignore[arg-type]
-    except TicketFileError as exc:
-        _error(str(exc))
-        raise typer.Exit(EXIT_UNUSABLE) from None
-    _report_errors([str(error) for error in parsed.errors], f"{len(parsed.errors)} malformed rows, skipped:")
-    options = RunOptions(pack, wait, out, timeout, broker_url, backend_url, progress)
-    raise typer.Exit(_run(parsed.tickets, len(parsed.errors), options))
+    except (TicketFileError, OutputError) as exc:
+        _exit_error(str(exc))
+    _report_errors([str(error) for error in parsed.errors], f"{len(parsed.errors)} malformed rows, not sent:",
+                   _kept_hint(out))  # fmt: skip
+    options = RunOptions(pack, wait, out, timeout, progress, force, resend_after)
+    raise typer.Exit(_run(parsed.tickets, options, settings, parsed))
 
 
 @app.command("synthetic")
@@ -130,7 +154,9 @@ def synthetic_command(
     pack: Pack = 1,
     wait: Wait = False,
     out: Out = None,
+    force: Force = False,
     timeout: Timeout = 600.0,
+    resend_after: ResendAfter = None,
     broker_url: BrokerUrl = None,
     backend_url: BackendUrl = None,
     progress: Progress = True,
@@ -139,55 +165,90 @@ def synthetic_command(
 
     With --wait the summary also shows agreement with the generator's expected labels.
     """
-    settings = _settings()
+    settings = _settings(broker_url, backend_url)
+    try:
+        if out:
+            check_output(out, (), force)
+    except OutputError as exc:
+        _exit_error(str(exc))
     tickets = generate_tickets(n, seed=seed, labels=settings.label_names)
-    options = RunOptions(pack, wait, out, timeout, broker_url, backend_url, progress)
-    raise typer.Exit(_run(tickets, 0, options, settings))
+    options = RunOptions(pack, wait, out, timeout, progress, force, resend_after)
+    raise typer.Exit(_run(tickets, options, settings))
 
 
-def _settings() -> Settings:
+def _settings(broker_url: str | None = None, backend_url: str | None = None) -> Settings:
+    """The settings with the URL options applied and validated, or one line per problem and exit 2."""
     try:
-        return Settings()
-    except ValidationError as exc:
-        _error(f"invalid TICKETQ_* settings:\n{exc}")
-        raise typer.Exit(EXIT_UNUSABLE) from None
+        return load_settings({"broker_url": "--broker-url", "result_backend": "--backend-url"},
+                             broker_url=broker_url, result_backend=backend_url)  # fmt: skip
+    except SettingsError as exc:
+        _exit_error(str(exc))
 
 
-def _run(tickets: list[dict], rejected: int, options: RunOptions, settings: Settings | None = None) -> int:
-    """Validate, send, optionally collect; returns the exit status."""
-    if options.out and not options.out.resolve().parent.is_dir():
-        _error(f"--out {options.out}: directory {options.out.resolve().parent} does not exist")
-        return EXIT_UNUSABLE
-    producer = Producer(settings or _settings(), broker_url=options.broker_url, backend_url=options.backend_url)
+def _exit_error(message: str) -> NoReturn:
+    _error(message)
+    raise typer.Exit(EXIT_UNUSABLE)
+
+
+def _kept_hint(out: Path | None) -> str:
+    return f"; every row is in {out}" if out else "; pass --out FILE to keep every row"
+
+
+def _run(tickets: list[dict], options: RunOptions, settings: Settings, source: TicketFile | None = None) -> int:
+    """Validate, send, optionally collect, write the results file; returns the exit status."""
+    producer = Producer(settings)
     try:
-        good, problems = _validate(producer, tickets)
-        _report_errors(problems, f"{len(problems)} tickets rejected, not sent:")
-        rejected += len(problems)
-        if not good:
+        good, refused = _validate(producer, tickets)
+        _report_errors([f"{row['id']}: {row['error']}" for row in refused],
+                       f"{len(refused)} tickets rejected, not sent:", _kept_hint(options.out))  # fmt: skip
+        malformed = len(source.errors) if source else 0
+        results = None
+        if good:
+            producer.check_connection()
+            results = _send_and_collect(producer, good, malformed + len(refused), options)
+        else:
             _error("no valid tickets to send")
-            return EXIT_UNUSABLE
-        producer.check_connection()
-        return _send_and_collect(producer, good, rejected, options)
     except BrokerUnavailable as exc:
         _error(str(exc))
         return EXIT_UNUSABLE
     finally:
         producer.close()
+    return _finish(refused + (results or []), options, source, sent=len(good), waited=results is not None)
 
 
-def _validate(producer: Producer, tickets: list[dict]) -> tuple[list[dict], list[str]]:
-    good, problems = [], []
+def _finish(results: list[dict], options: RunOptions, source: TicketFile | None, sent: int, waited: bool) -> int:
+    """Write every row (--out), print the summary line, and turn the outcome into the exit status."""
+    rows = source.results_in_order(results) if source else results
+    if options.out and (waited or not sent):
+        try:
+            count = write_results(options.out, rows, overwrite=options.force)
+        except OutputError as exc:
+            _error(str(exc))
+            return EXIT_UNUSABLE
+        out_console.print(f"wrote {count} results to {options.out}", highlight=False, markup=False)
+    if waited or not sent:
+        line, ok, failed = summary_line(rows)
+        out_console.print(line, highlight=False, markup=False, soft_wrap=True)
+        return exit_status(ok, failed)
+    problems = len(results) + (len(source.errors) if source else 0)  # not waiting: `results` are the refused
+    return EXIT_PROBLEMS if problems else EXIT_OK
+
+
+def _validate(producer: Producer, tickets: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The tickets the producer accepts, and a failed result row for each one it refuses."""
+    good, refused = [], []
     for ticket in tickets:
         try:
             producer.validate(ticket["text"], ticket["id"])
         except (ValueError, TypeError) as exc:
-            problems.append(str(exc))
+            refused.append({"id": ticket["id"], "status": "failed", "reason": "rejected", "error": str(exc)})
         else:
             good.append(ticket)
-    return good, problems
+    return good, refused
 
 
-def _send_and_collect(producer: Producer, tickets: list[dict], rejected: int, options: RunOptions) -> int:
+def _send_and_collect(producer: Producer, tickets: list[dict], rejected: int, options: RunOptions) -> list[dict] | None:
+    """Send; with --wait or --out also collect and print the summary table. None when not waiting."""
     settings = producer.settings
     started = time.monotonic()
     sent = producer.submit_many(tickets, pack=options.pack, progress=options.progress)
@@ -200,20 +261,17 @@ def _send_and_collect(producer: Producer, tickets: list[dict], rejected: int, op
         markup=False,
     )
     if not (options.wait or options.out):
-        return EXIT_PROBLEMS if rejected else 0
+        return None
 
     collected = Collected()
-    results = producer.wait(sent, timeout=options.timeout, progress=options.progress, on_result=collected.add)
+    results = producer.wait(sent, timeout=options.timeout, progress=options.progress, on_result=collected.add,
+                            resend_after=options.resend_after)  # fmt: skip
     expected = {ticket["id"]: ticket["expected"] for ticket in tickets if "expected" in ticket}
     for result in results:
         if result.get("id") in expected:
             result["expected"] = expected[result["id"]]
     _print_summary(results, rejected, started, collected.last_at)
-    if options.out:
-        count = write_results(options.out, results)
-        out_console.print(f"wrote {count} results to {options.out}", highlight=False, markup=False)
-    bad = rejected + sum(result.get("status") != "ok" for result in results)
-    return EXIT_PROBLEMS if bad else 0
+    return results
 
 
 def _print_summary(results: list[dict], rejected: int, started: float, last_at: float | None) -> None:
@@ -253,21 +311,15 @@ def _add_latency_rows(table: Table, ok: list[dict]) -> None:
 
 
 def _error(message: str) -> None:
-    err_console.print(f"[red]error:[/] {escape(message)}", highlight=False)
+    err_console.print(f"[red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
-def _report_errors(lines: list[str], header: str) -> None:
-    if not lines:
-        return
-    err_console.print(f"[yellow]{escape(header)}[/]", highlight=False)
-    for line in lines[:MAX_ERRORS_SHOWN]:
-        err_console.print(f"  {line}", highlight=False, markup=False)
-    if len(lines) > MAX_ERRORS_SHOWN:
-        err_console.print(f"  ... and {len(lines) - MAX_ERRORS_SHOWN} more")
+def _report_errors(lines: list[str], header: str, more_hint: str = "") -> None:
+    report(err_console, lines, header, more_hint)
 
 
 def main() -> None:
-    app()
+    command(app, "ticketq-produce")(prog_name="ticketq-produce")
 
 
 if __name__ == "__main__":

@@ -281,7 +281,7 @@ def test_compose_worker_scalable():
     assert "HF_HOME" in env
     assert any(str(v).split(":")[1] == "/models" for v in worker["volumes"]), "model cache volume"
     health = _as_command(worker["healthcheck"]["test"])
-    assert str(DEFAULT_METRICS_PORT) in health and "/metrics" in health
+    assert str(DEFAULT_METRICS_PORT) in health and "/readyz" in health
     assert worker["depends_on"]["redis"]["condition"] == "service_healthy"
     named = set(compose.get("volumes", {}))
     for service in compose["services"].values():
@@ -452,8 +452,8 @@ def test_k8s_worker():
     assert names.index("REDIS_PASSWORD") < names.index("TICKETQ_BROKER_URL"), "$(VAR) needs it defined first"
     assert env["TICKETQ_METRICS_HOST"]["value"] == "0.0.0.0"
     assert container["resources"]["requests"] and container["resources"]["limits"]
-    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
-        assert container[probe]["httpGet"]["path"] == "/metrics", probe
+    probes = {name: container[name]["httpGet"]["path"] for name in ("livenessProbe", "readinessProbe", "startupProbe")}
+    assert probes == {"livenessProbe": "/healthz", "readinessProbe": "/readyz", "startupProbe": "/healthz"}
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
     assert pod["spec"]["terminationGracePeriodSeconds"] >= 30
 

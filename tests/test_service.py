@@ -468,8 +468,10 @@ STARTUP_FAILURES = {
         {"TICKETQ_PREFETCH_MULTIPLIER": "4", "TICKETQ_BATCH_WINDOW": "64"},
         "TICKETQ_PREFETCH_MULTIPLIER",
     ),
-    "model_missing": ({"TICKETQ_MODEL": "/nonexistent/ticketq-model"}, "python -m worker.standin"),
-    "broker_unreachable": ({"TICKETQ_BROKER_URL": "redis://127.0.0.1:1/0"}, "Redis is not reachable"),
+    "model_missing": ({"TICKETQ_MODEL": "/nonexistent/ticketq-model"}, "ticketq standin"),
+    # the null classifier needs no model, so the broker is the first thing that fails
+    "broker_unreachable": ({"TICKETQ_BROKER_URL": "redis://127.0.0.1:1/0", "TICKETQ_NULL_CLASSIFIER": "1"},
+                           "Redis is not reachable"),
 }
 
 

@@ -2,29 +2,65 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from producer.clitools import (
+    CONTEXT_SETTINGS,
+    EXIT_FAILED,
+    EXIT_USAGE,
+    command,
+    error,
+    exit_status,
+    report,
+    summary_line,
+)
+from producer.tickets import OutputError, TicketFileError, check_output, read_tickets, write_results
+
 cli = typer.Typer(
     help="ticketq — route support tickets with a small LLM: Redis + Celery micro-batches, length-sorted, "
-    "prefix-cached, label-constrained, checked against the unbatched reference.",
+    "prefix-cached, label-constrained, checked against the unbatched reference.\n\n"
+    "Exit status: 0 done; 1 some tickets failed; 2 bad settings, options or input, nothing done; "
+    "3 the input was read but nothing was classified.",
     no_args_is_help=True,
     add_completion=False,
+    context_settings=CONTEXT_SETTINGS,
+    pretty_exceptions_enable=False,
 )
 console = Console(stderr=True)
 DEFAULT_STANDIN = Path("models/qwen2.5-0.5b-standin")
+DEFAULT_OUT = Path("results.jsonl")
+ENGINE_FLAGS = {"model": "--model", "dtype": "--dtype", "device": "--device"}
 
 
-def _settings(**overrides):
-    from worker.settings import Settings
+def _settings(flags: dict[str, str] | None = None, **overrides):
+    """The settings, or one line per invalid one and exit 2, before anything heavy is imported."""
+    from worker.settings import SettingsError, load_settings
 
-    return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    try:
+        return load_settings(flags, **overrides)
+    except SettingsError as exc:
+        _fail(f"invalid settings:\n{exc}" if "\n" in str(exc) else str(exc))
+
+
+def _fail(message: str, status: int = EXIT_USAGE) -> NoReturn:
+    error(console, message)
+    raise typer.Exit(status)
+
+
+def _check_model(settings) -> None:
+    from worker.settings import model_problem
+
+    problem = None if settings.null_classifier else model_problem(settings.model)
+    if problem:
+        _fail(problem)
 
 
 @cli.command()
@@ -33,13 +69,13 @@ def worker(
     name: Annotated[str | None, typer.Option(help="Worker node name (default ticketq-<pid>@<host>).")] = None,
 ) -> None:
     """Start one worker process (one model replica) consuming the ticket queue. Configure with TICKETQ_*."""
-    from pydantic import ValidationError
+    from worker.metrics import port_problem
 
-    try:
-        from worker.app import app, preflight, settings
-    except ValidationError as exc:
-        console.print(f"[red]invalid settings, the worker refuses to start:[/]\n{_errors(exc)}")
-        raise typer.Exit(2) from None
+    settings = _settings()  # before worker.app, which builds its settings at import time
+    _check_model(settings)
+    if problem := port_problem(settings.metrics_host, settings.metrics_port):
+        _fail(problem)
+    from worker.app import app, preflight
 
     preflight(settings)
     argv = [
@@ -73,35 +109,66 @@ def standin(
 @cli.command()
 def classify(
     path: Annotated[Path, typer.Argument(help="Tickets: JSONL ({'id','text'}) or CSV with id,text columns.")],
-    out: Annotated[Path, typer.Option(help="Results JSONL.")] = Path("results.jsonl"),
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help=f"Results JSONL, one row per input row [default: {DEFAULT_OUT}].")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", "-f", help="Replace --out if it exists.")] = False,
+    fmt: Annotated[str, typer.Option("--format", help="auto (by extension, then content), jsonl or csv.")] = "auto",
     model: Annotated[str | None, typer.Option(help="Hub id or local dir (default TICKETQ_MODEL).")] = None,
-    dtype: Annotated[str | None, typer.Option(help="auto|float32|bfloat16|float16.")] = None,
+    dtype: Annotated[str | None, typer.Option(help="auto|float32|bfloat16|float16|int8.")] = None,
     device: Annotated[str | None, typer.Option(help="auto|cpu|cuda|mps.")] = None,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
 ) -> None:
-    """Classify a ticket file in-process (no Redis): progress bar, results JSONL, summary."""
+    """Classify a ticket file in-process (no Redis): every input row gets one result row (ok or failed)."""
+    settings = _settings(ENGINE_FLAGS, model=model, dtype=dtype, device=device)
+    if fmt not in ("auto", "jsonl", "csv"):
+        _fail(f"--format {fmt}: must be auto, jsonl or csv")
+    try:
+        out = check_output(out or DEFAULT_OUT, [path], force)
+        source = read_tickets(path, fmt)  # type: ignore[arg-type]
+    except (TicketFileError, OutputError) as exc:
+        _fail(str(exc))
+    _check_model(settings)
+    summary = _classify(settings, source, progress)
+    try:
+        write_results(out, summary.rows, overwrite=force)
+    except OutputError as exc:
+        _fail(str(exc))
+    _report_classified(summary, path, out)
+    raise typer.Exit(exit_status(summary.ok, summary.failed))
+
+
+def _classify(settings, source, progress: bool):
+    """Load the model (only when there is something to classify) and classify the file."""
+    from worker.offline import Summary, classify_file
+
+    if not source.tickets:
+        return Summary(rows=source.results_in_order([]))
     from worker.engine import Engine, ModelNotFound
-    from worker.offline import classify_file
 
     _logging()
-    settings = _settings(model=model, dtype=dtype, device=device)
     try:
         engine = Engine.from_settings(settings)
     except ModelNotFound as exc:
-        console.print(f"[red]{exc}[/]")
-        raise typer.Exit(2) from None
-    summary, errors = classify_file(engine, path, out)
-    for error in errors[:20]:
-        console.print(f"[yellow]skipped[/] {error}")
-    table = Table(title=f"{path} → {out}")
-    for column in ("tickets", "failed", "items/s", "padding", "labels"):
-        table.add_column(column)
-    labels = ", ".join(f"{k}={v}" for k, v in summary.labels.most_common())
-    table.add_row(
-        str(summary.tickets), str(summary.failed), f"{summary.items_per_s:.2f}", f"{summary.padding_ratio:.1%}", labels
-    )
-    console.print(table)
+        _fail(str(exc))
+    summary = classify_file(engine, source, progress)
     if engine.info.standin:
         console.print("[yellow]stand-in model: labels are meaningless; speed is real[/]")
+    return summary
+
+
+def _report_classified(summary, path: Path, out: Path) -> None:
+    failed = [f"{row['source']}: {row['reason']}: {row['error']}" for row in summary.rows if row["status"] != "ok"]
+    report(console, failed, f"{len(failed)} rows failed:", f" (every row is in {out})")
+    table = Table(title=f"{path} → {out}")
+    for column in ("rows", "ok", "failed", "items/s", "padding", "labels"):
+        table.add_column(column, overflow="fold")
+    labels = ", ".join(f"{k}={v}" for k, v in summary.labels.most_common())
+    table.add_row(str(len(summary.rows)), str(summary.ok), str(summary.failed), f"{summary.items_per_s:.2f}",
+                  f"{summary.padding_ratio:.1%}", labels)  # fmt: skip
+    console.print(table)
+    line, _, _ = summary_line(summary.rows)
+    console.print(f"{line}; results in {out}", highlight=False, markup=False, soft_wrap=True)
 
 
 @cli.command()
@@ -123,11 +190,7 @@ def config(markdown: Annotated[bool, typer.Option(help="Print a Markdown table (
 
     from worker.settings import Settings
 
-    try:
-        current = Settings()
-    except ValueError as exc:
-        console.print(f"[red]invalid settings:[/] {exc}")
-        raise typer.Exit(2) from None
+    current = _settings()
     rows = []
     for name, field in Settings.model_fields.items():
         value = getattr(current, name)
@@ -143,7 +206,7 @@ def config(markdown: Annotated[bool, typer.Option(help="Print a Markdown table (
         return
     table = Table(title="ticketq settings (environment)")
     for column in ("setting", "value", "default", "meaning"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")  # wrap long values, never cut them with "…"
     for env, default, shown, meaning in rows:
         table.add_row(env, shown, default, meaning)
     Console().print(table)
@@ -159,8 +222,118 @@ def bench(ctx: typer.Context) -> None:
     raise typer.Exit(bench_main(ctx.args))
 
 
-def _errors(exc) -> str:
-    return "\n".join(f"  - {error['msg'].removeprefix('Value error, ')}" for error in exc.errors())
+@cli.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, add_help_option=False
+)
+def loadtest(ctx: typer.Context) -> None:
+    """Open-loop load test: Poisson arrivals at fractions of capacity, latency vs load (`ticketq loadtest --help`)."""
+    from worker.loadtest import main as loadtest_main
+
+    raise typer.Exit(loadtest_main(ctx.args))
+
+
+dead = typer.Typer(help="Dead letters (stream ticketq:dead): list, show, requeue once the cause is fixed.",
+                   no_args_is_help=True, context_settings=CONTEXT_SETTINGS)  # fmt: skip
+cli.add_typer(dead, name="dead")
+
+
+def _ops():
+    from producer.api import BrokerUnavailable
+    from worker.ops import Ops
+
+    ops = Ops(_settings())
+    try:
+        ops.redis.ping()
+    except Exception as exc:  # redis-py and socket errors alike: report the broker, not a traceback
+        ops.close()
+        _fail(str(BrokerUnavailable(ops.settings.broker_url, exc)))
+    return ops
+
+
+@cli.command()
+def status(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
+    """Queue depth, in-flight messages, live workers (Celery ping), dead letters by reason, results stream."""
+    ops = _ops()
+    try:
+        state = ops.status()
+    finally:
+        ops.close()
+    if as_json:
+        print(json.dumps(state))
+        return
+    for key, value in state.items():
+        shown = ", ".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else value
+        shown = ", ".join(shown) if isinstance(shown, list) else shown
+        print(f"{key.replace('_', ' ')}: {shown if shown not in ('', None) else 'none'}")
+    if not state["workers"]:
+        raise typer.Exit(EXIT_FAILED)  # nothing is consuming the queue: worth a non-zero status
+
+
+@dead.command("list")
+def dead_list(reason: Annotated[str | None, typer.Option(help="Only this reason.")] = None) -> None:
+    """One line per dead letter: entry id, reason, task id, error."""
+    ops = _ops()
+    try:
+        for letter in ops.dead_letters(reason):
+            print(f"{letter.entry_id}  {letter.reason}  {letter.task_id}  {letter.fields.get('error', '')}")
+    finally:
+        ops.close()
+
+
+@dead.command("show")
+def dead_show(key: Annotated[str, typer.Argument(help="Stream entry id or task id.")]) -> None:
+    """Every field of a dead letter, its payload decoded."""
+    ops = _ops()
+    try:
+        letters = ops.find_dead(key)
+    finally:
+        ops.close()
+    if not letters:
+        _fail(f"no dead letter with entry id or task id {key}", EXIT_FAILED)
+    for letter in letters:
+        fields = {k: v for k, v in letter.fields.items() if k not in ("payload", "payload_b64")}
+        payload = letter.payload
+        shown = payload.decode("utf-8", "backslashreplace") if isinstance(payload, bytes) else payload
+        print(json.dumps({"entry_id": letter.entry_id, **fields, "payload": shown}, indent=2, ensure_ascii=False))
+
+
+@dead.command("requeue")
+def dead_requeue(
+    keys: Annotated[list[str] | None, typer.Argument(help="Stream entry ids or task ids.")] = None,
+    reason: Annotated[str | None, typer.Option(help="Every dead letter with this reason.")] = None,
+) -> None:
+    """Re-send dead letters with their original task id (a ticket of a pack: <task id>:<slot>)."""
+    from worker.ops import NotRequeueable
+
+    if not keys and not reason:
+        _fail("name dead letters to requeue (entry or task ids) or pass --reason")
+    ops = _ops()
+    failed = 0
+    try:
+        letters = ops.dead_letters(reason) if reason else [x for key in keys or [] for x in ops.find_dead(key)]
+        for letter in letters:
+            try:
+                print(f"requeued {letter.entry_id} as task {ops.requeue(letter)}")
+            except NotRequeueable as exc:
+                failed += 1
+                error(console, f"{letter.entry_id}: {exc}")
+    finally:
+        ops.close()
+    raise typer.Exit(exit_status(len(letters) - failed, failed))
+
+
+@cli.command()
+def result(key: Annotated[str, typer.Argument(help="Task id or ticket id.")]) -> None:
+    """Look up results by task id or ticket id (results stream, then the Celery result backend)."""
+    ops = _ops()
+    try:
+        found = ops.result(key)
+    finally:
+        ops.close()
+    if not found:
+        _fail(f"no result for {key} (not in the results stream, pending or expired in the backend)", EXIT_FAILED)
+    for row in found:
+        print(json.dumps(row, ensure_ascii=False))
 
 
 def _logging() -> None:
@@ -170,7 +343,7 @@ def _logging() -> None:
 
 
 def main() -> None:
-    cli()
+    command(cli, "ticketq")(prog_name="ticketq")
 
 
 if __name__ == "__main__":

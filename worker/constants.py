@@ -36,7 +36,16 @@ M_FLUSHES = "ticketq_flushes"  # counter: celery-batches flushes (buffer drains)
 M_QUEUE_DEPTH = "ticketq_queue_depth"  # gauge: LLEN of the broker queue, sampled at scrape
 M_DUPLICATES = "ticketq_duplicate_results"  # counter: re-executions whose result was already published
 M_SHADOW_DROPPED = "ticketq_shadow_dropped"  # counter: shadow samples dropped because the checker was busy
+M_FIRST_RESULT = "ticketq_time_to_first_result_seconds"  # histogram: batch start -> its first result published
+M_PUBLISH = "ticketq_publish_seconds"  # histogram: Redis work of publishing one forward batch's results
 
 # Redis keys written by workers (besides Celery's own).
 DONE_KEY = "ticketq:done:{task_id}:{slot}"  # set once per final result: makes stream publishing idempotent
 ATTEMPTS_KEY = "ticketq:attempts:{task_id}"  # deliveries of one message: bounds crash loops on poison tickets
+
+# Redis keys of the atomic fetch (worker.internals.Transport; kombu's own `unacked` hash and
+# `unacked_index` zset are kept as they are). <consumer> = host:pid:random of one consuming channel.
+FETCHING_KEY = "ticketq:fetching:{consumer}:{queue}"  # list: a message between its pop and its unacked record
+OWNED_KEY = "ticketq:owned:{consumer}"  # set: delivery tags this consumer holds unacked
+ALIVE_KEY = "ticketq:alive:{consumer}"  # string with a TTL (the lease): exists while the consumer beats
+CONSUMERS_KEY = "ticketq:consumers"  # hash: consumer -> JSON {host, pid, queues, since}: whom to check

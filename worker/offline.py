@@ -1,57 +1,66 @@
-"""Classify a ticket file in-process, no Redis: the article's own use case (a backlog, one machine)."""
+"""Classify a ticket file in-process, no Redis: the article's own use case (a backlog, one machine).
+
+Every input row ends as exactly one result row, in file order, with its `source` (`file:line`):
+`ok` with a label, or `failed` with a reason (a malformed row, or a ticket the prompt refuses).
+"""
 
 from __future__ import annotations
 
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from tqdm import tqdm
 
-from producer.tickets import read_tickets, write_results
+from producer.tickets import TicketFile
 from worker.prompt import InvalidTicket
 from worker.results import BatchReport, padding_ratio
 
 
 @dataclass
 class Summary:
-    tickets: int = 0
-    failed: int = 0
+    rows: list[dict] = field(default_factory=list)  # one per input row, in file order
     seconds: float = 0.0
     reports: list[BatchReport] = field(default_factory=list)
-    labels: Counter = field(default_factory=Counter)
+
+    @property
+    def ok(self) -> int:
+        return sum(row["status"] == "ok" for row in self.rows)
+
+    @property
+    def failed(self) -> int:
+        return len(self.rows) - self.ok
+
+    @property
+    def labels(self) -> Counter:
+        return Counter(row["label"] for row in self.rows if row["status"] == "ok")
 
     @property
     def items_per_s(self) -> float:
-        return self.tickets / self.seconds if self.seconds else 0.0
+        return self.ok / self.seconds if self.seconds else 0.0
 
     @property
     def padding_ratio(self) -> float:
         return padding_ratio(self.reports)
 
 
-def classify_file(engine, path: Path, out: Path, progress: bool = True) -> tuple[Summary, list[str]]:
-    """Classify every good row of `path` into `out` (JSONL); bad rows become failed results."""
-    source = read_tickets(path)
-    errors = [str(error) for error in source.errors]
-    encoded, good, results = [], [], {}
+def classify_file(engine, source: TicketFile, progress: bool = True) -> Summary:
+    """Classify every good ticket of `source`; bad rows and refused tickets become failed rows."""
+    encoded, good, results = [], [], []
     for ticket in source.tickets:
         try:
             encoded.append(engine.prompt.encode(ticket["text"]))
             good.append(ticket)
         except InvalidTicket as exc:
-            results[ticket["id"]] = {"id": ticket["id"], "status": "failed", "reason": "empty_text", "error": str(exc)}
-            errors.append(f"{path}: ticket {ticket['id']}: {exc}")
-    summary = Summary(tickets=len(good), failed=len(results) + len(source.errors))
+            results.append({"id": ticket["id"], "status": "failed", "reason": "empty_text", "error": str(exc)})
+    summary = Summary()
     bar = tqdm(total=len(good), unit="ticket", desc="classifying", disable=not progress)
     start = time.perf_counter()
     predictions, summary.reports = engine.classify_encoded(encoded, on_batch=lambda r: bar.update(r.rows))
     summary.seconds = time.perf_counter() - start
     bar.close()
     for ticket, prediction in zip(good, predictions, strict=True):
-        summary.labels[prediction.label] += 1
-        results[ticket["id"]] = {
+        results.append({
             "id": ticket["id"],
             "status": "ok",
             "label": prediction.label,
@@ -60,7 +69,6 @@ def classify_file(engine, path: Path, out: Path, progress: bool = True) -> tuple
             "truncated": prediction.truncated,
             "model": engine.info.name,
             "standin": engine.info.standin,
-        }
-    ordered = [results[t["id"]] for t in source.tickets if t["id"] in results]
-    write_results(out, ordered)
-    return summary, errors
+        })  # fmt: skip
+    summary.rows = source.results_in_order(results)
+    return summary

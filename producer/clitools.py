@@ -1,0 +1,113 @@
+"""Conventions both command-line programs (`ticketq`, `ticketq-produce`) share: exit statuses,
+`-h`/`--version` on every command, the list of failed rows, and the summary line of a file run.
+
+No torch, no worker internals: `ticketq-produce` imports it.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import platform
+from collections import Counter
+from collections.abc import Callable, Iterable
+from importlib.metadata import PackageNotFoundError, version
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+EXIT_OK = 0  # every row or ticket classified
+EXIT_FAILED = 1  # some rows or tickets failed (each one is reported)
+EXIT_USAGE = 2  # bad settings or options, unreadable input, Redis unreachable: nothing was done
+EXIT_NOTHING = 3  # the input was read, but not one ticket was classified
+
+CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"]}
+MAX_SHOWN = 20
+
+
+def exit_status(ok: int, failed: int) -> int:
+    if failed == 0 and ok:
+        return EXIT_OK
+    return EXIT_FAILED if ok else EXIT_NOTHING
+
+
+def version_line(prog: str) -> str:
+    try:
+        ours = version("ticketq")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        ours = "unknown"
+    return f"{prog} {ours} (Python {platform.python_version()}, celery {version('celery')})"
+
+
+def command(app: typer.Typer, prog: str) -> Callable[..., Any]:
+    """`app` as a click command with `--version` on the program and on each of its commands."""
+    flag = Annotated[
+        bool, typer.Option("--version", callback=_show_version(prog), is_eager=True, help="Show the version and exit.")
+    ]
+    _add_version(app, flag)
+    return typer.main.get_command(app)
+
+
+def _add_version(app: typer.Typer, flag: object) -> None:
+    """Give every command of `app` (nested groups too) a `--version` parameter, once."""
+    if app.registered_callback is None:
+        app.callback()(_no_options)
+    infos = [app.registered_callback, *app.registered_commands]
+    for info in infos:
+        if info.callback is not None and not getattr(info.callback, "has_version", False):
+            info.callback = _with_version(info.callback, flag)
+    for group in app.registered_groups:
+        _add_version(group.typer_instance, flag)
+
+
+def _no_options() -> None:
+    """A program without options of its own still takes --version and -h."""
+
+
+def _with_version(function: Callable[..., Any], flag: object) -> Callable[..., Any]:
+    signature = inspect.signature(function, eval_str=True)
+
+    @functools.wraps(function)
+    def wrapped(*args: Any, version: bool = False, **kwargs: Any) -> Any:
+        return function(*args, **kwargs)  # --version acted in its callback; it is not the command's
+
+    extra = inspect.Parameter("version", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=flag)
+    wrapped.__signature__ = signature.replace(parameters=[*signature.parameters.values(), extra])  # type: ignore[attr-defined]
+    wrapped.__annotations__ = {**function.__annotations__, "version": flag}
+    wrapped.has_version = True  # type: ignore[attr-defined]
+    return wrapped
+
+
+def _show_version(prog: str) -> Callable[[bool], None]:
+    def show(value: bool) -> None:
+        if value:
+            print(version_line(prog))
+            raise typer.Exit()
+
+    return show
+
+
+def error(console: Console, message: str) -> None:
+    console.print(f"[red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
+def report(console: Console, lines: list[str], header: str, more_hint: str = "") -> None:
+    """Print `header` and the first MAX_SHOWN lines; say how many more there are and where they are."""
+    if not lines:
+        return
+    console.print(f"[yellow]{escape(header)}[/]", highlight=False, soft_wrap=True)
+    for line in lines[:MAX_SHOWN]:
+        console.print(f"  {line}", highlight=False, markup=False, soft_wrap=True)
+    if len(lines) > MAX_SHOWN:
+        console.print(f"  ... and {len(lines) - MAX_SHOWN} more{more_hint}", highlight=False, markup=False)
+
+
+def summary_line(rows: Iterable[dict]) -> tuple[str, int, int]:
+    """`read N rows: X ok, Y failed (count reason, ...)` for a results file's rows, and (ok, failed)."""
+    rows = list(rows)
+    ok = sum(row.get("status") == "ok" for row in rows)
+    reasons = Counter(str(row.get("reason") or row.get("status")) for row in rows if row.get("status") != "ok")
+    detail = f" ({', '.join(f'{count} {reason}' for reason, count in reasons.most_common())})" if reasons else ""
+    return f"read {len(rows)} rows: {ok} ok, {len(rows) - ok} failed{detail}", ok, len(rows) - ok

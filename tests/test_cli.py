@@ -1,0 +1,258 @@
+"""Both command-line programs as a user runs them: real subprocesses, real Redis, the tiny stand-in.
+
+Checks issue 12's promises: every input row ends in one result row, nothing of the user's is
+overwritten, every bad setting is one line naming the variable (exit 2, before the model loads),
+`--version`/`-h` everywhere, `ticketq config` readable at 80 columns, and the README's settings
+table and Python examples true.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+from typer.testing import CliRunner
+from workers import ROOT, RedisServer, running_worker, worker_env
+
+from producer.cli import app as produce_app
+from producer.clitools import EXIT_FAILED, EXIT_NOTHING, EXIT_USAGE, command
+from worker.cli import cli as ticketq_app
+from worker.settings import Settings
+
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def run(args: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT, timeout: float = 300):
+    """One CLI call in a fresh process; TICKETQ_* comes only from `env`."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
+    clean.update({"PYTHONUNBUFFERED": "1", "COLUMNS": "80", **(env or {})})
+    program, *rest = args
+    module = {"ticketq": "worker.cli", "ticketq-produce": "producer.cli"}[program]
+    return subprocess.run([sys.executable, "-m", module, *rest], env=clean, cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+
+
+def csv_with_broken_quote(path: Path, n: int = 100, broken: int = 50) -> Path:
+    rows = ["id,text"] + [f"T-{i},ticket {i}: my invoice shows a charge I do not recognise" for i in range(1, n + 1)]
+    rows[broken] = f'T-{broken},"unterminated quote in this ticket'
+    path.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    return path
+
+
+def engine_env(model_dir: Path) -> dict[str, str]:
+    return {"TICKETQ_MODEL": str(model_dir), "TICKETQ_DEVICE": "cpu", "TICKETQ_DTYPE": "float32",
+            "TICKETQ_THREADS": "1"}  # fmt: skip
+
+
+# --- -h and --version on every command (in-process: the same click commands main() runs) ---
+
+
+def all_commands(app) -> list[list[str]]:
+    built = command(app, "x")
+    return [[]] + [[name] for name in built.commands]
+
+
+@pytest.mark.parametrize("app", [ticketq_app, produce_app], ids=["ticketq", "ticketq-produce"])
+def test_version_and_short_help_on_every_command(app):
+    runner = CliRunner()
+    for path in all_commands(app):
+        version = runner.invoke(app, [*path, "--version"])
+        assert version.exit_code == 0, (path, version.output)
+        assert re.search(r"\d+\.\d+\.\d+ \(Python", version.output), (path, version.output)
+        if path not in (["bench"], ["loadtest"]):  # these hand -h to their own argparse (SystemExit(0))
+            short = runner.invoke(app, [*path, "-h"])
+            assert short.exit_code == 0 and "Usage" in short.output, (path, short.output)
+
+
+# --- every invalid setting: one line, the variable, the value, what is allowed; exit 2; no model load ---
+
+BAD_SETTINGS = [
+    ({"TICKETQ_MAX_BATCH_TOKENS": "-1"}, "TICKETQ_MAX_BATCH_TOKENS=-1: must be >= 16"),
+    ({"TICKETQ_BROKER_URL": "http://x"}, "TICKETQ_BROKER_URL=http://x: must be a Redis URL"),
+    ({"TICKETQ_LABELS": "a,a"}, "TICKETQ_LABELS=a,a: label 'a' appears more than once"),
+    ({"TICKETQ_DTYPE": "bogus"}, "TICKETQ_DTYPE=bogus: must be one of 'auto'"),
+    ({"TICKETQ_AUTOTUNE": "maybe"}, "TICKETQ_AUTOTUNE=maybe: must be true or false"),
+    ({"TICKETQ_RESULT_BACKEND": "nosuch://x"}, "TICKETQ_RESULT_BACKEND=nosuch://x: must be a Celery result backend"),
+]
+
+
+def assert_one_line_error(result, expected: str, status: int = EXIT_USAGE) -> None:
+    assert result.returncode == status, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], result.stderr
+    assert "Loading weights" not in result.stderr  # refused before the model was touched
+
+
+@pytest.mark.parametrize(("env", "expected"), BAD_SETTINGS, ids=[next(iter(e)) for e, _ in BAD_SETTINGS])
+def test_worker_refuses_each_bad_setting_in_one_line(env, expected):
+    assert_one_line_error(run(["ticketq", "worker"], env), expected)
+
+
+@pytest.mark.parametrize(
+    "args", [["ticketq", "config"], ["ticketq", "classify", "t.jsonl"], ["ticketq-produce", "synthetic", "3"]]
+)
+def test_every_command_refuses_a_bad_setting_in_one_line(args):
+    assert_one_line_error(run(args, {"TICKETQ_MAX_BATCH_TOKENS": "-1"}), "TICKETQ_MAX_BATCH_TOKENS=-1: must be >= 16")
+
+
+def test_bad_options_and_missing_files_are_one_line_before_the_model_loads(tmp_path, tiny_model_dir):
+    env = engine_env(tiny_model_dir)
+    assert_one_line_error(run(["ticketq", "classify", "t.csv", "--dtype", "bogus"], env), "--dtype bogus: must be")
+    missing = run(["ticketq", "classify", str(tmp_path / "missing.jsonl")], env, cwd=tmp_path)
+    assert_one_line_error(missing, "missing.jsonl: cannot read ticket file")
+    assert_one_line_error(run(["ticketq-produce", "synthetic", "3", "--broker-url", "http://y"]),
+                          "--broker-url http://y: must be a Redis URL")  # fmt: skip
+
+
+def test_missing_model_path_names_ticketq_standin(tmp_path):
+    result = run(["ticketq", "worker"], {"TICKETQ_MODEL": "/nonexistent"})
+    assert_one_line_error(result, "TICKETQ_MODEL=/nonexistent: no such directory")
+    assert "ticketq standin" in result.stderr
+
+
+def test_metrics_port_taken_is_refused_before_the_model_loads(tiny_model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**engine_env(tiny_model_dir), "TICKETQ_METRICS_PORT": str(port)}
+        assert_one_line_error(run(["ticketq", "worker"], env), f"TICKETQ_METRICS_PORT={port}: cannot listen")
+
+
+# --- ticketq classify: every row accounted for, nothing overwritten ---
+
+
+def test_classify_writes_a_row_for_every_input_line(tmp_path, tiny_model_dir):
+    tickets = csv_with_broken_quote(tmp_path / "tickets.csv")
+    result = run(["ticketq", "classify", str(tickets), "--out", "r.jsonl", "--no-progress"],
+                 engine_env(tiny_model_dir), cwd=tmp_path)  # fmt: skip
+    assert result.returncode == EXIT_FAILED, result.stderr
+    rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert len(rows) == 100
+    assert [row["source"] for row in rows] == [f"{tickets}:{line}" for line in range(2, 102)]
+    failed = [row for row in rows if row["status"] != "ok"]
+    assert [(row["source"], row["reason"]) for row in failed] == [(f"{tickets}:51", "malformed_csv")]
+    assert "read 100 rows: 99 ok, 1 failed (1 malformed_csv)" in result.stderr
+    assert f"{tickets}:51: malformed_csv: malformed CSV: unterminated quote" in result.stderr
+
+
+def test_classify_never_overwrites(tmp_path, tiny_model_dir):
+    env = engine_env(tiny_model_dir)
+    tickets = tmp_path / "t.jsonl"
+    tickets.write_text('{"id": "a", "text": "refund please"}\n')
+    previous = tmp_path / "results.jsonl"
+    previous.write_text("yesterday's results\n")
+    refused = run(["ticketq", "classify", "t.jsonl"], env, cwd=tmp_path)  # no --out: the default exists
+    assert_one_line_error(refused, "results.jsonl already exists; pass --force")
+    assert previous.read_text() == "yesterday's results\n"
+    same = run(["ticketq", "classify", "t.jsonl", "--out", str(tickets), "--force"], env, cwd=tmp_path)
+    assert_one_line_error(same, "is the input file")
+    assert tickets.read_text() == '{"id": "a", "text": "refund please"}\n'
+    forced = run(["ticketq", "classify", "t.jsonl", "--force", "--no-progress"], env, cwd=tmp_path)
+    assert forced.returncode == 0, forced.stderr
+    assert json.loads(previous.read_text())["status"] == "ok"
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_classify_with_nothing_classifiable_exits_3_and_still_writes_every_row(tmp_path, tiny_model_dir):
+    tickets = tmp_path / "t.jsonl"
+    tickets.write_text('[{"id": "a", "text": "a JSON array is not JSONL"}]\n{"id": "b", "text": "   "}\n')
+    result = run(["ticketq", "classify", "t.jsonl", "-o", "r.jsonl"], engine_env(tiny_model_dir), cwd=tmp_path)
+    assert result.returncode == EXIT_NOTHING, result.stderr
+    assert "Loading weights" not in result.stderr  # nothing to classify: the model is not loaded
+    rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [(row["status"], row["reason"]) for row in rows] == [("failed", "invalid_json"), ("failed", "empty_text")]
+    assert "read 2 rows: 0 ok, 2 failed" in result.stderr
+
+
+def test_error_lists_are_never_cut_silently(tmp_path):
+    tickets = tmp_path / "t.jsonl"
+    tickets.write_text("".join("{broken\n" for _ in range(25)))
+    result = run(["ticketq", "classify", "t.jsonl", "-o", "r.jsonl"], cwd=tmp_path)
+    assert "... and 5 more (every row is in r.jsonl)" in result.stderr
+    assert len((tmp_path / "r.jsonl").read_text().splitlines()) == 25
+
+
+# --- ticketq-produce file, through a private Redis and a real (null-classifier) worker ---
+
+
+@pytest.fixture(scope="module")
+def queue_service(tmp_path_factory):
+    """A private redis-server and one null-classifier worker on it: (broker url, queue)."""
+    workdir = tmp_path_factory.mktemp("cli-redis")
+    server = RedisServer(workdir, aof=False).start()
+    queue = f"cli-{uuid.uuid4().hex[:8]}"
+    env = worker_env(None, server.url, queue, TICKETQ_NULL_CLASSIFIER="1")
+    try:
+        with running_worker(env, workdir / "worker.log"):
+            yield server.url, queue
+    finally:
+        server.stop()
+
+
+def test_produce_file_writes_a_row_for_every_input_line(tmp_path, queue_service):
+    url, queue = queue_service
+    tickets = csv_with_broken_quote(tmp_path / "tickets.csv")
+    with tickets.open("a") as extra:
+        extra.write("T-101," + "x" * 70000 + "\n")  # over TICKETQ_MAX_TICKET_BYTES: refused before sending
+    env = {"TICKETQ_BROKER_URL": url, "TICKETQ_QUEUE": queue}
+    args = ["ticketq-produce", "file", str(tickets), "--out", "r.jsonl", "--no-progress", "--timeout", "60"]
+    result = run(args, env, cwd=tmp_path)
+    assert result.returncode == EXIT_FAILED, result.stdout + result.stderr
+    rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [row["source"] for row in rows] == [f"{tickets}:{line}" for line in range(2, 103)]
+    assert {row["id"]: row["reason"] for row in rows if row["status"] != "ok"} == {
+        "line-51": "malformed_csv", "T-101": "rejected"
+    }  # fmt: skip
+    assert "read 101 rows: 99 ok, 2 failed" in result.stdout
+    again = run(args, env, cwd=tmp_path)
+    assert_one_line_error(again, "r.jsonl already exists; pass --force")
+
+
+# --- ticketq config and the README ---
+
+
+def test_config_is_not_cut_at_80_columns():
+    result = run(["ticketq", "config"])
+    assert result.returncode == 0, result.stderr
+    assert "…" not in result.stdout
+    flat = re.sub(r"[\s│┃|]+", " ", result.stdout)
+    assert "(default: 2 x batch_window so the window can fill)" in flat.replace(" x ", " x ")
+
+
+def test_readme_settings_table_lists_every_setting():
+    table = README.split("<!-- generated with: ticketq config --markdown -->", 1)[1].split("\n\n", 1)[0]
+    missing = [name for name in Settings.model_fields if f"`TICKETQ_{name.upper()}`" not in table]
+    assert not missing, f"README settings table lacks {missing}: regenerate it with `ticketq config --markdown`"
+
+
+def readme_python_blocks() -> list[str]:
+    """Every ```python block of the README that is a whole program; `…` marks a fragment."""
+    blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+    return [block for block in blocks if "…" not in block]
+
+
+def test_readme_python_examples_run_as_written(queue_service, tmp_path):
+    url, queue = queue_service
+    blocks = readme_python_blocks()
+    assert blocks, "the README has no runnable Python example"
+    env = {**os.environ, "TICKETQ_BROKER_URL": url, "TICKETQ_QUEUE": queue, "PYTHONPATH": str(ROOT)}
+    for block in blocks:
+        started = time.monotonic()
+        result = subprocess.run([sys.executable, "-c", block], env=env, cwd=tmp_path, capture_output=True,
+                                text=True, timeout=120)  # fmt: skip
+        assert result.returncode == 0, f"README example failed:\n{block}\n{result.stderr}"
+        assert time.monotonic() - started < 60, "the example waited for its timeout: no results came"
+        if "results_stream" in block:
+            streamed = redis.Redis.from_url(url).xlen("ticketq:results")
+            assert streamed >= 3 and "T-1 ok" in result.stdout, result.stdout

@@ -1,0 +1,122 @@
+"""Health endpoints (in-process, a fresh registry) and the operator commands against a real worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+import uuid
+
+import pytest
+import redis
+from celery import Celery
+from workers import ROOT, RedisServer, free_port, running_worker, wait_for, worker_env
+
+from worker import constants as c
+from worker.metrics import Metrics
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_healthz_readyz_and_metrics():
+    metrics = Metrics()
+    redis_up = {"up": True}
+
+    def depth() -> int:
+        if not redis_up["up"]:
+            raise ConnectionError("connection refused")
+        return 3
+
+    consumer = {"running": False}
+    metrics.watch_queue(depth)
+    port = free_port()
+    server = metrics.serve("127.0.0.1", port, ready=lambda: None if consumer["running"] else "consumer not running")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        assert get(f"{base}/healthz") == (200, "ok\n")
+        status, body = get(f"{base}/readyz")
+        assert status == 503 and "model not loaded" in body and "consumer not running" in body
+        metrics.model.info({"model": "tiny"})
+        consumer["running"] = True
+        assert get(f"{base}/readyz") == (200, "ready\n")
+        redis_up["up"] = False
+        status, body = get(f"{base}/readyz")
+        assert status == 503 and "Redis unreachable" in body
+        assert get(f"{base}/healthz")[0] == 200  # alive even when not ready
+        status, body = get(f"{base}/metrics")
+        assert status == 200 and "ticketq_model_info" in body
+    finally:
+        server.shutdown()
+
+
+def test_metrics_port_in_use_names_the_setting():
+    from worker.metrics import MetricsPortInUse, port_problem
+
+    metrics = Metrics()
+    port = free_port()
+    server = metrics.serve("127.0.0.1", port)
+    try:
+        assert f"TICKETQ_METRICS_PORT={port}" in (port_problem("127.0.0.1", port) or "")
+        with pytest.raises(MetricsPortInUse, match=f"TICKETQ_METRICS_PORT={port}"):
+            Metrics().serve("127.0.0.1", port)
+    finally:
+        server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("ops-redis")
+    server = RedisServer(workdir, aof=False).start()
+    queue = f"ops-{uuid.uuid4().hex[:8]}"
+    env = worker_env(None, server.url, queue, TICKETQ_NULL_CLASSIFIER="1")
+    try:
+        with running_worker(env, workdir / "worker.log"):
+            yield server.url, queue
+    finally:
+        server.stop()
+
+
+def ticketq(args: list[str], url: str, queue: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
+    env.update(TICKETQ_BROKER_URL=url, TICKETQ_QUEUE=queue)
+    return subprocess.run([sys.executable, "-m", "worker.cli", *args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+
+
+def test_status_dead_letters_requeue_and_result_lookup(service):
+    url, queue = service
+    app = Celery(broker=url, backend=url)
+    client = redis.Redis.from_url(url)
+    good = app.send_task(c.TASK_CLASSIFY, args=[{"id": "OK-1", "text": "refund please"}], queue=queue)
+    bad = app.send_task(c.TASK_CLASSIFY, args=[{"id": "BAD-1", "text": "   "}], queue=queue)
+    wait_for(lambda: client.xlen(c.DEAD_LETTER_STREAM) >= 1 and client.xlen(c.RESULTS_STREAM) >= 2, 60, "results")
+
+    status = json.loads(ticketq(["status", "--json"], url, queue).stdout)
+    assert status["workers"] and status["queue"] == queue and status["queue_depth"] == 0
+    assert status["dead_letters"] == {"empty_text": 1} and status["results_stream"] >= 2
+    assert status["leases"]["alive"] >= 1, "the worker's consumer holds a lease (atomic fetch)"
+
+    listed = ticketq(["dead", "list"], url, queue)
+    assert bad.id in listed.stdout and "empty_text" in listed.stdout
+    shown = json.loads(ticketq(["dead", "show", bad.id], url, queue).stdout)
+    assert shown["payload"]["id"] == "BAD-1" and shown["reason"] == "empty_text"
+
+    found = ticketq(["result", "OK-1"], url, queue)
+    assert found.returncode == 0 and json.loads(found.stdout.splitlines()[0])["task_id"] == good.id
+    assert ticketq(["result", "nope"], url, queue).returncode == 1
+
+    # The cause is not fixed here, so the requeued ticket fails again: with its original task id.
+    requeued = ticketq(["dead", "requeue", bad.id], url, queue)
+    assert requeued.returncode == 0 and f"as task {bad.id}" in requeued.stdout, requeued.stderr
+    wait_for(lambda: client.xlen(c.DEAD_LETTER_STREAM) == 1 and
+             client.xrange(c.DEAD_LETTER_STREAM)[0][0].decode() != shown["entry_id"], 60, "the retry's dead letter")
+    assert client.xrange(c.DEAD_LETTER_STREAM)[0][1][b"task_id"].decode() == bad.id
