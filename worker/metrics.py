@@ -1,14 +1,23 @@
-"""Prometheus metrics of one worker process: every series takes an injected registry.
+"""Prometheus metrics of one worker process, and its HTTP endpoints: every series takes an injected registry.
 
 Padding ratio in PromQL: `rate(ticketq_tokens_padded_total[1m]) / rate(ticketq_tokens_computed_total[1m])`.
 Items/s: `sum(rate(ticketq_tickets_total{outcome="ok"}[1m]))`.
+
+The server on TICKETQ_METRICS_PORT answers `/metrics` (and any other path, as before) with the
+series, `/healthz` with 200 while the process serves HTTP (liveness), and `/readyz` with 200 only
+when every readiness check passes (Redis reachable, model loaded, plus the caller's own check,
+e.g. the consumer running), else 503 and the reasons (readiness: send it tickets or not).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import socket
+import threading
+from collections.abc import Callable, Iterable
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
 
 from worker import constants as c
@@ -16,6 +25,34 @@ from worker import constants as c
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PUBLISH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
+
+
+Check = Callable[[], "str | None"]  # a readiness check: None when fine, else why not
+
+
+class MetricsPortInUse(OSError):
+    """The metrics port is taken; the message names the port and TICKETQ_METRICS_PORT."""
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why the metrics server could not listen on host:port, or None; checked before the model loads."""
+    if not port:
+        return None
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the HTTP server will
+            probe.bind((host, port))
+    except OSError as exc:
+        return _port_message(host, port, exc)
+    return None
+
+
+def _port_message(host: str, port: int, exc: OSError) -> str:
+    why = "already in use" if isinstance(exc, OSError) and exc.errno in (98, 48) else (exc.strerror or str(exc))
+    return (f"TICKETQ_METRICS_PORT={port}: cannot listen on {host}:{port} ({why}); set TICKETQ_METRICS_PORT to "
+            "a free port (each worker on a host needs its own), or 0 to turn metrics off")
 
 
 class QueueDepthCollector:
@@ -62,13 +99,20 @@ class Metrics:
         self.shadow_dropped = Counter(c.M_SHADOW_DROPPED, "Shadow samples dropped (checker busy).", registry=r)
         self.duplicates = Counter(c.M_DUPLICATES, "Re-executed tickets whose result was already out.", registry=r)
         self.flushes = Counter(c.M_FLUSHES, "Buffer drains (micro-batches handed to the engine).", registry=r)
+        self.first_result = Histogram(
+            c.M_FIRST_RESULT, "Batch start to its first result published, seconds.", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.publish = Histogram(
+            c.M_PUBLISH, "Publishing one forward batch's results (stream + backend), seconds.",
+            buckets=PUBLISH_BUCKETS, registry=r,
+        )  # fmt: skip
         self.model = Info(c.M_MODEL_INFO, "The model this worker serves.", registry=r)
 
     def preinit(self, labels: tuple[str, ...], reasons: tuple[str, ...]) -> None:
         """Create the labelled series at 0 so dashboards and rate() see them before the first event."""
         for label in labels:
             self.tickets.labels(label=label, outcome="ok")
-        for outcome in ("failed", "rejected"):
+        for outcome in ("failed", "rejected", "expired"):
             self.tickets.labels(label="none", outcome=outcome)
         for reason in reasons:
             self.dead_letters.labels(reason=reason)
@@ -86,7 +130,78 @@ class Metrics:
 
     def watch_queue(self, depth: Callable[[], int]) -> None:
         self.registry.register(QueueDepthCollector(depth))
+        self._depth = depth
 
-    def serve(self, host: str, port: int) -> None:
-        """Expose /metrics on host:port (the default host is loopback only)."""
-        start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int, ready: Check | None = None) -> WSGIServer:
+        """Serve /metrics, /healthz and /readyz on host:port (the default host is loopback only).
+
+        `ready` is an extra readiness check (e.g. "consumer running"), on top of Redis reachable
+        (through the queue-depth probe given to `watch_queue`) and model info set.
+        """
+        checks = [self._redis_reachable, self._model_loaded, *([ready] if ready else [])]
+        app = health_app(make_wsgi_app(self.registry), checks)
+        try:
+            server = make_server(host, port, app, _server_class(host, port), handler_class=_QuietHandler)
+        except OSError as exc:
+            raise MetricsPortInUse(exc.errno, _port_message(host, port, exc)) from None
+        threading.Thread(target=server.serve_forever, name="ticketq-metrics", daemon=True).start()
+        return server
+
+    def _redis_reachable(self) -> str | None:
+        depth = getattr(self, "_depth", None)
+        if depth is None:
+            return None  # nothing to probe: no queue watched
+        try:
+            depth()
+        except Exception as exc:  # any failure of the probe means tickets cannot flow
+            return f"Redis unreachable ({type(exc).__name__}: {exc})"
+        return None
+
+    def _model_loaded(self) -> str | None:
+        samples = [sample for family in self.model.collect() for sample in family.samples]
+        return None if any(sample.labels for sample in samples) else "model not loaded"
+
+
+def health_app(metrics_app: Callable, checks: Iterable[Check]) -> Callable:
+    """WSGI: /healthz (alive), /readyz (every check passes, else 503 with reasons), the rest to metrics."""
+    checks = list(checks)
+
+    def app(environ: dict, start_response: Callable) -> list[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == "/healthz":
+            return _reply(start_response, "200 OK", "ok")
+        if path == "/readyz":
+            problems = [problem for problem in map(_run_check, checks) if problem]
+            if problems:
+                return _reply(start_response, "503 Service Unavailable", "not ready: " + "; ".join(problems))
+            return _reply(start_response, "200 OK", "ready")
+        return metrics_app(environ, start_response)
+
+    return app
+
+
+def _run_check(check: Check) -> str | None:
+    try:
+        return check()
+    except Exception as exc:  # a broken check is a reason not to be ready, not a crashed probe
+        return f"readiness check failed ({type(exc).__name__}: {exc})"
+
+
+def _reply(start_response: Callable, status: str, text: str) -> list[bytes]:
+    body = (text + "\n").encode()
+    start_response(status, [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))])
+    return [body]
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a hung scrape must not keep the worker from exiting
+
+
+def _server_class(host: str, port: int) -> type[WSGIServer]:
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]  # IPv6 hosts ("::") too
+    return type("MetricsServer", (_ThreadingServer,), {"address_family": family})
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        pass  # a scrape every few seconds would flood the worker's log

@@ -1,9 +1,14 @@
 """What a worker does with one drained buffer of Celery requests: validate, classify, publish.
 
-Celery-free by design (requests only need `.id` and `.args`): the glue in `worker.app` hands
-each buffer to `TicketService.process`, which never raises — every request ends marked done or
-failed by us, because celery-batches acks the whole buffer when the batch function returns,
-whatever happened (a raised exception would lose every result).
+Celery-free by design (requests only need `.id`, `.args` and optionally `.request_dict`): the
+glue in `worker.app` hands each buffer to `TicketService.process`, which never raises — every
+request ends marked done or failed by us, because celery-batches acks the whole buffer when the
+batch function returns, whatever happened (a raised exception would lose every result).
+
+Results stream out per forward batch: the engine hands each batch's predictions to the service
+the moment they are computed, and the service publishes them then (results stream, Celery
+backend, attempts keys) in pipelined round trips, instead of after the whole buffer. A packed
+message's backend result is written once its last ticket is done.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any, Protocol
 
 import redis
@@ -31,12 +37,40 @@ from worker.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# Idempotent publish: the first final result for (task, slot) goes to the stream, repeats do not.
+# Idempotent publish of one forward batch's results: the first final result for (task, slot) goes
+# to the stream, repeats do not. One call per forward batch, not one per ticket.
+# KEYS[1] results stream; KEYS[2..n+1] the done key of each result (DONE_KEY: task id, slot).
+# ARGV[1] stream MAXLEN (approximate), ARGV[2] done-key expiry in seconds, ARGV[3..n+2] result JSON.
+# Returns one flag per result: 1 published now, 0 published before (a re-execution).
 PUBLISH_ONCE = """
-if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[3]) then
-  return redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'data', ARGV[1])
+local added = {}
+for i = 2, #KEYS do
+  if redis.call('SET', KEYS[i], '1', 'NX', 'EX', ARGV[2]) then
+    redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'data', ARGV[i + 1])
+    added[i - 1] = 1
+  else
+    added[i - 1] = 0
+  end
 end
-return false
+return added
+"""
+
+# Idempotent backend write, in Celery's own format (key `celery-task-meta-<id>`, the same value
+# PUBLISHed on that key for pub/sub waiters, as RedisBackend.set does). SET NX keeps Celery's rule
+# "a stored result is never overwritten by a later execution" without its extra GET round trip.
+# KEYS[1] result key; ARGV[1] encoded meta, ARGV[2] expiry in seconds (0: none).
+STORE_ONCE = """
+local stored
+if tonumber(ARGV[2]) > 0 then
+  stored = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
+else
+  stored = redis.call('SET', KEYS[1], ARGV[1], 'NX')
+end
+if stored then
+  redis.call('PUBLISH', KEYS[1], ARGV[1])
+  return 1
+end
+return 0
 """
 
 
@@ -55,7 +89,12 @@ class TicketRejected(ValueError):
 class Classifier(Protocol):
     labels: tuple[str, ...]
 
-    def classify(self, texts: Sequence[str], on_batch: Callable[[BatchReport], None] | None = None) -> Any: ...
+    def classify(
+        self,
+        texts: Sequence[str],
+        on_batch: Callable[[BatchReport], None] | None = None,
+        on_predictions: Callable[[Sequence[int], list[Prediction]], None] | None = None,
+    ) -> Any: ...
 
     def reference(self, text: str) -> Prediction: ...
 
@@ -87,8 +126,32 @@ class Slot:
 
 @dataclass
 class Work:
+    """The slots of one run, by message, and which messages are finished (backend result written)."""
+
+    backend: Backend
+    started: float  # unix time the run began: processing_s and time to first result count from here
     slots: list[Slot] = field(default_factory=list)
+    by_task: dict[str, list[Slot]] = field(default_factory=dict)
     packed: dict[str, bool] = field(default_factory=dict)  # task id -> message carried a list
+    published: set[str] = field(default_factory=set)  # task ids whose backend result is written
+    first_out: bool = False  # the run's first result is published (time-to-first-result observed)
+
+    def add(self, slot: Slot) -> None:
+        self.slots.append(slot)
+        self.by_task.setdefault(slot.request.id, []).append(slot)
+
+    def completed_by(self, slots: Sequence[Slot]) -> list[str]:
+        """Task ids among `slots` whose every ticket now has a result and that are not yet published."""
+        touched = dict.fromkeys(slot.request.id for slot in slots if slot.request.id not in self.published)
+        return [task_id for task_id in touched if all(s.result is not None for s in self.by_task[task_id])]
+
+    def unfinished(self) -> list[Any]:
+        """Requests whose backend result is not written yet (what a last line of defence may fail)."""
+        return [slots[0].request for task_id, slots in self.by_task.items() if task_id not in self.published]
+
+
+class PublishFailed(RuntimeError):
+    """Publishing a forward batch's results failed (Redis away too long): not an engine error to retry."""
 
 
 def parse_ticket(raw: Any, max_bytes: int) -> Ticket:
@@ -125,7 +188,6 @@ class TicketService:
         self.redis = client
         self.worker_name = f"{socket.gethostname()}:{os.getpid()}"
         self.model_fields = _model_fields(classifier, settings)
-        self._publish_once = client.register_script(PUBLISH_ONCE)
         self.shadow = ShadowChecker(classifier, metrics, settings.shadow_rate) if settings.shadow_rate > 0 else None
 
     # ----- the batch function --------------------------------------------------------------
@@ -143,17 +205,18 @@ class TicketService:
             self._run([request], backend, count_delivery=True)
 
     def _run(self, requests: Sequence[Any], backend: Backend, count_delivery: bool = False) -> None:
-        """Classify and publish `requests` as one batch; mark them failed on an unexpected error."""
+        """Classify `requests` as one batch, publishing per forward batch; fail what is left on an unexpected error."""
         started = time.time()
+        work: Work | None = None
         try:
-            if count_delivery and self._too_many_deliveries(requests[0], backend):
+            if not requests or (count_delivery and self._too_many_deliveries(requests[0], backend)):
                 return
-            work = self._unpack(requests)
-            live = [s for s in work.slots if s.ticket is not None and s.result is None]
-            self._classify(live, started)
-            self._publish(work, backend, started)
-        except Exception as exc:  # last line of defence: mark everything still open as failed
-            self._fail_batch(requests, backend, exc)
+            work = self._unpack(requests, backend, started)
+            self._expire(work)
+            self._deliver(work, [s for s in work.slots if s.result is not None])
+            self._classify(work, [s for s in work.slots if s.result is None])
+        except Exception as exc:  # last line of defence: what is already published stays published
+            self._fail_batch(requests if work is None else work.unfinished(), backend, exc)
 
     def _fail_batch(self, requests: Sequence[Any], backend: Backend, exc: Exception) -> None:
         log.exception("batch of %d requests failed outside the engine", len(requests))
@@ -179,8 +242,8 @@ class TicketService:
             self._retrying(lambda: self._incr_attempts(*(c.ATTEMPTS_KEY.format(task_id=r.id) for r in fresh)))
         return fresh, [request for _, request in redelivered]
 
-    def _unpack(self, requests: Sequence[Any]) -> Work:
-        work = Work()
+    def _unpack(self, requests: Sequence[Any], backend: Backend, started: float) -> Work:
+        work = Work(backend, started)
         for request in requests:
             # Not a list (a hand-built message): treat as no arguments; tuple() of it could raise
             # and fail the whole buffer instead of this one request.
@@ -200,8 +263,23 @@ class TicketService:
                     slot.ticket = parse_ticket(raw, self.settings.max_ticket_bytes)
                 except TicketRejected as rejection:
                     slot.result = self._reject(request, index, raw, rejection)
-                work.slots.append(slot)
+                work.add(slot)
         return work
+
+    def _expire(self, work: Work) -> None:
+        """Tickets of a message past its Celery `expires` get an `expired` result and are not computed.
+
+        Celery's own strategy revokes expired messages, but celery-batches buffers them without
+        looking; the deadline travels in the message headers (`request_dict["expires"]`, ISO 8601).
+        """
+        now = work.started
+        for slot in work.slots:
+            deadline = message_deadline(slot.request)
+            if slot.result is None and deadline is not None and deadline <= now:
+                when = datetime.fromtimestamp(deadline, timezone.utc).isoformat()
+                late = f"deadline {when} passed {now - deadline:.3f}s before the batch started"
+                raw = {**_raw(slot.ticket), "id": slot.ticket.id or _slot_id(slot)}
+                slot.result = self._failure(slot.request, slot.index, raw, TicketRejected("expired", late))
 
     def _too_many_deliveries(self, request: Any, backend: Backend) -> bool:
         """A message redelivered past max_retries (its batch keeps killing workers) is dead-lettered."""
@@ -222,37 +300,61 @@ class TicketService:
             pipe.expire(key, self.settings.result_expires_s)
         return int(pipe.execute()[0])
 
-    # ----- classification with retries ----------------------------------------------------
+    # ----- classification with retries, results as each forward batch finishes ------------
 
-    def _classify(self, slots: list[Slot], started: float) -> None:
+    def _classify(self, work: Work, slots: list[Slot]) -> None:
         if not slots:
             return
         for slot in slots:
             if slot.ticket.submitted_at:
-                self.metrics.queue_wait.observe(max(0.0, started - slot.ticket.submitted_at))
-        self._classify_resilient(slots, started, attempt=1)
+                self.metrics.queue_wait.observe(max(0.0, work.started - slot.ticket.submitted_at))
+        self._classify_resilient(work, slots, attempt=1)
 
-    def _classify_resilient(self, slots: list[Slot], started: float, attempt: int) -> None:
-        """Classify; on an engine error split the batch in halves, and retry single tickets up to max_retries."""
+    def _classify_resilient(self, work: Work, slots: list[Slot], attempt: int) -> None:
+        """Classify, publishing each forward batch as it finishes; on an engine error retry what is
+        still open in halves, and single tickets up to max_retries."""
+
+        def publish(indices: Sequence[int], predictions: list[Prediction]) -> None:
+            try:
+                self._on_predictions(work, [slots[i] for i in indices], predictions)
+            except Exception as exc:  # surfaced as PublishFailed so it is never retried as an engine error
+                raise PublishFailed(f"publishing {len(indices)} results failed: {exc!r}") from exc
+
         try:
-            predictions, _ = self.classifier.classify([s.ticket.text for s in slots], on_batch=self._observe)
+            predictions, _ = self.classifier.classify(
+                [s.ticket.text for s in slots], on_batch=self._observe, on_predictions=publish
+            )
+        except PublishFailed:
+            raise
         except Exception as exc:
-            if len(slots) > 1:
-                log.warning("engine failed on %d tickets (%r); retrying in halves", len(slots), exc)
-                middle = len(slots) // 2
-                self._classify_resilient(slots[:middle], started, attempt)
-                self._classify_resilient(slots[middle:], started, attempt)
-            elif attempt <= self.settings.max_retries:
-                self._classify_resilient(slots, started, attempt + 1)
-            else:
-                slot = slots[0]
-                rejection = TicketRejected("engine_error", f"{type(exc).__name__}: {exc} (after {attempt} attempts)")
-                slot.result = self._reject(slot.request, slot.index, _raw(slot.ticket), rejection)
+            self._retry_open(work, [s for s in slots if s.result is None], attempt, exc)
             return
+        # A classifier that does not call on_predictions still gets its answers published here.
+        rest = [(slot, prediction) for slot, prediction in zip(slots, predictions, strict=True) if slot.result is None]
+        if rest:
+            self._on_predictions(work, [s for s, _ in rest], [p for _, p in rest])
+
+    def _retry_open(self, work: Work, slots: list[Slot], attempt: int, exc: Exception) -> None:
+        if len(slots) > 1:
+            log.warning("engine failed on %d tickets (%r); retrying in halves", len(slots), exc)
+            middle = len(slots) // 2
+            self._classify_resilient(work, slots[:middle], attempt)
+            self._classify_resilient(work, slots[middle:], attempt)
+        elif len(slots) == 1 and attempt <= self.settings.max_retries:
+            self._classify_resilient(work, slots, attempt + 1)
+        elif slots:
+            slot = slots[0]
+            rejection = TicketRejected("engine_error", f"{type(exc).__name__}: {exc} (after {attempt} attempts)")
+            slot.result = self._reject(slot.request, slot.index, _raw(slot.ticket), rejection)
+            self._deliver(work, [slot])
+
+    def _on_predictions(self, work: Work, slots: list[Slot], predictions: list[Prediction]) -> None:
+        """One forward batch is computed: its results go out now."""
         for slot, prediction in zip(slots, predictions, strict=True):
-            slot.result = self._success(slot, prediction, started)
+            slot.result = self._success(slot, prediction, work.started)
             if self.shadow:
                 self.shadow.offer(slot.ticket.text, prediction)
+        self._deliver(work, slots)
 
     def _observe(self, report: BatchReport) -> None:
         self.metrics.observe_batch(report.rows, report.width, report.real_tokens, report.seconds)
@@ -276,7 +378,11 @@ class TicketService:
         }
 
     def _reject(self, request: Any, index: int, raw: Any, rejection: TicketRejected) -> dict:
+        """A failed result whose raw payload also goes to the dead-letter stream."""
         self._dead_letter(request, index, raw, rejection)
+        return self._failure(request, index, raw, rejection)
+
+    def _failure(self, request: Any, index: int, raw: Any, rejection: TicketRejected) -> dict:
         ticket_id = raw.get("id") if isinstance(raw, dict) and isinstance(raw.get("id"), str | int) else None
         return {
             "id": str(ticket_id) if ticket_id is not None else f"{request.id}:{index}",
@@ -287,39 +393,75 @@ class TicketService:
             "worker": self.worker_name,
         }
 
-    def _publish(self, work: Work, backend: Backend, started: float) -> None:
-        by_request: dict[str, list[Slot]] = {}
-        for slot in work.slots:
-            by_request.setdefault(slot.request.id, []).append(slot)
-        for task_id, slots in by_request.items():
-            self._publish_request(task_id, slots, work.packed[task_id], backend)
-
-    def _publish_request(self, task_id: str, slots: list[Slot], packed: bool, backend: Backend) -> None:
-        """Results stream first (idempotent), then the backend state the producer waits on."""
-        request = slots[0].request
-        results = [slot.result for slot in slots]
-        self._retrying(lambda: self._stream(task_id, results))
-        if packed:
-            self._retrying(lambda: backend.mark_as_done(task_id, results, request=request))
-        elif results[0]["status"] == "ok":
-            self._retrying(lambda: backend.mark_as_done(task_id, results[0], request=request))
-        else:
-            error = TicketRejected(results[0]["reason"], results[0]["error"].split(": ", 1)[-1])
-            self._retrying(lambda: _mark_failed(backend, request, error))
-        self._retrying(lambda: self.redis.delete(c.ATTEMPTS_KEY.format(task_id=task_id)))
+    def _deliver(self, work: Work, slots: list[Slot]) -> None:
+        """Publish the final results of `slots` now: one pipelined round trip for their stream
+        entries (and the attempts keys of the messages they complete), one for the backend."""
+        if not slots:
+            return
+        begun = time.perf_counter()
+        complete = work.completed_by(slots)
+        self._retrying(lambda: self._stream(slots, complete))
+        self._store(work, complete)
+        work.published.update(complete)
+        self.metrics.publish.observe(time.perf_counter() - begun)
         self._count(slots)
+        if not work.first_out:
+            work.first_out = True
+            self.metrics.first_result.observe(max(0.0, time.time() - work.started))
 
-    def _stream(self, task_id: str, results: list[dict]) -> None:
+    def _stream(self, slots: list[Slot], complete: list[str]) -> None:
+        """One PUBLISH_ONCE for all `slots` and DEL of the completed messages' attempts keys, in one pipeline.
+
+        EVAL, not a registered Script: redis-py checks SCRIPT EXISTS before every pipeline that
+        holds a Script (a second round trip per forward batch, a third of the publish time in a
+        profile); EVAL of a short body costs a few hundred bytes and Redis caches the compiled script.
+
+        Deleting an attempts key before the backend write is safe: a crash in between only makes
+        the redelivered message look fresh, and its results are published once anyway.
+        """
+        keys = [c.RESULTS_STREAM, *(c.DONE_KEY.format(task_id=slot.request.id, slot=slot.index) for slot in slots)]
+        args = [self.settings.stream_maxlen, self.settings.result_expires_s, *(json.dumps(s.result) for s in slots)]
         pipe = self.redis.pipeline(transaction=False)
-        for index, result in enumerate(results):
-            keys = [c.DONE_KEY.format(task_id=task_id, slot=index), c.RESULTS_STREAM]
-            args = [json.dumps(result), self.settings.stream_maxlen, self.settings.result_expires_s]
-            self._publish_once(keys=keys, args=args, client=pipe)
-        added = pipe.execute()
-        duplicates = sum(1 for entry in added if not entry)
-        if duplicates:
-            self.metrics.duplicates.inc(duplicates)
-            log.info("task %s re-executed: %d result(s) already published, not repeated", task_id, duplicates)
+        pipe.eval(PUBLISH_ONCE, len(keys), *keys, *args)
+        for task_id in complete:
+            pipe.delete(c.ATTEMPTS_KEY.format(task_id=task_id))
+        added = pipe.execute()[0]
+        repeated = [slot for slot, entry in zip(slots, added, strict=True) if not entry]
+        if repeated:
+            self.metrics.duplicates.inc(len(repeated))
+            tasks = sorted({slot.request.id for slot in repeated})
+            log.info("re-executed: %d result(s) of %s already published, not repeated", len(repeated), tasks[:5])
+
+    def _store(self, work: Work, complete: list[str]) -> None:
+        """The backend state producers wait on: successes pipelined, failures one by one (rare)."""
+        successes = []
+        for task_id in complete:
+            slots = work.by_task[task_id]
+            request, results = slots[0].request, [slot.result for slot in slots]
+            if getattr(request, "ignore_result", False):
+                continue
+            if work.packed[task_id]:
+                successes.append((request, results))
+            elif results[0]["status"] == "ok":
+                successes.append((request, results[0]))
+            else:
+                error = TicketRejected(results[0]["reason"], results[0]["error"].split(": ", 1)[-1])
+                self._retrying(lambda request=request, error=error: _mark_failed(work.backend, request, error))
+        if successes:
+            self._retrying(lambda: self._store_successes(work.backend, successes))
+
+    def _store_successes(self, backend: Backend, successes: list[tuple[Any, Any]]) -> None:
+        client = getattr(backend, "client", None)
+        if not isinstance(client, redis.Redis):  # not a Redis backend: Celery's own write, one per task
+            for request, value in successes:
+                backend.mark_as_done(request.id, value, request=request)
+            return
+        expires = int(backend.expires or 0)
+        pipe = client.pipeline(transaction=False)
+        for request, value in successes:
+            meta = success_meta(backend, request.id, value)
+            pipe.eval(STORE_ONCE, 1, backend.get_key_for_task(request.id), backend.encode(meta), expires)
+        pipe.execute()
 
     def _count(self, slots: list[Slot]) -> None:
         now = time.time()
@@ -366,6 +508,40 @@ class TicketService:
                 log.warning("Redis unavailable (%s); retrying in %.1fs", exc, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
+
+
+def message_deadline(request: Any) -> float | None:
+    """A Celery message's `expires` as a unix time, or None (no deadline, or one we cannot read).
+
+    celery-batches' SimpleRequest does not copy `Request.expires`, but keeps every header in
+    `request_dict`; Celery sends `expires` as an ISO 8601 string (UTC when no offset is given).
+    """
+    headers = getattr(request, "request_dict", None)
+    expires = headers.get("expires") if isinstance(headers, dict) else None
+    if not isinstance(expires, str):
+        return None
+    try:
+        when = datetime.fromisoformat(expires)
+    except ValueError:
+        log.warning("task %s: unreadable expires %r ignored", getattr(request, "id", "?"), expires[:64])
+        return None
+    return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
+
+
+def success_meta(backend: Any, task_id: str, value: Any) -> dict:
+    """Celery's result meta for a SUCCESS, as `BaseBackend._store_result` builds it (result_extended off).
+
+    Built from public API only (`app.now`, the backend's `encode` serialises it); ticketq tasks have
+    no children, group or parent, and the worker runs with `result_extended=False`.
+    """
+    return {
+        "status": "SUCCESS",
+        "result": value,
+        "traceback": None,
+        "children": [],
+        "date_done": backend.app.now().isoformat(),
+        "task_id": task_id,
+    }
 
 
 class ShadowChecker:
@@ -431,6 +607,8 @@ def _model_fields(classifier: Classifier, settings: Settings) -> dict:
 def _outcome(result: dict) -> str:
     if result["status"] == "ok":
         return "ok"
+    if result["reason"] == "expired":
+        return "expired"
     return "failed" if result["reason"] in ("engine_error", "worker_error") else "rejected"
 
 
@@ -478,7 +656,12 @@ class NullClassifier:
         if self.poison_marker:
             log.warning("%s is set: tickets containing %r fail on purpose", POISON_MARKER_ENV, self.poison_marker)
 
-    def classify(self, texts: Sequence[str], on_batch: Callable[[BatchReport], None] | None = None):
+    def classify(
+        self,
+        texts: Sequence[str],
+        on_batch: Callable[[BatchReport], None] | None = None,
+        on_predictions: Callable[[Sequence[int], list[Prediction]], None] | None = None,
+    ):
         if self.poison_marker:
             self._inject_faults(texts)
         predictions = [self.reference(text) for text in texts]
@@ -486,6 +669,8 @@ class NullClassifier:
         report = BatchReport(rows=len(texts), width=max(lengths), real_tokens=sum(lengths), seconds=0.0)
         if on_batch:
             on_batch(report)
+        if on_predictions:  # one "forward batch" holding every text
+            on_predictions(range(len(texts)), predictions)
         return predictions, [report]
 
     def reference(self, text: str) -> Prediction:

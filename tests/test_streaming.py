@@ -1,0 +1,240 @@
+"""Results stream out per forward batch: the engine's callback, the service's publishing, expiry.
+
+Two tiers: the engine on the tiny stand-in (its `on_predictions` callback), and `TicketService` in
+process against the real Redis at 127.0.0.1:6379 (database 3, never flushed: every check filters
+by its own task ids) with Celery's real Redis result backend. A scripted classifier checks, at the
+moment it starts forward batch k, what the service has already published for batches < k: the
+synchronisation is the classifier's own call, not a sleep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Iterator, Sequence
+from datetime import datetime, timedelta, timezone
+
+import pytest
+import redis
+from celery import Celery, states
+from celery.result import AsyncResult
+from celery_batches import SimpleRequest
+
+from worker import constants as c
+from worker.metrics import Metrics
+from worker.results import Prediction
+from worker.service import NullClassifier, TicketService
+from worker.settings import Settings
+
+REDIS_URL = "redis://127.0.0.1:6379/3"
+LABELS = ("billing", "technical", "account")
+
+
+# --------------------------------------------------------------------------------------------
+# the engine hands over each forward batch as soon as it is computed
+
+
+def test_engine_hands_each_forward_batch_to_on_predictions(tiny_engine):
+    texts = [f"ticket {i}: " + "my invoice is wrong " * (1 + i % 7) for i in range(40)]
+    seen: list[tuple[tuple[int, ...], list[Prediction]]] = []
+    reports = []
+
+    def on_predictions(indices: Sequence[int], predictions: list[Prediction]) -> None:
+        assert len(reports) == len(seen) + 1, "on_batch (metrics) runs first, then the batch's predictions"
+        seen.append((tuple(indices), predictions))
+
+    plan = tiny_engine.plan(tiny_engine.encode(texts))
+    predictions, _ = tiny_engine.classify(texts, plan=plan, on_batch=reports.append, on_predictions=on_predictions)
+    assert [indices for indices, _ in seen] == [batch.indices for batch in plan.batches]
+    for indices, batch_predictions in seen:
+        assert batch_predictions == [predictions[i] for i in indices]
+
+
+# --------------------------------------------------------------------------------------------
+# the service, in process, on the real Redis and Celery's Redis backend
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        reason = f"no Redis at {REDIS_URL} ({exc}); start one with `redis-server --port 6379`"
+        if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def app(client) -> Iterator[Celery]:
+    app = Celery("ticketq-streaming-test", broker=REDIS_URL, backend=REDIS_URL, set_as_current=False)
+    app.conf.update(result_serializer="json", accept_content=["json"], result_accept_content=["json"],
+                    result_expires=600, result_extended=False)  # fmt: skip
+    yield app
+    app.close()
+
+
+class ScriptedClassifier:
+    """The null classifier's answers, `batch` texts per forward; `before(k, texts)` runs before forward k.
+
+    `fail_once_at`: forward batch k raises once (an engine error after earlier batches succeeded).
+    """
+
+    info = None
+    labels = LABELS
+
+    def __init__(self, batch: int, before=None, fail_once_at: int | None = None) -> None:
+        self.batch, self.before, self.fail_once_at = batch, before, fail_once_at
+        self.null = NullClassifier(LABELS, poison_marker="")
+        self.computed: list[str] = []
+
+    def classify(self, texts, on_batch=None, on_predictions=None):
+        answers = []
+        for k, start in enumerate(range(0, len(texts), self.batch)):
+            if self.before:
+                self.before(k, texts)
+            if k == self.fail_once_at:
+                self.fail_once_at = None
+                raise RuntimeError("scripted engine fault")
+            indices = list(range(start, min(start + self.batch, len(texts))))
+            predictions = [self.null.reference(texts[i]) for i in indices]
+            self.computed += [texts[i] for i in indices]
+            answers += predictions
+            if on_predictions:
+                on_predictions(indices, predictions)
+        return answers, []
+
+    def reference(self, text: str) -> Prediction:
+        return self.null.reference(text)
+
+
+def _service(classifier, client: redis.Redis) -> TicketService:
+    settings = Settings(broker_url=REDIS_URL, metrics_port=0, max_retries=1)
+    return TicketService(settings, classifier, Metrics(), client)
+
+
+def _request(payload, expires: datetime | None = None) -> SimpleRequest:
+    headers = {"expires": expires.isoformat()} if expires else {}
+    return SimpleRequest(str(uuid.uuid4()), c.TASK_CLASSIFY, (payload,), {}, {}, "test", False, None, None, headers)
+
+
+def _ticket(i: int, tag: str) -> dict:
+    return {"id": f"{tag}-{i}", "text": f"{tag} ticket {i}: my invoice is wrong", "submitted_at": 1.0}
+
+
+def _stream_for(client: redis.Redis, task_ids: set[str]) -> list[dict]:
+    entries = (json.loads(fields[b"data"]) for _, fields in client.xrange(c.RESULTS_STREAM))
+    return [entry for entry in entries if entry["task_id"] in task_ids]
+
+
+def test_each_forward_batch_is_published_before_the_next_is_computed(client, app):
+    requests = [_request(_ticket(i, "stream")) for i in range(6)]
+    ids = {r.id for r in requests}
+    published_before: list[int] = []
+
+    def before(k: int, texts) -> None:
+        published_before.append(len(_stream_for(client, ids)))
+        done = [AsyncResult(r.id, app=app).state == states.SUCCESS for r in requests]
+        assert sum(done) == published_before[-1], "the backend is written with the stream, per forward batch"
+
+    service = _service(ScriptedClassifier(batch=2, before=before), client)
+    service.process(requests, app.backend)
+    assert published_before == [0, 2, 4]
+    stream = _stream_for(client, ids)
+    assert sorted(entry["id"] for entry in stream) == sorted(f"stream-{i}" for i in range(6))
+    for request in requests:
+        stored = AsyncResult(request.id, app=app)
+        assert stored.state == states.SUCCESS and stored.result["task_id"] == request.id
+    assert not any(client.exists(c.ATTEMPTS_KEY.format(task_id=r.id)) for r in requests)
+    registry = service.metrics.registry
+    assert registry.get_sample_value("ticketq_publish_seconds_count") == 3
+    assert registry.get_sample_value("ticketq_time_to_first_result_seconds_count") == 1
+
+
+def test_packed_message_is_done_once_its_last_ticket_is(client, app):
+    pack = _request([_ticket(i, "pack") for i in range(4)])
+    states_seen: list[tuple[int, str]] = []
+
+    def before(k: int, texts) -> None:
+        states_seen.append((len(_stream_for(client, {pack.id})), AsyncResult(pack.id, app=app).state))
+
+    _service(ScriptedClassifier(batch=3, before=before), client).process([pack], app.backend)
+    assert states_seen == [(0, states.PENDING), (3, states.PENDING)], "stream entries first, backend at the end"
+    rows = AsyncResult(pack.id, app=app).get(timeout=5)
+    assert [row["id"] for row in rows] == [f"pack-{i}" for i in range(4)]
+    assert len(_stream_for(client, {pack.id})) == 4
+
+
+def test_engine_error_after_a_published_batch_retries_only_the_rest(client, app):
+    requests = [_request(_ticket(i, "retry")) for i in range(6)]
+    classifier = ScriptedClassifier(batch=2, fail_once_at=1)
+    _service(classifier, client).process(requests, app.backend)
+    texts = [r.args[0]["text"] for r in requests]
+    assert classifier.computed.count(texts[0]) == 1, "a published batch is not computed again"
+    assert sorted(classifier.computed) == sorted(texts)
+    stream = _stream_for(client, {r.id for r in requests})
+    assert sorted(e["id"] for e in stream) == sorted(f"retry-{i}" for i in range(6))
+    assert {e["status"] for e in stream} == {"ok"}
+    assert all(AsyncResult(r.id, app=app).state == states.SUCCESS for r in requests)
+
+
+def test_re_execution_publishes_nothing_twice(client, app):
+    requests = [_request(_ticket(i, "twice")) for i in range(3)] + [_request([_ticket(9, "twice-pack")])]
+    first = _service(ScriptedClassifier(batch=2), client)
+    first.process(requests, app.backend)
+    stored = {r.id: AsyncResult(r.id, app=app).result for r in requests}
+    again = _service(ScriptedClassifier(batch=2), client)
+    again.process(requests, app.backend)  # a crash-redelivery: attempts keys are gone, results are not
+    assert len(_stream_for(client, {r.id for r in requests})) == 4
+    assert {r.id: AsyncResult(r.id, app=app).result for r in requests} == stored, "a stored result is kept"
+    assert again.metrics.registry.get_sample_value("ticketq_duplicate_results_total") == 4
+
+
+def test_expired_message_is_answered_without_being_computed(client, app):
+    now = datetime.now(timezone.utc)
+    late = _request(_ticket(0, "late"), expires=now - timedelta(seconds=5))
+    late_pack = _request([_ticket(1, "late"), _ticket(2, "late")], expires=now - timedelta(seconds=1))
+    timely = _request(_ticket(3, "timely"), expires=now + timedelta(hours=1))
+    classifier = ScriptedClassifier(batch=8)
+    service = _service(classifier, client)
+    service.process([late, late_pack, timely], app.backend)
+    assert classifier.computed == [timely.args[0]["text"]]
+    stream = {e["id"]: e for e in _stream_for(client, {late.id, late_pack.id, timely.id})}
+    assert {i: e["status"] for i, e in stream.items()} == {"late-0": "failed", "late-1": "failed",
+                                                          "late-2": "failed", "timely-3": "ok"}  # fmt: skip
+    assert {stream[i]["reason"] for i in ("late-0", "late-1", "late-2")} == {"expired"}
+    failed = AsyncResult(late.id, app=app)
+    assert failed.state == states.FAILURE and "expired" in str(failed.result)
+    assert [row["reason"] for row in AsyncResult(late_pack.id, app=app).get(timeout=5)] == ["expired", "expired"]
+    registry = service.metrics.registry
+    assert registry.get_sample_value("ticketq_tickets_total", {"label": "none", "outcome": "expired"}) == 3
+    assert registry.get_sample_value("ticketq_dead_letters_total", {"reason": "expired"}) is None, "not dead-lettered"
+
+
+# --------------------------------------------------------------------------------------------
+# a real worker reads Celery's `expires` from a real message
+
+
+@pytest.mark.integration
+def test_worker_answers_an_expired_message_as_expired(client, tmp_path):
+    from workers import running_worker, worker_env
+
+    from producer.api import Producer
+
+    queue = f"stream-expiry-{uuid.uuid4().hex[:8]}"
+    env = worker_env(None, REDIS_URL, queue, TICKETQ_NULL_CLASSIFIER="1")
+    producer = Producer(Settings(broker_url=REDIS_URL, queue=queue))
+    with running_worker(env, tmp_path / "worker.log"), producer:
+        send = producer.app.send_task
+        past = datetime.now(timezone.utc) - timedelta(seconds=30)
+        late = send(c.TASK_CLASSIFY, args=[_ticket(0, "real-late")], queue=queue, expires=past)
+        timely = send(c.TASK_CLASSIFY, args=[_ticket(1, "real-timely")], queue=queue, expires=3600)
+        assert timely.get(timeout=60)["status"] == "ok"
+        with pytest.raises(Exception, match="expired"):
+            late.get(timeout=60)
+    (entry,) = _stream_for(client, {late.id})
+    assert entry["status"] == "failed" and entry["reason"] == "expired" and entry["id"] == "real-late-0"
