@@ -17,7 +17,7 @@ import redis
 
 from producer.synthetic import generate_tickets
 from worker import batching
-from worker.bench import Answer, compare, full_prompt_batch, generate_one, main, parse_args, parse_label
+from worker.bench import ROOT, Answer, compare, full_prompt_batch, generate_one, main, parse_args, parse_label
 from worker.engine import Engine
 from worker.prompt import system_text
 from worker.settings import DEFAULT_SYSTEM_PROMPT
@@ -194,3 +194,81 @@ def test_ticket_file_and_strict_exit(tiny_model_dir, tmp_path):
     assert header["tickets"] == 6 and header["autotune"]["applied"] and len(header["autotune"]["samples"]) >= 6
     assert [m["mode"] for m in modes] == ["sequential", "ticketq"] and modes[1]["agreement"] == 1.0
     assert main([*model, "--tickets-file", str(tmp_path / "missing.jsonl"), *options]) == 2
+
+
+def test_opt_in_modes_are_listed_not_default():
+    default = parse_args([]).mode_list
+    assert not {"ticketq-int8", "llama-cpp", "llama-cpp-q8"} & set(default)
+    assert parse_args(["--modes", "llama-cpp,ticketq-int8"]).mode_list == ["sequential", "ticketq-int8", "llama-cpp"]
+    assert parse_args(["--dtype", "int8"]).dtype == "int8"
+
+
+def llama_cpp_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+@pytest.fixture(scope="module")
+def peer_run(tiny_model_dir, tmp_path_factory, monkeypatch_module):
+    """ticketq, ticketq-int8 and the llama.cpp modes in one run on 12 tickets."""
+    out = tmp_path_factory.mktemp("peers")
+    for name in [k for k in os.environ if k.startswith("TICKETQ_") and not k.startswith("TICKETQ_TEST_")]:
+        monkeypatch_module.delenv(name)
+    argv = [
+        "--model", str(tiny_model_dir), "--dtype", "float32", "--device", "cpu", "--threads", "2",
+        "--tickets", "12", "--seed", "4", "--modes", "ticketq,ticketq-int8,llama-cpp,llama-cpp-q8", "--warmup", "1",
+        "--no-autotune", "--json", str(out / "peers.json"), "--markdown", str(out / "peers.md"),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    header, *rows = json.loads((out / "peers.json").read_text())
+    return header, {row["mode"]: row for row in rows}, (out / "peers.md").read_text()
+
+
+def test_int8_mode_reports_its_agreement(peer_run):
+    header, rows, markdown = peer_run
+    assert header["dtype"] == "float32"  # the bench's engine and reference stay float32
+    row = rows["ticketq-int8"]
+    assert row["status"] == "ok" and row["tickets"] == 12 and row["failed"] == 0
+    assert row["agreement"] is not None and row["max_abs_prob_diff"] is not None  # inexact: shown, not hidden
+    assert any(note.startswith("ticketq-int8: decoder linear layers in dynamic int8") for note in header["notes"])
+    assert rows["ticketq"]["agreement"] == 1.0
+    assert "| `ticketq-int8` |" in markdown
+    assert len(header["load_average"]["start"]) == 3 and isinstance(header["machine"]["cpu_flags"], list)
+
+
+def test_llama_cpp_modes_run_or_say_why(peer_run):
+    header, rows, _ = peer_run
+    if not llama_cpp_installed():
+        for mode in ("llama-cpp", "llama-cpp-q8"):
+            assert rows[mode]["status"] == "skipped"
+            assert "pip install 'ticketq[peers]'" in rows[mode]["notes"][0]
+        return
+    f32, q8 = rows["llama-cpp"], rows["llama-cpp-q8"]
+    assert f32["status"] == q8["status"] == "ok", (f32["notes"], q8["notes"])
+    # same model, same tokens, f32; ggml's kernels sum in another order (measured on the tiny stand-in: 1.2e-3)
+    assert f32["agreement"] == 1.0 and f32["max_abs_prob_diff"] < 5e-3
+    assert q8["agreement"] is not None
+    # the prompt cache: llama.cpp computes exactly ticketq's real tokens (ticket + suffix), no padding
+    real = rows["ticketq"]["computed_tokens"] - rows["ticketq"]["pad_tokens"]
+    assert f32["computed_tokens"] == q8["computed_tokens"] == real and f32["pad_tokens"] == 0
+    assert any("llama-cpp-python" in note for note in header["notes"])
+
+
+@pytest.mark.skipif(not llama_cpp_installed(), reason="llama-cpp-python not installed (pip install 'ticketq[peers]')")
+def test_llama_cpp_scores_shared_label_prefixes_like_the_reference(tiny_engine, tiny_model_dir):
+    """Labels sharing a first token: the continuation branch runs after the ticket's cached tokens."""
+    from worker.peers import LlamaCppScorer, gguf_model
+
+    labels = ("account", "account security", "billing")
+    engine = Engine(
+        tiny_engine.model, tiny_engine.tokenizer, labels=labels, system=system_text(DEFAULT_SYSTEM_PROMPT, labels, {})
+    )
+    assert any(engine.prompt.trie.branches.keys() - {()})
+    gguf = gguf_model(tiny_model_dir, "f32", ROOT / "out")
+    scorer = LlamaCppScorer(gguf, engine.prompt, threads=1, n_ctx=1024)
+    for text in [t["text"] for t in generate_tickets(6, seed=6)] + ["x"]:
+        got, reports = scorer.score(engine.prompt.encode(text))
+        want = engine.reference(text)
+        assert got.label == want.label and len(reports) == len(engine.prompt.trie.branches)
+        assert max(abs(got.probs[k] - want.probs[k]) for k in want.probs) < 5e-3

@@ -412,3 +412,54 @@ def test_bf16_probe_measures_a_real_ratio():
 
     speedup = bf16_matmul_speedup(rows=16, reps=1)
     assert math.isfinite(speedup) and speedup > 0
+
+
+# ----- the opt-in int8 path ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def int8_engine(tiny_settings):
+    return Engine.from_settings(tiny_settings.model_copy(update={"dtype": "int8"}))
+
+
+def test_int8_is_opt_in_and_says_so(tiny_engine, int8_engine):
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
+
+    from worker.settings import Settings
+
+    assert Settings.model_fields["dtype"].default == "auto" and tiny_engine.info.dtype == "float32"
+    assert not tiny_engine.int8 and not any(isinstance(m, DynamicInt8Linear) for m in tiny_engine.decoder.modules())
+    assert int8_engine.int8 and int8_engine.info.dtype == "int8"  # what ticketq_model_info reports
+    assert any(isinstance(m, DynamicInt8Linear) for m in int8_engine.decoder.modules())
+    # the reference keeps the float32 model: its linear layers were copied, never replaced
+    assert not any(isinstance(m, DynamicInt8Linear) for m in int8_engine.model.modules())
+    assert int8_engine.decoder.embed_tokens.weight is int8_engine.model.get_decoder().embed_tokens.weight
+
+
+def test_int8_reference_and_prefix_stay_float32(tiny_engine, int8_engine, corpus):
+    for (k, v), (k0, v0) in zip(int8_engine.prefix_snapshot(), tiny_engine.prefix_snapshot(), strict=True):
+        torch.testing.assert_close(k, k0, rtol=0, atol=0)
+        torch.testing.assert_close(v, v0, rtol=0, atol=0)
+    for text in corpus[:3]:
+        assert int8_engine.reference(text) == tiny_engine.reference(text)
+
+
+def test_int8_agreement_with_the_float32_reference(int8_engine, corpus, references):
+    """Inexact by design: agreement is measured and reported, and must stay high off the near-ties.
+
+    The tiny stand-in's two random layers are harsher on 8-bit rounding than the full-size model
+    (measured here: 10 of 249 clear tickets flip, max |dp| 0.22); the full-size figures are in
+    the bench (`--modes ticketq-int8`).
+    """
+    predictions, _ = int8_engine.classify(corpus)
+    real = [p.label != r.label for p, r in zip(predictions, references, strict=True) if r.margin >= 0.05]
+    diffs = [max_prob_diff(p, r) for p, r in zip(predictions, references, strict=True)]
+    print(f"int8 vs float32 reference: {sum(real)} of {len(real)} clear tickets differ, max |dp| {max(diffs):.3g}")
+    assert all(math.isclose(sum(p.probs.values()), 1.0, rel_tol=1e-5) for p in predictions)
+    assert sum(real) <= 0.1 * len(real)
+    assert max(diffs) < 0.5
+
+
+def test_int8_is_refused_off_the_cpu(tiny_settings):
+    with pytest.raises(ValueError, match="TICKETQ_DTYPE=int8"):
+        Engine.from_settings(tiny_settings.model_copy(update={"dtype": "int8", "device": "cuda"}))

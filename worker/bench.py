@@ -11,7 +11,11 @@ this process (warm-up first, torch threads set once):
 - `naive-global`  the same, every batch padded to the longest ticket of all (the article's 70%).
 - `sorted`        the article's method: length-sorted fixed-size batches, full prompt.
 - `ticketq`       the engine: autotuned cost model, DP plan, prefix KV cache, label-only head.
+- `ticketq-int8`  the same with the decoder's linear layers in dynamic int8 (inexact; opt-in).
 - `ticketq-queue` the same end to end: Redis, a real worker process, the producer API.
+- `llama-cpp`     the CPU peer: llama.cpp (llama-cpp-python) on the same model in GGUF f32,
+                  prompt cache, one ticket at a time, label from the answer-position logits.
+- `llama-cpp-q8`  the same in GGUF q8_0 (llama.cpp's 8-bit weights). Both opt-in, `worker.peers`.
 
 Per mode: items/s, speedup over `sequential`, padding ratio (pad / tokens actually computed, so
 the full-prompt modes count the prefix they re-run), agreement with `sequential`, max |Δprob|,
@@ -50,8 +54,13 @@ from worker import batching
 from worker.prompt import EncodedTicket, canonical_text
 from worker.results import BatchReport, Prediction
 
-MODES = ("generate", "sequential", "naive", "naive-global", "sorted", "ticketq", "ticketq-queue")
-DEFAULT_MODES = tuple(m for m in MODES if m != "generate")
+MODES = (
+    "generate", "sequential", "naive", "naive-global", "sorted", "ticketq", "ticketq-int8", "ticketq-queue",
+    "llama-cpp", "llama-cpp-q8",
+)  # fmt: skip
+OPT_IN_MODES = ("generate", "ticketq-int8", "llama-cpp", "llama-cpp-q8")  # run only when listed (or 'all')
+DEFAULT_MODES = tuple(m for m in MODES if m not in OPT_IN_MODES)
+LLAMA_CPP_MODES = {"llama-cpp": "f32", "llama-cpp-q8": "q8_0"}  # mode -> GGUF type
 FULL_PROMPT_PLANNERS: dict[str, Callable[[Sequence[int], int], batching.Plan]] = {
     "naive": lambda lengths, size: batching.plan_fixed(lengths, size),
     "naive-global": batching.plan_global_pad,
@@ -100,6 +109,10 @@ class Bench:
     settings: object  # worker.settings.Settings
     args: argparse.Namespace
     tuning: object | None = None  # worker.autotune.Tuning
+    int8_engine: object | None = None  # built on first use by ticketq-int8, sharing the model
+    int8_tuning: object | None = None
+    peer_scorer: object | None = None  # worker.peers.LlamaCppScorer of the llama.cpp mode running now
+    load_before: tuple[float, float, float] | None = None  # os.getloadavg() when the modes start
 
 
 # ----- command line -------------------------------------------------------------------------
@@ -113,11 +126,16 @@ modes (run in this order, one after another, on the same tickets):
   naive-global   the same, every batch padded to the longest ticket of all
   sorted         length-sorted fixed-size batches, full prompt per row (the article's method)
   ticketq        the engine: autotuned cost model, DP plan, prefix KV cache, label-only head
+  ticketq-int8   the same, decoder linear layers in dynamic int8 (inexact, CPU; TICKETQ_DTYPE=int8)
   ticketq-queue  the same through Redis and a real `ticketq worker` process (skipped if Redis is down)
+  llama-cpp      llama.cpp on the same model in GGUF f32: prompt cache, one ticket at a time, the engine's
+                 token ids, label from the answer-position logits (needs pip install 'ticketq[peers]')
+  llama-cpp-q8   the same in GGUF q8_0
 
-Default: every mode but generate (list it, or --modes all). sequential always runs: it is the
-reference for agreement and the baseline for speedup. --quick = {tickets} tickets, batch size {batch_size},
-{warmup} warm-up ticket, a {autotune_s:.0f} s autotune, no generate; explicit options still win.
+Default: every mode but generate, ticketq-int8, llama-cpp, llama-cpp-q8 (list them, or --modes all).
+sequential always runs: it is the reference for agreement and the baseline for speedup.
+--quick = {tickets} tickets, batch size {batch_size}, {warmup} warm-up ticket, a {autotune_s:.0f} s autotune,
+no generate; explicit options still win.
 """
 
 
@@ -137,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     model = parser.add_argument_group("model (defaults come from the TICKETQ_* settings)")
     model.add_argument("--model", metavar="ID|DIR", help="hub id or local directory (default: TICKETQ_MODEL)")
-    model.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), help="(default: TICKETQ_DTYPE)")
+    model.add_argument(
+        "--dtype", choices=("auto", "float32", "bfloat16", "float16", "int8"), help="(default: TICKETQ_DTYPE)"
+    )
     model.add_argument("--device", choices=("auto", "cpu", "cuda", "mps"), help="(default: TICKETQ_DEVICE)")
     model.add_argument("--threads", metavar="N", type=_positive_int, help="torch threads, set once for every mode")
     data = parser.add_argument_group("tickets")
@@ -177,6 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.01,
         help="a reference margin below this is a near-tie (default: 0.01)",
+    )
+    run.add_argument(
+        "--llama-cpp-src",
+        metavar="DIR",
+        type=Path,
+        help="llama.cpp source tree with convert_hf_to_gguf.py (default: from the llama-cpp-python sdist)",
     )
     run.add_argument("--quick", action="store_true", help="a short run for a slow machine (see below)")
     run.add_argument("--strict", action="store_true", help="exit 1 on any disagreement that is not a near-tie")
@@ -333,10 +359,15 @@ def run_modes(bench: Bench, tickets: list[dict], console: Console) -> list[ModeR
     by_length = sorted(range(len(texts)), key=lambda i: len(encoded[i].ids))
     warm = [texts[i] for i in by_length[: bench.args.warmup]]  # shortest: warms kernels, costs little
     results = []
+    bench.load_before = _load_average()
     for mode in bench.args.mode_list:
         console.rule(mode)
         if mode == "ticketq-queue":
             result = run_queue_mode(bench, tickets, warm)
+        elif mode in LLAMA_CPP_MODES:
+            result = run_llama_cpp_mode(bench, mode, texts, warm, console)
+        elif mode == "ticketq-int8" and (reason := prepare_int8(bench, console)):
+            result = ModeResult(mode, skipped=reason)
         else:
             result = run_in_process(bench, mode, texts, warm)
         results.append(result)
@@ -404,6 +435,33 @@ def run_ticketq(bench: Bench, texts: list[str], bar: tqdm | None) -> tuple[list[
     return [_answer(p) for p in predictions], reports
 
 
+def run_ticketq_int8(bench: Bench, texts: list[str], bar: tqdm | None) -> tuple[list[Answer], list[BatchReport]]:
+    """The engine with int8 decoder linears; the same plan procedure, its own (autotuned) cost model."""
+    predictions, reports = bench.int8_engine.classify(texts, on_batch=(lambda r: bar.update(r.rows)) if bar else None)
+    return [_answer(p) for p in predictions], reports
+
+
+def prepare_int8(bench: Bench, console: Console) -> str | None:
+    """Build (once) the int8 engine on the loaded model and tune it like `ticketq`; a skip reason or None."""
+    if bench.int8_engine is not None:
+        return None
+    engine = bench.engine
+    if engine.int8:
+        bench.int8_engine, bench.int8_tuning = engine, bench.tuning
+        return None
+    try:
+        bench.int8_engine = engine.with_int8()
+    except (ValueError, RuntimeError) as exc:
+        return f"ticketq-int8 skipped: {exc}"
+    if bench.tuning is not None:  # int8 changes the cost per token: plan with its own measurements
+        from worker.autotune import autotune
+
+        with console.status(f"autotuning the int8 cost model ({bench.args.autotune_s:.0f} s budget)…"):
+            bench.int8_tuning = autotune(bench.int8_engine, budget_s=bench.args.autotune_s)
+        console.print(f"autotune on {engine.info.device}/int8: {bench.int8_tuning.describe()}")
+    return None
+
+
 def run_generate(bench: Bench, texts: list[str], bar: tqdm | None) -> tuple[list[Answer], list[BatchReport]]:
     """What a newcomer writes: render the chat, `generate` a few tokens greedily, look for a label."""
     answers, reports = [], []
@@ -423,6 +481,7 @@ RUNNERS: dict[str, Callable[[Bench, list[str], tqdm | None], tuple[list[Answer],
     "sequential": run_sequential,
     **{mode: partial(run_full_prompt, planner=planner) for mode, planner in FULL_PROMPT_PLANNERS.items()},
     "ticketq": run_ticketq,
+    "ticketq-int8": run_ticketq_int8,
 }
 
 
@@ -521,6 +580,52 @@ def _generate_notes(bench: Bench, result: ModeResult) -> list[str]:
     if bench.engine.info.standin:
         notes.append("generate: stand-in weights never stop early, so it always pays every decode step")
     return notes
+
+
+# ----- the llama.cpp peer -------------------------------------------------------------------
+
+
+def run_llama_cpp_mode(bench: Bench, mode: str, texts: list[str], warm: list[str], console: Console) -> ModeResult:
+    """llama.cpp on the same tickets, the same token ids; skipped with a one-line reason where it cannot run."""
+    import torch
+
+    from worker.peers import LlamaCppScorer, PeerUnavailable, gguf_model, llama_cpp_version
+
+    outtype = LLAMA_CPP_MODES[mode]
+    engine = bench.engine
+    try:
+        version = llama_cpp_version()
+        with console.status(f"GGUF {outtype} of {bench.settings.model} (converted once, cached under out/gguf)…"):
+            path = gguf_model(Path(bench.settings.model), outtype, ROOT / "out", bench.args.llama_cpp_src)
+    except PeerUnavailable as exc:
+        return ModeResult(mode, skipped=f"{mode} skipped: {exc}")
+    n_ctx = engine.prefix_len + engine.prompt.max_ticket_tokens + len(engine.prompt.suffix_ids) + 16
+    threads = torch.get_num_threads()
+    scorer = LlamaCppScorer(path, engine.prompt, threads=threads, n_ctx=n_ctx)
+    bench.peer_scorer = scorer  # the runner reads it; one context per mode
+    try:
+        result = run_in_process(bench, mode, texts, warm)
+    finally:
+        bench.peer_scorer = None
+    result.notes.append(
+        f"{mode}: llama-cpp-python {version}, {path.name}, {threads} threads, prompt cache of "
+        f"{scorer.prefix_len} tokens, one ticket per decode call"
+    )
+    return result
+
+
+def run_llama_cpp(bench: Bench, texts: list[str], bar: tqdm | None) -> tuple[list[Answer], list[BatchReport]]:
+    answers, reports = [], []
+    for encoded in bench.engine.encode(texts):
+        prediction, ticket_reports = bench.peer_scorer.score(encoded)
+        answers.append(_answer(prediction))
+        reports += ticket_reports
+        if bar is not None:
+            bar.update(1)
+    return answers, reports
+
+
+RUNNERS |= dict.fromkeys(LLAMA_CPP_MODES, run_llama_cpp)
 
 
 # ----- the queue mode -----------------------------------------------------------------------
@@ -748,6 +853,7 @@ def make_header(bench: Bench, tickets: list[dict], rows: list[dict]) -> dict:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": args.command,
         "machine": _machine(),
+        "load_average": {"start": bench.load_before, "end": _load_average()},
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -791,6 +897,12 @@ def _notes(bench: Bench, rows: list[dict]) -> list[str]:
     notes = []
     if engine.info.standin:
         notes.append(STANDIN_LINE)
+    if bench.int8_engine is not None:
+        tuned = f" planner: {bench.int8_tuning.describe()}" if bench.int8_tuning else ""
+        notes.append(
+            "ticketq-int8: decoder linear layers in dynamic int8 (torch quantize_dynamic), prefix cache and "
+            f"reference in float32; inexact, so near-ties may flip (counted separately).{tuned}"
+        )
     if engine.info.dtype != "float32":
         notes.append(
             f"{engine.info.dtype}: batch shape changes rounding, so probabilities differ slightly between "
@@ -810,10 +922,25 @@ def _machine() -> dict:
         cpu = match.group(1).strip() if match else cpu
     except OSError:
         pass
-    machine = {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform()}
+    machine = {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "cpu_flags": _cpu_flags()}
     if hasattr(os, "sched_getaffinity"):
         machine["usable_cores"] = len(os.sched_getaffinity(0))
     return machine
+
+
+def _cpu_flags() -> list[str]:
+    """The SIMD features that decide float32 / bf16 / int8 speed on a CPU (Linux only)."""
+    try:
+        match = re.search(r"^flags\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
+    except OSError:
+        return []
+    flags = set(match.group(1).split()) if match else set()
+    wanted = ("avx2", "fma", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+    return [f for f in wanted if f in flags]
+
+
+def _load_average() -> tuple[float, float, float] | None:
+    return os.getloadavg() if hasattr(os, "getloadavg") else None
 
 
 # (heading, JSON key, format) of the figure columns shared by the stdout and Markdown tables.
@@ -872,12 +999,19 @@ def markdown_table(header: dict, rows: list[dict]) -> str:
         row = token_rates(row["computed_tokens"], row["tickets"], row["seconds"]) | row  # older JSON lacks them
         lines.append(f"| `{row['mode']}` | " + " | ".join(_cells(row, markdown=True)) + " |")
     machine = header["machine"]
+    flags = f", {' '.join(machine['cpu_flags'])}" if machine.get("cpu_flags") else ""
+    load = header.get("load_average") or {}
+    loads = (
+        ", load average " + " → ".join(f"{value[0]:.2f}" for value in (load.get("start"), load.get("end")) if value)
+        if any(load.values())
+        else ""
+    )
     lines += [
         "",
         f"{header['tickets']} tickets ({header['ticket_source']}), {header['dtype']} on {header['device']} "
-        f"({machine['cpu']}, {machine.get('usable_cores', machine['cores'])} cores, {header['torch_threads']} "
-        f"torch threads), torch {header['torch']}, transformers {header['transformers']}, {header['date'][:10]}; "
-        f"planner: {header['autotune']['description']}.",
+        f"({machine['cpu']}{flags}, {machine.get('usable_cores', machine['cores'])} cores, {header['torch_threads']} "
+        f"torch threads{loads}), torch {header['torch']}, transformers {header['transformers']}, "
+        f"{header['date'][:10]}; planner: {header['autotune']['description']}.",
         "",
         f"`{header['command']}`",
         "",
