@@ -100,6 +100,15 @@ def test_status_dead_letters_requeue_and_result_lookup(service):
     bad = app.send_task(c.TASK_CLASSIFY, args=[{"id": "BAD-1", "text": "   "}], queue=queue)
     wait_for(lambda: client.xlen(c.DEAD_LETTER_STREAM) >= 1 and client.xlen(c.RESULTS_STREAM) >= 2, 60, "results")
 
+    # The failure contract, seen from a plain Celery client: state FAILURE, get() raises
+    # TicketRejected("<reason>: <detail>"), get(propagate=False) returns it; a success is the dict.
+    assert good.get(timeout=30)["status"] == "ok"
+    failure = bad.get(timeout=30, propagate=False)
+    assert bad.state == "FAILURE" and type(failure).__name__ == "TicketRejected"
+    assert str(failure) == "empty_text: ticket text is empty or whitespace only"
+    with pytest.raises(Exception, match=r"^empty_text: "):
+        bad.get(timeout=5)
+
     status = json.loads(ticketq(["status", "--json"], url, queue).stdout)
     assert status["workers"] and status["queue"] == queue and status["queue_depth"] == 0
     assert status["dead_letters"] == {"empty_text": 1} and status["results_stream"] >= 2

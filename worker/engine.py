@@ -170,7 +170,7 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype):
         raise ModelNotFound(
             f"cannot load model {name_or_path!r} ({exc.__class__.__name__}: {str(exc).splitlines()[0]}). "
             "Without model hub access, build the stand-in and point TICKETQ_MODEL at it:\n"
-            "    python -m worker.standin --size full --out models/qwen2.5-0.5b-standin\n"
+            "    ticketq standin --out models/qwen2.5-0.5b-standin\n"
             "    export TICKETQ_MODEL=models/qwen2.5-0.5b-standin"
         ) from exc
     model.to(device).eval().requires_grad_(False)

@@ -77,7 +77,9 @@ return 0
 class TicketRejected(ValueError):
     """A ticket or message that cannot be classified; `reason` is a short machine-readable code."""
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: str, detail: str | None = None) -> None:
+        if detail is None:  # rebuilt by a Celery client from the stored message "reason: detail"
+            reason, _, detail = reason.partition(": ")
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
