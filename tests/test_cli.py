@@ -15,13 +15,12 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 import redis
 from typer.testing import CliRunner
-from workers import ROOT, RedisServer, running_worker, worker_env
+from workers import ROOT, null_classifier_service
 
 from producer.cli import app as produce_app
 from producer.clitools import EXIT_FAILED, EXIT_NOTHING, EXIT_USAGE, command
@@ -189,15 +188,8 @@ def test_error_lists_are_never_cut_silently(tmp_path):
 @pytest.fixture(scope="module")
 def queue_service(tmp_path_factory):
     """A private redis-server and one null-classifier worker on it: (broker url, queue)."""
-    workdir = tmp_path_factory.mktemp("cli-redis")
-    server = RedisServer(workdir, aof=False).start()
-    queue = f"cli-{uuid.uuid4().hex[:8]}"
-    env = worker_env(None, server.url, queue, TICKETQ_NULL_CLASSIFIER="1")
-    try:
-        with running_worker(env, workdir / "worker.log"):
-            yield server.url, queue
-    finally:
-        server.stop()
+    with null_classifier_service(tmp_path_factory.mktemp("cli-redis"), "cli") as service:
+        yield service
 
 
 def test_produce_file_writes_a_row_for_every_input_line(tmp_path, queue_service):

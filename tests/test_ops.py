@@ -8,12 +8,11 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-import uuid
 
 import pytest
 import redis
 from celery import Celery
-from workers import ROOT, RedisServer, free_port, running_worker, wait_for, worker_env
+from workers import ROOT, free_port, null_classifier_service, wait_for
 
 from worker import constants as c
 from worker.metrics import Metrics
@@ -74,15 +73,8 @@ def test_metrics_port_in_use_names_the_setting():
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("ops-redis")
-    server = RedisServer(workdir, aof=False).start()
-    queue = f"ops-{uuid.uuid4().hex[:8]}"
-    env = worker_env(None, server.url, queue, TICKETQ_NULL_CLASSIFIER="1")
-    try:
-        with running_worker(env, workdir / "worker.log"):
-            yield server.url, queue
-    finally:
-        server.stop()
+    with null_classifier_service(tmp_path_factory.mktemp("ops-redis"), "ops") as service:
+        yield service
 
 
 def ticketq(args: list[str], url: str, queue: str) -> subprocess.CompletedProcess:

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -167,3 +168,16 @@ class RedisServer:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(timeout=10)
+
+
+@contextmanager
+def null_classifier_service(workdir: Path, prefix: str) -> Iterator[tuple[str, str]]:
+    """A private redis-server and one null-classifier worker on a fresh queue: (broker url, queue)."""
+    server = RedisServer(workdir, aof=False).start()
+    queue = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    env = worker_env(None, server.url, queue, TICKETQ_NULL_CLASSIFIER="1")
+    try:
+        with running_worker(env, workdir / "worker.log"):
+            yield server.url, queue
+    finally:
+        server.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -237,7 +238,9 @@ dead = typer.Typer(help="Dead letters (stream ticketq:dead): list, show, requeue
 cli.add_typer(dead, name="dead")
 
 
+@contextmanager
 def _ops():
+    """The operator commands' Ops on a broker that answers (else one line naming it), closed after."""
     from producer.api import BrokerUnavailable
     from worker.ops import Ops
 
@@ -247,17 +250,17 @@ def _ops():
     except Exception as exc:  # redis-py and socket errors alike: report the broker, not a traceback
         ops.close()
         _fail(str(BrokerUnavailable(ops.settings.broker_url, exc)))
-    return ops
+    try:
+        yield ops
+    finally:
+        ops.close()
 
 
 @cli.command()
 def status(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
     """Queue depth, in-flight messages, live workers (Celery ping), dead letters by reason, results stream."""
-    ops = _ops()
-    try:
+    with _ops() as ops:
         state = ops.status()
-    finally:
-        ops.close()
     if as_json:
         print(json.dumps(state))
         return
@@ -272,22 +275,16 @@ def status(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] 
 @dead.command("list")
 def dead_list(reason: Annotated[str | None, typer.Option(help="Only this reason.")] = None) -> None:
     """One line per dead letter: entry id, reason, task id, error."""
-    ops = _ops()
-    try:
+    with _ops() as ops:
         for letter in ops.dead_letters(reason):
             print(f"{letter.entry_id}  {letter.reason}  {letter.task_id}  {letter.fields.get('error', '')}")
-    finally:
-        ops.close()
 
 
 @dead.command("show")
 def dead_show(key: Annotated[str, typer.Argument(help="Stream entry id or task id.")]) -> None:
     """Every field of a dead letter, its payload decoded."""
-    ops = _ops()
-    try:
+    with _ops() as ops:
         letters = ops.find_dead(key)
-    finally:
-        ops.close()
     if not letters:
         _fail(f"no dead letter with entry id or task id {key}", EXIT_FAILED)
     for letter in letters:
@@ -307,9 +304,8 @@ def dead_requeue(
 
     if not keys and not reason:
         _fail("name dead letters to requeue (entry or task ids) or pass --reason")
-    ops = _ops()
     failed = 0
-    try:
+    with _ops() as ops:
         letters = ops.dead_letters(reason) if reason else [x for key in keys or [] for x in ops.find_dead(key)]
         for letter in letters:
             try:
@@ -317,19 +313,14 @@ def dead_requeue(
             except NotRequeueable as exc:
                 failed += 1
                 error(console, f"{letter.entry_id}: {exc}")
-    finally:
-        ops.close()
     raise typer.Exit(exit_status(len(letters) - failed, failed))
 
 
 @cli.command()
 def result(key: Annotated[str, typer.Argument(help="Task id or ticket id.")]) -> None:
     """Look up results by task id or ticket id (results stream, then the Celery result backend)."""
-    ops = _ops()
-    try:
+    with _ops() as ops:
         found = ops.result(key)
-    finally:
-        ops.close()
     if not found:
         _fail(f"no result for {key} (not in the results stream, pending or expired in the backend)", EXIT_FAILED)
     for row in found:
