@@ -9,8 +9,7 @@ import sys
 from dataclasses import fields
 
 import pytest
-import redis
-from workers import ROOT
+from workers import ROOT, redis_or_skip
 
 from worker.loadtest import RateResult, Report, percentile
 
@@ -26,10 +25,7 @@ def test_percentile_is_nearest_rank():
 
 
 def test_loadtest_reports_every_field(tmp_path):
-    try:
-        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
-    except redis.RedisError as exc:
-        pytest.skip(f"no Redis at {REDIS_URL} ({exc})")
+    redis_or_skip(REDIS_URL).close()
     out, png = tmp_path / "loadtest.json", tmp_path / "loadtest.png"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
     command = [sys.executable, "-m", "worker.loadtest", "--null", "--duration", "2", "--rates", "0.5,1.0",

@@ -38,7 +38,7 @@ import redis
 from celery import states
 from celery.result import AsyncResult
 from prometheus_client.parser import text_string_to_metric_families
-from workers import ROOT, Worker, wait_for, worker_env
+from workers import ROOT, Worker, redis_or_skip, wait_for, worker_env
 
 from producer.api import Producer
 from producer.synthetic import generate_tickets
@@ -66,14 +66,7 @@ def broker() -> Iterator[redis.Redis]:
     Not flushed: two runs of the suite on one Redis (a developer's and a colleague's, or CI jobs)
     would wipe each other's results mid-run. Every check filters by its own task ids instead.
     """
-    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2)
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        reason = f"no Redis at {REDIS_URL} ({exc}); start one with `redis-server --port 6379`"
-        if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
-            pytest.fail(reason)
-        pytest.skip(reason)
+    client = redis_or_skip(REDIS_URL)
     yield client
     client.close()
 

@@ -10,7 +10,6 @@ synchronisation is the classifier's own call, not a sleep.
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from collections.abc import Iterator, Sequence
 from datetime import datetime, timedelta, timezone
@@ -20,6 +19,7 @@ import redis
 from celery import Celery, states
 from celery.result import AsyncResult
 from celery_batches import SimpleRequest
+from workers import redis_or_skip
 
 from worker import constants as c
 from worker.metrics import Metrics
@@ -57,14 +57,7 @@ def test_engine_hands_each_forward_batch_to_on_predictions(tiny_engine):
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2)
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        reason = f"no Redis at {REDIS_URL} ({exc}); start one with `redis-server --port 6379`"
-        if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
-            pytest.fail(reason)
-        pytest.skip(reason)
+    client = redis_or_skip(REDIS_URL)
     yield client
     client.close()
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import redis
 
 from worker.demo import scrape as scrape_url
@@ -181,3 +182,17 @@ def null_classifier_service(workdir: Path, prefix: str) -> Iterator[tuple[str, s
             yield server.url, queue
     finally:
         server.stop()
+
+
+def redis_or_skip(url: str) -> redis.Redis:
+    """A client on the machine's Redis; skips the test without one, but fails under CI (CI=true),
+    where a missing Redis is a broken setup, not a reason to pass."""
+    client = redis.Redis.from_url(url, socket_connect_timeout=2)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        reason = f"no Redis at {url} ({exc}); start one with `redis-server --port 6379`"
+        if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return client
