@@ -378,7 +378,7 @@ def offline(monkeypatch):
 
 @pytest.mark.timeout(60)
 def test_missing_hub_model_names_the_standin_command(offline):
-    with pytest.raises(ModelNotFound, match=r"python -m worker\.standin") as info:
+    with pytest.raises(ModelNotFound, match=r"ticketq standin --out") as info:
         load_model("Qwen/does-not-exist-xyz", torch.device("cpu"), torch.float32)
     assert "Qwen/does-not-exist-xyz" in str(info.value)
     assert "TICKETQ_MODEL" in str(info.value)
@@ -388,7 +388,7 @@ def test_missing_hub_model_names_the_standin_command(offline):
 @pytest.mark.timeout(60)
 def test_directory_without_a_model_raises_model_not_found(offline, tmp_path):
     """An empty or half-written directory (e.g. an interrupted stand-in build) must not leak a raw error."""
-    with pytest.raises(ModelNotFound, match=r"python -m worker\.standin"):
+    with pytest.raises(ModelNotFound, match=r"ticketq standin --out"):
         load_model(str(tmp_path), torch.device("cpu"), torch.float32)
 
 
