@@ -18,7 +18,7 @@ demo: setup
 	$(VENV)/bin/ticketq demo
 
 lint: setup
-	$(VENV)/bin/ruff check worker producer tests
+	$(VENV)/bin/ruff check ticketq worker producer tests
 
 # The deploy tests run a real Prometheus; install it from Debian when missing (CI runs as root).
 test-deps:

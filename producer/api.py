@@ -1,20 +1,15 @@
 """The Python API for sending tickets to ticketq workers and collecting their results.
 
 `Producer` owns a minimal Celery app (JSON only) and a Redis client on the broker. It imports
-no torch and no worker module except `worker.settings` and `worker.constants` (pydantic only),
-so a web app can embed it.
+no torch and nothing from `worker/`, only the shared contract (`ticketq`), so a web app can
+embed it.
 
-Message contract (the worker implements the other side), task `worker.constants.TASK_CLASSIFY`
-on queue `settings.queue`:
-
-- single ticket: `args=[{"id": str, "text": str, "submitted_at": unix_seconds}]`; its result is
-  one per-ticket dict;
-- packed: `args=[[ticket, ticket, ...]]`; its result is a list of per-ticket dicts.
-
-A per-ticket result from the worker looks like `{"id", "task_id", "status": "ok", "label", "probs",
-"margin", "truncated", "model", "standin", "worker", "queue_wait_s", "processing_s"}`. `wait()`
-turns a failed task into `{"id", "task_id", "status": "failed", "error"}` for each of its tickets,
-and a task with no result by the deadline into `status: "timeout"`.
+The message and ticket rules are `ticketq.contract`'s (the worker applies the same validator):
+a ticket is checked here before anything is sent, `submit_many` also refuses a repeated id, and
+each message goes to task `ticketq.names.TASK_CLASSIFY` on queue `settings.queue`, one ticket or a
+packed list. `wait()` gives one dict per ticket: the worker's `Classified` or `Failed` result;
+a failed task becomes `{"id", "task_id", "status": "failed", "error"}` for each of its tickets,
+and a task with no result by the deadline `status: "timeout"`.
 """
 
 from __future__ import annotations
@@ -24,18 +19,19 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import kombu.exceptions
 import redis
 from celery import Celery, states
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult, ResultSet
-from kombu.utils.url import maybe_sanitize_url
 from tqdm import tqdm
 
-from worker.constants import RESULTS_STREAM, TASK_CLASSIFY
-from worker.settings import Settings
+from ticketq.config import ClientSettings
+from ticketq.connections import SOCKET_TIMEOUT_S, RedisUnavailable, connect, redis_client
+from ticketq.contract import Failed, Reason, Status, TicketRejected, UniqueIds, validate_ticket
+from ticketq.names import RESULTS_STREAM, TASK_CLASSIFY
 
 log = logging.getLogger(__name__)
 
@@ -48,25 +44,10 @@ _KOMBU_PRIORITY_STEPS = (0, 3, 6, 9)
 _CONNECTION_ERRORS = (kombu.exceptions.OperationalError, redis.exceptions.RedisError, OSError)
 
 
-class BrokerUnavailable(ConnectionError):
-    """Redis (broker or result backend) cannot be reached; the message says where and what to do."""
+class BrokerUnavailable(RedisUnavailable):
+    """Redis (broker or result backend) cannot be used; the message says where and what to do."""
 
-    def __init__(self, url: str, reason: object) -> None:
-        self.url = mask_url(url)
-        self.reason = str(reason).rstrip(".")
-        super().__init__(
-            f"cannot reach Redis at {self.url}: {self.reason}. Check that Redis is running and the "
-            "URL (host, port, db, password) is right; set TICKETQ_BROKER_URL (and TICKETQ_RESULT_BACKEND "
-            "if results live elsewhere) or pass --broker-url."
-        )
-
-    def __repr__(self) -> str:
-        return f"BrokerUnavailable(url={self.url!r}, reason={self.reason!r})"
-
-
-def mask_url(url: str) -> str:
-    """The URL with any password replaced by `**`, safe to print and log."""
-    return maybe_sanitize_url(url)
+    fix = "set TICKETQ_BROKER_URL (and TICKETQ_RESULT_BACKEND if results live elsewhere) or pass --broker-url"
 
 
 class TicketResult(AsyncResult):
@@ -80,20 +61,21 @@ class TicketResult(AsyncResult):
 class Producer:
     """Sends tickets to the classify task and collects per-ticket results.
 
-    Build it from a `Settings` (read from `TICKETQ_*` by default) or override the URLs:
+    Build it from `ClientSettings` (read from `TICKETQ_*` by default; a worker's `Settings` will
+    do too) or override the URLs:
     `Producer(broker_url="redis://:secret@redis:6379/0")`. The first send checks the broker once
     and raises `BrokerUnavailable` within about `connect_timeout_s` instead of retrying.
     """
 
     def __init__(
         self,
-        settings: Settings | None = None,
+        settings: ClientSettings | None = None,
         *,
         broker_url: str | None = None,
         backend_url: str | None = None,
         connect_timeout_s: float = 3.0,
     ) -> None:
-        settings = settings if settings is not None else Settings()
+        settings = settings if settings is not None else ClientSettings()
         overrides = {"broker_url": broker_url, "result_backend": backend_url}
         self.settings = settings.model_copy(update={k: v for k, v in overrides.items() if v})
         self.connect_timeout_s = connect_timeout_s
@@ -127,7 +109,9 @@ class Producer:
     def redis(self) -> redis.Redis:
         """A redis-py client on the broker (queue depth, results stream)."""
         if self._redis is None:
-            self._redis = _redis_client(self.settings.broker_url, self.connect_timeout_s)
+            timeouts = {"connect_timeout_s": self.connect_timeout_s,
+                        "socket_timeout_s": max(self.connect_timeout_s, SOCKET_TIMEOUT_S)}  # fmt: skip
+            self._redis = redis_client(self.settings.broker_url, **timeouts)
         return self._redis
 
     def check_connection(self) -> None:
@@ -135,42 +119,29 @@ class Producer:
         for url in dict.fromkeys((self.settings.broker_url, self.settings.backend_url)):
             if urlsplit(url).scheme not in ("redis", "rediss"):
                 continue  # other transports (memory://, tests) have nothing to ping
-            try:
-                client = _redis_client(url, self.connect_timeout_s)
-                try:
-                    client.ping()
-                finally:
-                    client.close()
-            except (redis.exceptions.RedisError, OSError) as exc:
-                raise BrokerUnavailable(url, exc) from None
+            connect(url, connect_timeout_s=self.connect_timeout_s, error=BrokerUnavailable).close()
         self._checked = True
 
     # --- sending ---
 
     def validate(self, text: object, id: object = None) -> tuple[str, str]:
-        """Check one ticket at the edge; return `(id, text)` or raise `ValueError`/`TypeError`."""
-        ticket_id = uuid.uuid4().hex if id is None else id
-        if not isinstance(ticket_id, str) or not ticket_id.strip():
-            raise ValueError(f"ticket id must be a non-empty string, got {id!r}")
-        if not isinstance(text, str):
-            raise TypeError(f"ticket {ticket_id!r}: text must be a str, got {type(text).__name__}")
-        if not text.strip():
-            raise ValueError(f"ticket {ticket_id!r}: text is empty or only whitespace; nothing to classify")
-        try:
-            size = len(text.encode("utf-8"))
-        except UnicodeEncodeError as exc:
-            raise ValueError(
-                f"ticket {ticket_id!r}: text is not valid Unicode ({exc.reason} at index {exc.start})"
-            ) from None
-        limit = self.settings.max_ticket_bytes
-        if size > limit:
-            raise ValueError(
-                f"ticket {ticket_id!r}: text is {size} bytes of UTF-8, over the limit of {limit} "
-                "(TICKETQ_MAX_TICKET_BYTES)"
-            )
-        return ticket_id, text
+        """Check one ticket at the edge with the contract's rule; `(id, text)`, a missing id assigned.
 
-    def submit(self, text: str, id: str | None = None) -> TicketResult:
+        Raises `TicketRejected` (a `ValueError`; `.reason` says why), or `TypeError` for a text or
+        id of the wrong type. An integer id comes back as its decimal string.
+        """
+        return self._validate({"id": id, "text": text})
+
+    def _validate(self, raw: Mapping[str, object]) -> tuple[str, str]:
+        try:
+            ticket = validate_ticket(raw, self.settings.max_ticket_bytes)
+        except TicketRejected as exc:
+            if exc.reason == Reason.WRONG_TYPE:
+                raise TypeError(str(exc)) from None  # what Python callers expect for a wrong type
+            raise
+        return ticket.id or uuid.uuid4().hex, ticket.text
+
+    def submit(self, text: str, id: str | int | None = None) -> TicketResult:
         """Send one ticket as its own message; returns its Celery `AsyncResult`."""
         ticket = self.validate(text, id)
         return self._send([ticket], packed=False)
@@ -180,15 +151,17 @@ class Producer:
     ) -> list[TicketResult]:
         """Send tickets (strings or `{"id"?, "text"}` mappings), `pack` per message.
 
-        Every ticket is validated before the first is sent, so one bad ticket sends nothing.
+        Every ticket is validated before the first is sent, so one bad ticket (or an id given
+        twice in `tickets`) sends nothing.
         """
         if not isinstance(pack, int) or pack < 1:
             raise ValueError(f"pack must be an integer >= 1, got {pack!r}")
-        checked, problems = [], []
+        checked, problems, ids = [], [], UniqueIds()
         for index, ticket in enumerate(tickets):
             try:
-                text, ticket_id = (ticket, None) if isinstance(ticket, str) else _fields(ticket)
-                checked.append(self.validate(text, ticket_id))
+                ticket_id, text = self._validate(_as_mapping(ticket))
+                ids.add(ticket_id, f"at #{index}")
+                checked.append((ticket_id, text))
             except (ValueError, TypeError) as exc:
                 problems.append(f"#{index}: {exc}")
         if problems:
@@ -405,7 +378,7 @@ class Producer:
             raise BrokerUnavailable(self.settings.broker_url, exc) from None
 
 
-def _make_app(settings: Settings, connect_timeout_s: float) -> Celery:
+def _make_app(settings: ClientSettings, connect_timeout_s: float) -> Celery:
     """A Celery app that can only publish JSON and read JSON results, and gives up quickly."""
     app = Celery("ticketq-producer", broker=settings.broker_url, backend=settings.backend_url,
                  set_as_current=False)
@@ -432,19 +405,6 @@ def _make_app(settings: Settings, connect_timeout_s: float) -> Celery:
         result_backend_transport_options={"retry_policy": few_retries},
     )
     return app
-
-
-def _redis_client(url: str, timeout_s: float) -> redis.Redis:
-    """A redis-py client for a Celery-style Redis URL (accepts `ssl_cert_reqs=CERT_REQUIRED`)."""
-    parts = urlsplit(url)
-    # Celery/kombu spell it CERT_REQUIRED; redis-py wants required/optional/none.
-    query = [(k, v.lower().removeprefix("cert_") if k == "ssl_cert_reqs" else v)
-             for k, v in parse_qsl(parts.query)]
-    url = urlunsplit(parts._replace(query=urlencode(query)))
-    try:
-        return redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=max(timeout_s, 10.0))
-    except ValueError as exc:
-        raise ValueError(f"invalid Redis URL {mask_url(url)}: {exc}") from None
 
 
 def ticket_results(result: AsyncResult, state: str, value: object) -> list[dict]:
@@ -477,11 +437,13 @@ def _ticket_ids(result: AsyncResult) -> tuple[str, ...]:
     return getattr(result, "ticket_ids", ())
 
 
-def _fields(ticket: Mapping[str, object]) -> tuple[object, object]:
+def _as_mapping(ticket: Ticket) -> Mapping[str, object]:
+    if isinstance(ticket, str):
+        return {"text": ticket}
     if not isinstance(ticket, Mapping):
         raise TypeError(f"a ticket must be a str or a mapping with 'text', got {type(ticket).__name__}")
-    return ticket.get("text"), ticket.get("id")
+    return ticket
 
 
-def _failed(task_id: str, ticket_ids: Iterable[str | None], error: str, status: str = "failed") -> list[dict]:
+def _failed(task_id: str, ticket_ids: Iterable[str | None], error: str, status: Status = "failed") -> list[Failed]:
     return [{"id": ticket_id, "task_id": task_id, "status": status, "error": error} for ticket_id in ticket_ids]

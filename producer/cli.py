@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from producer.api import BrokerUnavailable, Producer, mask_url
+from producer.api import BrokerUnavailable, Producer
 from producer.clitools import (
     CONTEXT_SETTINGS,
     EXIT_FAILED,
@@ -31,7 +31,8 @@ from producer.clitools import (
 )
 from producer.synthetic import generate_tickets
 from producer.tickets import OutputError, TicketFile, TicketFileError, check_output, read_tickets, write_results
-from worker.settings import Settings, SettingsError, load_settings
+from ticketq.config import ClientSettings, SettingsError, mask_url
+from ticketq.contract import TicketRejected, validate_ticket
 
 EXIT_PROBLEMS = EXIT_FAILED  # some tickets were rejected, failed or timed out
 EXIT_UNUSABLE = EXIT_USAGE  # bad configuration, unreadable input, Redis unreachable
@@ -138,10 +139,10 @@ def file_command(
     try:
         if out:
             check_output(out, [path], force)
-        parsed = read_tickets(path, fmt)  # type: ignore[arg-type]
+        parsed = read_tickets(path, fmt, settings.max_ticket_bytes)  # type: ignore[arg-type]
     except (TicketFileError, OutputError) as exc:
         _exit_error(str(exc))
-    _report_errors([str(error) for error in parsed.errors], f"{len(parsed.errors)} malformed rows, not sent:",
+    _report_errors([str(error) for error in parsed.errors], f"{len(parsed.errors)} rows refused, not sent:",
                    _kept_hint(out))  # fmt: skip
     options = RunOptions(pack, wait, out, timeout, progress, force, resend_after)
     raise typer.Exit(_run(parsed.tickets, options, settings, parsed))
@@ -176,11 +177,14 @@ def synthetic_command(
     raise typer.Exit(_run(tickets, options, settings))
 
 
-def _settings(broker_url: str | None = None, backend_url: str | None = None) -> Settings:
-    """The settings with the URL options applied and validated, or one line per problem and exit 2."""
+def _settings(broker_url: str | None = None, backend_url: str | None = None) -> ClientSettings:
+    """The client settings with the URL options applied and validated, or one line per problem and exit 2.
+
+    Only what a producer uses is read: a worker-only setting is the worker's to check.
+    """
     try:
-        return load_settings({"broker_url": "--broker-url", "result_backend": "--backend-url"},
-                             broker_url=broker_url, result_backend=backend_url)  # fmt: skip
+        return ClientSettings.from_env({"broker_url": "--broker-url", "result_backend": "--backend-url"},
+                                       broker_url=broker_url, result_backend=backend_url)  # fmt: skip
     except SettingsError as exc:
         _exit_error(str(exc))
 
@@ -194,11 +198,11 @@ def _kept_hint(out: Path | None) -> str:
     return f"; every row is in {out}" if out else "; pass --out FILE to keep every row"
 
 
-def _run(tickets: list[dict], options: RunOptions, settings: Settings, source: TicketFile | None = None) -> int:
+def _run(tickets: list[dict], options: RunOptions, settings: ClientSettings, source: TicketFile | None = None) -> int:
     """Validate, send, optionally collect, write the results file; returns the exit status."""
     producer = Producer(settings)
     try:
-        good, refused = _validate(producer, tickets)
+        good, refused = _validate(tickets, settings.max_ticket_bytes)
         _report_errors([f"{row['id']}: {row['error']}" for row in refused],
                        f"{len(refused)} tickets rejected, not sent:", _kept_hint(options.out))  # fmt: skip
         malformed = len(source.errors) if source else 0
@@ -234,14 +238,18 @@ def _finish(results: list[dict], options: RunOptions, source: TicketFile | None,
     return EXIT_PROBLEMS if problems else EXIT_OK
 
 
-def _validate(producer: Producer, tickets: list[dict]) -> tuple[list[dict], list[dict]]:
-    """The tickets the producer accepts, and a failed result row for each one it refuses."""
+def _validate(tickets: list[dict], max_bytes: int) -> tuple[list[dict], list[dict]]:
+    """The tickets the contract accepts, and a failed result row (with its reason) for each one it refuses.
+
+    A file's rows were checked as they were read; this catches generated tickets (a small
+    TICKETQ_MAX_TICKET_BYTES) before anything is sent.
+    """
     good, refused = [], []
     for ticket in tickets:
         try:
-            producer.validate(ticket["text"], ticket["id"])
-        except (ValueError, TypeError) as exc:
-            refused.append({"id": ticket["id"], "status": "failed", "reason": "rejected", "error": str(exc)})
+            validate_ticket(ticket, max_bytes)
+        except TicketRejected as exc:
+            refused.append({"id": ticket["id"], "status": "failed", "reason": exc.reason, "error": str(exc)})
         else:
             good.append(ticket)
     return good, refused

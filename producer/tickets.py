@@ -1,13 +1,14 @@
 """Ticket files in and result files out: JSONL or CSV tickets, JSONL results.
 
 Input rows are `{"id": ..., "text": ...}` (JSONL, one object a line; `id` optional) or a CSV with a
-header naming a `text` column and optionally an `id` column. A missing or empty id becomes
-`line-N` (N = the row's line number). An optional string `expected` field or column is kept, so a
-labelled file can be scored.
+header naming a `text` column and optionally an `id` column. Each row is a ticket under the
+contract's rule (`ticketq.contract.validate_ticket`: the worker's), and an id may appear once per
+file. A row without an id (in a CSV, an empty `id` cell) becomes `line-N` (N = the row's line
+number). An optional string `expected` field or column is kept, so a labelled file can be scored.
 
-A malformed row does not stop the file: it becomes a `RowError` naming the file and line, and the
-good rows still go through. Every non-blank row ends as exactly one ticket or one error, so
-`results_in_order` can give one result row per input row. A CSV record whose quoting is broken (an
+A malformed or refused row does not stop the file: it becomes a `RowError` naming the file and
+line, and the good rows still go through. Every non-blank row ends as exactly one ticket or one
+error, so `results_in_order` can give one result row per input row. A CSV record whose quoting is broken (an
 unterminated quote would otherwise swallow every row after it) is reported at the line where it
 starts, and reading resumes on the next line. Only a file that cannot be read at all (missing,
 not UTF-8 for CSV, a CSV without a `text` column) raises `TicketFileError`.
@@ -29,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from ticketq.contract import MAX_TICKET_BYTES, Reason, TicketRejected, UniqueIds, validate_ticket
+
 Format = Literal["auto", "jsonl", "csv"]
 
 _JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -46,14 +49,14 @@ class OutputError(Exception):
 class RowError:
     """One malformed row; `str()` reads like a compiler error: `path:line: message`.
 
-    `reason` is a short code for the results file (the worker's codes where they mean the same);
-    `id` is the row's ticket id when it could be read.
+    `reason` is a `ticketq.contract.Reason` value, the worker's where they mean the same; `id` is
+    the row's ticket id when it could be read.
     """
 
     path: str
     line: int
     message: str
-    reason: str = "malformed_row"
+    reason: str = Reason.MALFORMED_ROW.value
     id: str | None = None
 
     def __str__(self) -> str:
@@ -92,7 +95,8 @@ class TicketFile:
         rows = [(error.line, error.as_result()) for error in self.errors]
         for ticket in self.tickets:
             result = by_id.get(ticket["id"]) or {
-                "id": ticket["id"], "status": "failed", "reason": "no_result", "error": "no result for this ticket"
+                "id": ticket["id"], "status": "failed", "reason": Reason.NO_RESULT.value,
+                "error": "no result for this ticket",
             }  # fmt: skip
             rows.append((self.lines[ticket["id"]], {**_with_reason(result), "source": self.source(ticket["id"])}))
         rows.sort(key=lambda row: row[0])  # stable: one row per line, so the order is the file's
@@ -111,49 +115,52 @@ def _with_reason(result: dict) -> dict:
 
 
 class _Collector:
-    """Turns raw rows into tickets, recording errors (and duplicate ids) as it goes."""
+    """Turns raw rows into tickets with the contract's validator, recording errors (duplicate ids too)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, max_bytes: int) -> None:
         self.result = TicketFile(path)
-        self._seen: dict[str, int] = {}
+        self.max_bytes = max_bytes
+        self._ids = UniqueIds()
 
-    def error(self, line: int, message: str, reason: str = "malformed_row", ticket_id: str | None = None) -> None:
-        self.result.errors.append(RowError(str(self.result.path), line, message, reason, ticket_id))
+    def error(self, line: int, message: str, reason: str = Reason.MALFORMED_ROW, ticket_id: str | None = None) -> None:
+        self.result.errors.append(RowError(str(self.result.path), line, message, str(reason), ticket_id))
 
-    def add(self, line: int, raw_id: object, text: object, expected: object = None) -> None:
-        problem = _row_problem(raw_id, text, expected)
-        readable_id = raw_id if isinstance(raw_id, (str, int)) and not isinstance(raw_id, bool) else None
-        ticket_id = f"line-{line}" if readable_id in (None, "") else str(readable_id)
-        if problem is None and ticket_id in self._seen:
-            problem = ("duplicate_id", f"duplicate id {ticket_id!r} (first seen on line {self._seen[ticket_id]})")
-        if problem is not None:
-            self.error(line, problem[1], problem[0], ticket_id)
+    def add(self, line: int, row: dict) -> None:
+        """One row's fields (`id`, `text`, `expected`; others are ignored): a ticket or an error."""
+        try:
+            ticket = validate_ticket(row, self.max_bytes)
+            _check_expected(row.get("expected"))
+            ticket_id = ticket.id or f"line-{line}"
+            self._ids.add(ticket_id, f"on line {line}")  # last: a refused row does not claim its id
+        except TicketRejected as exc:
+            self.error(line, exc.detail, exc.reason, _readable_id(row.get("id"), line))
             return
-        self._seen[ticket_id] = line
-        ticket = {"id": ticket_id, "text": text}
-        if expected:
-            ticket["expected"] = expected
-        self.result.tickets.append(ticket)
+        found = {"id": ticket_id, "text": ticket.text}
+        if row.get("expected"):
+            found["expected"] = row["expected"]
+        self.result.tickets.append(found)
         self.result.lines[ticket_id] = line
 
 
-def _row_problem(raw_id: object, text: object, expected: object) -> tuple[str, str] | None:
-    """`(reason, message)` for what is wrong with one row's fields, or None."""
-    if raw_id is not None and (isinstance(raw_id, bool) or not isinstance(raw_id, (str, int))):
-        return "wrong_type", f"'id' must be a string or an integer, got {type(raw_id).__name__}"
-    if text is None:
-        return "missing_field", "missing 'text'"
-    if not isinstance(text, str):
-        return "wrong_type", f"'text' must be a string, got {type(text).__name__}"
-    if not text.strip():
-        return "empty_text", "'text' is empty or only whitespace"
+def _check_expected(expected: object) -> None:
+    """`expected` (a file's label for scoring, not part of the ticket) is a string when present."""
     if expected is not None and not isinstance(expected, str):
-        return "wrong_type", f"'expected' must be a string, got {type(expected).__name__}"
-    return None
+        raise TicketRejected(Reason.WRONG_TYPE, f"'expected' must be a string, got {type(expected).__name__}")
 
 
-def read_tickets(path: str | Path, fmt: Format = "auto") -> TicketFile:
-    """Read a JSONL or CSV ticket file; `fmt="auto"` goes by extension, then by the first byte."""
+def _readable_id(raw_id: object, line: int) -> str:
+    """The id a refused row is reported under: its own when it has a usable one, else `line-N`."""
+    if isinstance(raw_id, str | int) and not isinstance(raw_id, bool) and str(raw_id).strip():
+        return str(raw_id)
+    return f"line-{line}"
+
+
+def read_tickets(path: str | Path, fmt: Format = "auto", max_bytes: int = MAX_TICKET_BYTES) -> TicketFile:
+    """Read a JSONL or CSV ticket file; `fmt="auto"` goes by extension, then by the first byte.
+
+    `max_bytes` is TICKETQ_MAX_TICKET_BYTES: a longer text is a refused row (`oversize`), as the
+    worker would refuse it.
+    """
     path = Path(path)
     try:
         data = path.read_bytes()
@@ -161,7 +168,7 @@ def read_tickets(path: str | Path, fmt: Format = "auto") -> TicketFile:
         raise TicketFileError(f"{path}: cannot read ticket file: {exc.strerror or exc}") from exc
     if fmt == "auto":
         fmt = _guess_format(path, data)
-    collector = _Collector(path)
+    collector = _Collector(path, max_bytes)
     if fmt == "jsonl":
         _parse_jsonl(data, collector)
     elif fmt == "csv":
@@ -190,15 +197,15 @@ def _parse_jsonl(data: bytes, collector: _Collector) -> None:
             row = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError as exc:
             collector.error(number, f"not valid UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 1]!r})",
-                            "invalid_utf8")
+                            Reason.INVALID_UTF8)
             continue
         except json.JSONDecodeError as exc:
-            collector.error(number, f"invalid JSON: {exc.msg} (column {exc.colno})", "invalid_json")
+            collector.error(number, f"invalid JSON: {exc.msg} (column {exc.colno})", Reason.INVALID_JSON)
             continue
         if not isinstance(row, dict):
-            collector.error(number, f"expected a JSON object, got {type(row).__name__}", "invalid_json")
+            collector.error(number, f"expected a JSON object, got {type(row).__name__}", Reason.INVALID_JSON)
             continue
-        collector.add(number, row.get("id"), row.get("text"), row.get("expected"))
+        collector.add(number, row)
 
 
 def _parse_csv(data: bytes, collector: _Collector) -> None:
@@ -217,12 +224,15 @@ def _parse_csv(data: bytes, collector: _Collector) -> None:
         )
     for line, row in records:
         if isinstance(row, str):
-            collector.error(line, row, "malformed_csv")
+            collector.error(line, row, Reason.MALFORMED_CSV)
         elif len(row) != len(header):
             message = f"expected {len(header)} fields ({','.join(header)}), got {len(row)}"
-            collector.error(line, message, "malformed_csv")
+            collector.error(line, message, Reason.MALFORMED_CSV)
         else:
-            collector.add(line, _cell(row, columns, "id"), row[columns["text"]], _cell(row, columns, "expected"))
+            # A CSV cell cannot be absent: an empty id cell means "no id" (JSONL leaves the field out).
+            fields = {"id": _cell(row, columns, "id") or None, "text": row[columns["text"]],
+                      "expected": _cell(row, columns, "expected")}  # fmt: skip
+            collector.add(line, fields)
 
 
 class _Lines:

@@ -14,11 +14,16 @@ import os
 
 import pytest
 import redis
+import typer
 
 from producer.synthetic import generate_tickets
 from worker import batching
-from worker.bench import ROOT, Answer, compare, full_prompt_batch, generate_one, main, parse_args, parse_label
+from worker.bench.baselines import GENERATE_NEW_TOKENS, parse_label
+from worker.bench.cli import main, parse_args
+from worker.bench.records import Answer
+from worker.bench.report import compare
 from worker.engine import Engine
+from worker.procs import ROOT
 from worker.prompt import system_text
 from worker.settings import DEFAULT_SYSTEM_PROMPT
 
@@ -142,13 +147,14 @@ def test_modes_default_quick_and_all():
     quick = parse_args(["--quick"])
     assert (quick.tickets, quick.batch_size) == (12, 4) and "generate" not in quick.mode_list
     assert parse_args(["--modes", "ticketq"]).mode_list == ["sequential", "ticketq"]  # the reference always runs
-    with pytest.raises(SystemExit):
+    with pytest.raises(typer.BadParameter):
         parse_args(["--modes", "fastest"])
+    assert main(["--modes", "fastest"]) == 2  # a usage error, before anything is loaded
 
 
 @pytest.mark.parametrize("labels", [("account", "account security", "billing"), ("billing", "technical", "account")])
 def test_full_prompt_batch_matches_the_reference(tiny_engine, labels):
-    """The baselines' own batched scorer, also for labels that share leading tokens (branches below the root)."""
+    """The engine's full-prompt batches (the baselines' scorer), also for labels sharing leading tokens."""
     engine = Engine(
         tiny_engine.model, tiny_engine.tokenizer, labels=labels, system=system_text(DEFAULT_SYSTEM_PROMPT, labels, {})
     )
@@ -156,7 +162,7 @@ def test_full_prompt_batch_matches_the_reference(tiny_engine, labels):
     encoded = engine.encode(texts)
     plan = batching.plan_fixed([len(e.ids) for e in encoded], 5)
     for batch in plan.batches:
-        predictions, reports = full_prompt_batch(engine, [encoded[i] for i in batch.indices], batch.width)
+        predictions, reports = engine.full_prompt_batch([encoded[i] for i in batch.indices], batch.width)
         assert len(reports) == len(engine.prompt.trie.branches)
         assert reports[0].computed_tokens == batch.rows * (engine.prefix_len + batch.width)
         assert reports[0].pad_tokens == batch.pad_tokens
@@ -167,7 +173,7 @@ def test_full_prompt_batch_matches_the_reference(tiny_engine, labels):
 
 
 def test_generate_runs_every_decode_step_on_the_standin(tiny_engine):
-    decoded, prompt_tokens, new_tokens = generate_one(tiny_engine, "  my invoice is wrong  ")
+    decoded, prompt_tokens, new_tokens = tiny_engine.generate("  my invoice is wrong  ", GENERATE_NEW_TOKENS)
     full = tiny_engine.prompt.full_ids(tiny_engine.prompt.encode("my invoice is wrong"))
     assert prompt_tokens == len(full)  # the rendered chat is the prompt every other mode scores
     assert new_tokens == 4 and isinstance(decoded, str)  # random weights never say end-of-turn

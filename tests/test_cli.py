@@ -98,10 +98,17 @@ def test_worker_refuses_each_bad_setting_in_one_line(env, expected):
 
 
 @pytest.mark.parametrize(
-    "args", [["ticketq", "config"], ["ticketq", "classify", "t.jsonl"], ["ticketq-produce", "synthetic", "3"]]
+    ("args", "env", "expected"),
+    [
+        (["ticketq", "config"], {"TICKETQ_MAX_BATCH_TOKENS": "-1"}, "TICKETQ_MAX_BATCH_TOKENS=-1: must be >= 16"),
+        (["ticketq", "classify", "t.jsonl"], {"TICKETQ_MAX_BATCH_TOKENS": "-1"}, "TICKETQ_MAX_BATCH_TOKENS=-1: must"),
+        # a producer reads (and checks) only the client settings: a worker-only one is the worker's
+        (["ticketq-produce", "synthetic", "3"], {"TICKETQ_MAX_TICKET_BYTES": "1"}, "TICKETQ_MAX_TICKET_BYTES=1: must"),
+    ],
+    ids=["config", "classify", "produce"],
 )
-def test_every_command_refuses_a_bad_setting_in_one_line(args):
-    assert_one_line_error(run(args, {"TICKETQ_MAX_BATCH_TOKENS": "-1"}), "TICKETQ_MAX_BATCH_TOKENS=-1: must be >= 16")
+def test_every_command_refuses_a_bad_setting_in_one_line(args, env, expected):
+    assert_one_line_error(run(args, env), expected)
 
 
 def test_bad_options_and_missing_files_are_one_line_before_the_model_loads(tmp_path, tiny_model_dir):
@@ -204,7 +211,7 @@ def test_produce_file_writes_a_row_for_every_input_line(tmp_path, queue_service)
     rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert [row["source"] for row in rows] == [f"{tickets}:{line}" for line in range(2, 103)]
     assert {row["id"]: row["reason"] for row in rows if row["status"] != "ok"} == {
-        "line-51": "malformed_csv", "T-101": "rejected"
+        "line-51": "malformed_csv", "T-101": "oversize"
     }  # fmt: skip
     assert "read 101 rows: 99 ok, 2 failed" in result.stdout
     again = run(args, env, cwd=tmp_path)

@@ -47,6 +47,7 @@ GRAFANA = DEPLOY / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "ticketq.json"
 K8S = DEPLOY / "k8s"
 CONSTANTS = ROOT / "worker" / "constants.py"
+NAMES = ROOT / "ticketq" / "names.py"  # the names clients share: task, queue, streams
 
 DEFAULT_METRICS_PORT = 9808
 
@@ -97,9 +98,9 @@ def _load_yaml_all(path: Path) -> list[dict]:
         return [doc for doc in yaml.safe_load_all(fh) if doc]
 
 
-def _constants() -> dict[str, str]:
-    """Module-level string constants of worker/constants.py, read without importing the package."""
-    tree = ast.parse(CONSTANTS.read_text(encoding="utf-8"))
+def _constants(path: Path = CONSTANTS) -> dict[str, str]:
+    """Module-level string constants of worker/constants.py (or `path`), read without importing the package."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
     out: dict[str, str] = {}
     for node in tree.body:
         if (
@@ -324,7 +325,7 @@ def test_dockerfile():
     assert users and users[-1] not in ("root", "0"), "the image must run as a non-root user"
     assert re.search(r'^ENTRYPOINT \["ticketq", "worker"\]$', text, re.MULTILINE)
     copied = [src for line in re.findall(r"^COPY (.+)$", text, re.MULTILINE) for src in line.split()[:-1]]
-    for src in ("pyproject.toml", "worker", "producer"):
+    for src in ("pyproject.toml", "ticketq", "worker", "producer"):
         assert src in copied and (ROOT / src).exists(), src
     # `pip install .` needs the readme pyproject names.
     readme = re.search(r'^readme\s*=\s*"([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
@@ -467,7 +468,7 @@ def test_k8s_keda_scales_on_the_celery_queue():
     triggers = [t for t in scaled["spec"]["triggers"] if t["type"] == "redis"]
     assert len(triggers) == 1
     meta = triggers[0]["metadata"]
-    assert meta["listName"] == _constants()["QUEUE"]
+    assert meta["listName"] == _constants(NAMES)["QUEUE"]
     assert int(meta["listLength"]) > 0
     assert meta["address"].startswith("redis.")
     auth = _one(docs, "TriggerAuthentication", triggers[0]["authenticationRef"]["name"])

@@ -11,7 +11,7 @@ from dataclasses import fields
 import pytest
 from workers import ROOT, redis_or_skip
 
-from worker.loadtest import RateResult, Report, percentile
+from worker.loadtest import RateResult, Report, main, percentile
 
 pytestmark = pytest.mark.integration
 
@@ -29,7 +29,8 @@ def test_loadtest_reports_every_field(tmp_path):
     out, png = tmp_path / "loadtest.json", tmp_path / "loadtest.png"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
     command = [sys.executable, "-m", "worker.loadtest", "--null", "--duration", "2", "--rates", "0.5,1.0",
-               "--capacity", "20", "--pool", "50", "--broker-url", REDIS_URL, "--json", str(out), "--chart", str(png)]
+               "--capacity", "20", "--pool", "50", "--broker-url", REDIS_URL,
+               "--json", str(out), "--chart", str(png)]  # fmt: skip
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -43,3 +44,10 @@ def test_loadtest_reports_every_field(tmp_path):
         assert rate["time_to_first_result_s"] > 0 and rate["items_per_s"] > 0 and rate["forwards"] > 0
     assert png.stat().st_size > 0
     assert "| 0.50× |" in done.stdout
+
+
+def test_bad_options_exit_2_before_anything_starts():
+    """`ticketq loadtest` and `python -m worker.loadtest` share one typer command: its checks are the old ones."""
+    for argv in (["--rates", "0,1"], ["--rates", "x"], ["--duration", "0"], ["--capacity", "-1"],
+                 ["--capacity-tickets", "0"]):  # fmt: skip
+        assert main(argv) == 2, argv

@@ -14,7 +14,7 @@ import redis
 from celery import Celery
 from workers import ROOT, free_port, null_classifier_service, wait_for
 
-from worker import constants as c
+from ticketq import names
 from worker.metrics import Metrics
 
 
@@ -88,9 +88,13 @@ def test_status_dead_letters_requeue_and_result_lookup(service):
     url, queue = service
     app = Celery(broker=url, backend=url)
     client = redis.Redis.from_url(url)
-    good = app.send_task(c.TASK_CLASSIFY, args=[{"id": "OK-1", "text": "refund please"}], queue=queue)
-    bad = app.send_task(c.TASK_CLASSIFY, args=[{"id": "BAD-1", "text": "   "}], queue=queue)
-    wait_for(lambda: client.xlen(c.DEAD_LETTER_STREAM) >= 1 and client.xlen(c.RESULTS_STREAM) >= 2, 60, "results")
+    good = app.send_task(names.TASK_CLASSIFY, args=[{"id": "OK-1", "text": "refund please"}], queue=queue)
+    bad = app.send_task(names.TASK_CLASSIFY, args=[{"id": "BAD-1", "text": "   "}], queue=queue)
+
+    def arrived() -> bool:
+        return client.xlen(names.DEAD_LETTER_STREAM) >= 1 and client.xlen(names.RESULTS_STREAM) >= 2
+
+    wait_for(arrived, 60, "results")
 
     # The failure contract, seen from a plain Celery client: state FAILURE, get() raises
     # TicketRejected("<reason>: <detail>"), get(propagate=False) returns it; a success is the dict.
@@ -118,6 +122,12 @@ def test_status_dead_letters_requeue_and_result_lookup(service):
     # The cause is not fixed here, so the requeued ticket fails again: with its original task id.
     requeued = ticketq(["dead", "requeue", bad.id], url, queue)
     assert requeued.returncode == 0 and f"as task {bad.id}" in requeued.stdout, requeued.stderr
-    wait_for(lambda: client.xlen(c.DEAD_LETTER_STREAM) == 1 and
-             client.xrange(c.DEAD_LETTER_STREAM)[0][0].decode() != shown["entry_id"], 60, "the retry's dead letter")
-    assert client.xrange(c.DEAD_LETTER_STREAM)[0][1][b"task_id"].decode() == bad.id
+    wait_for(
+        lambda: (
+            client.xlen(names.DEAD_LETTER_STREAM) == 1
+            and client.xrange(names.DEAD_LETTER_STREAM)[0][0].decode() != shown["entry_id"]
+        ),
+        60,
+        "the retry's dead letter",
+    )
+    assert client.xrange(names.DEAD_LETTER_STREAM)[0][1][b"task_id"].decode() == bad.id

@@ -35,20 +35,23 @@ from pathlib import Path
 import psutil
 import pytest
 import redis
+from faults import COMMAND as FAULTY_WORKER
+from faults import POISON_MARKER_ENV
 from kombu import Connection
 from workers import ROOT, RedisServer, Worker, free_port, wait_for, worker_env
 
 from producer.api import Producer
 from producer.synthetic import generate_tickets
-from worker import constants as c
-from worker.service import POISON_MARKER_ENV
+from ticketq import names
+from worker import store
+from worker.procs import WORKER_COMMAND
 from worker.settings import Settings
 
 pytestmark = pytest.mark.integration
 
 FULL = os.environ.get("TICKETQ_FULL_RELIABILITY") == "1"
 QUEUE = "reliability"
-ATTEMPTS_PATTERN = c.ATTEMPTS_KEY.format(task_id="*")
+ATTEMPTS_PATTERN = store.ATTEMPTS_KEY.format(task_id="*")
 FINAL_STATES = {"SUCCESS", "FAILURE"}
 
 
@@ -71,9 +74,10 @@ def workers(tmp_path) -> Iterator[Callable[..., Worker]]:
     """`start(env, name)` -> a ready Worker; every worker started is stopped (or reaped) at the end."""
     started: list[Worker] = []
 
-    def start(env: dict[str, str], name: str, ready: bool = True) -> Worker:
+    def start(env: dict[str, str], name: str, ready: bool = True, faulty: bool = False) -> Worker:
         env = {**env, "TICKETQ_METRICS_PORT": str(free_port())}  # a restarted worker gets a fresh port
-        worker = Worker(env, tmp_path / f"{name}.log")  # its own log: wait_ready looks for " ready."
+        command = [sys.executable, *FAULTY_WORKER] if faulty else WORKER_COMMAND  # faulty: tests/faults.py
+        worker = Worker(env, tmp_path / f"{name}.log", command=command)  # its own log: wait_ready looks for " ready."
         started.append(worker)
         if ready:
             worker.wait_ready(timeout=180)
@@ -96,7 +100,7 @@ def results_stream(client: redis.Redis) -> list[tuple[float, dict]]:
     """(seconds the entry was added, result) for every entry of the results stream."""
     entries, last = [], "-"
     while True:
-        chunk = client.xrange(c.RESULTS_STREAM, min=last, count=2000)
+        chunk = client.xrange(names.RESULTS_STREAM, min=last, count=2000)
         chunk = [entry for entry in chunk if entry[0].decode() != last]
         if not chunk:
             return entries
@@ -111,7 +115,8 @@ def finals(client: redis.Redis) -> Counter:
 
 
 def dead_letters(client: redis.Redis) -> list[dict]:
-    return [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in client.xrange(c.DEAD_LETTER_STREAM)]
+    entries = client.xrange(names.DEAD_LETTER_STREAM)
+    return [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in entries]
 
 
 def backend_states(client: redis.Redis, task_ids: list[str]) -> dict[str, dict | None]:
@@ -129,7 +134,7 @@ def in_flight(client: redis.Redis) -> tuple[int, int]:
 
 def nothing_in_flight(client: redis.Redis) -> bool:
     """Nothing queued, fetched, unacked or inside a batch: a ticket without a result now is lost."""
-    fetching = client.keys(c.FETCHING_KEY.format(consumer="*", queue="*"))
+    fetching = client.keys(store.FETCHING_KEY.format(consumer="*", queue="*"))
     return not (client.llen(QUEUE) or client.hlen("unacked") or client.keys(ATTEMPTS_PATTERN)
                 or any(client.llen(key) for key in fetching))  # fmt: skip
 
@@ -160,7 +165,7 @@ def wait_all_final(client: redis.Redis, keys: set[tuple[str, str]], timeout: flo
         missing = {task_id for task_id, _ in keys - set(finals(client))}
         queued = sum(any(task_id.encode() in item for task_id in missing) for item in client.lrange(QUEUE, 0, -1))
         unacked = sum(any(task_id.encode() in item for task_id in missing) for item in client.hvals("unacked"))
-        attempts = sum(client.exists(c.ATTEMPTS_KEY.format(task_id=task_id)) for task_id in missing)
+        attempts = sum(client.exists(store.ATTEMPTS_KEY.format(task_id=task_id)) for task_id in missing)
         states = Counter(str(meta and meta["status"]) for meta in backend_states(client, list(missing)).values())
         raise AssertionError(
             f"{exc}: {len(missing)} tasks without a final result; of them {queued} in the queue, {unacked} "
@@ -184,7 +189,7 @@ def submit(producer: Producer, tickets: list[dict]) -> set[tuple[str, str]]:
     return {(result.id, result.ticket_ids[0]) for result in producer.submit_many(tickets)}
 
 
-def task_headers(task_id: str | None, task: str = c.TASK_CLASSIFY, **override) -> dict:
+def task_headers(task_id: str | None, task: str = names.TASK_CLASSIFY, **override) -> dict:
     """Celery protocol-2 headers, as any Celery client would send them."""
     headers = {"lang": "py", "task": task, "id": task_id, "root_id": task_id, "parent_id": None, "group": None,
                "retries": 0, "eta": None, "expires": None, "timelimit": [None, None], "argsrepr": "",
@@ -272,7 +277,7 @@ def test_kill9_idle_worker_under_traffic(redis_server, workers):
         wait_for(lambda: len(finals(client)) >= 200, 60, "the worker keeping up with the traffic")
         first.proc.send_signal(signal.SIGKILL)
         first.proc.wait()
-        held = sum(client.llen(key) for key in client.keys(c.FETCHING_KEY.format(consumer="*", queue="*")))
+        held = sum(client.llen(key) for key in client.keys(store.FETCHING_KEY.format(consumer="*", queue="*")))
         time.sleep(0.5)  # traffic goes on after the kill: load generation, not synchronisation
     finally:
         stop.set()
@@ -360,8 +365,8 @@ def test_redis_restart_same_worker_resumes(redis_server, workers, tiny_model_dir
     restarted_s = time.monotonic() - killed_at
     client = redis_server.client()
     backlog = client.llen(QUEUE) + client.hlen("unacked")
-    published = client.xlen(c.RESULTS_STREAM)
-    wait_for(lambda: client.xlen(c.RESULTS_STREAM) > published, 60, "a result published after the restart")
+    published = client.xlen(names.RESULTS_STREAM)
+    wait_for(lambda: client.xlen(names.RESULTS_STREAM) > published, 60, "a result published after the restart")
     resumed_s = time.monotonic() - killed_at
 
     producer = producer_for(redis_server)
@@ -414,7 +419,7 @@ def test_message_fetched_just_before_redis_dies_is_requeued_on_reconnect(redis_s
     monkeypatch.undo()
     redis_server.start()  # the AOF is replayed
     client = redis_server.client()
-    fetching = client.keys(c.FETCHING_KEY.format(consumer="*", queue=queue.name))
+    fetching = client.keys(store.FETCHING_KEY.format(consumer="*", queue=queue.name))
     assert client.llen(queue.name) == 0 and client.hlen("unacked") == 0, "fetched, never recorded"
     assert len(fetching) == 1 and client.llen(fetching[0]) == 1, "the fetch survived the restart in the list"
     assert not received, "a message that is not recorded is not delivered"
@@ -455,7 +460,7 @@ def test_kill9_at_random_moments_loses_nothing(redis_server, workers):
 
     def watch_recovery() -> None:
         while not stop.is_set() or len(recovered) < len(killed):
-            registered = {name.decode() for name in client.hkeys(c.CONSUMERS_KEY)}
+            registered = {name.decode() for name in client.hkeys(store.CONSUMERS_KEY)}
             now = time.monotonic()
             for name in list(killed):
                 if name not in registered and name not in recovered:
@@ -464,7 +469,7 @@ def test_kill9_at_random_moments_loses_nothing(redis_server, workers):
 
     def consumer_of(worker: Worker) -> str:
         def registered() -> str | None:
-            consumers = client.hgetall(c.CONSUMERS_KEY).items()
+            consumers = client.hgetall(store.CONSUMERS_KEY).items()
             return next((name.decode() for name, info in consumers if json.loads(info)["pid"] == worker.pid), None)
 
         return wait_for(registered, 30, "the worker's consumer registered")
@@ -479,7 +484,7 @@ def test_kill9_at_random_moments_loses_nothing(redis_server, workers):
             time.sleep(rng.uniform(0.0, 0.5))  # a random moment: load generation, not synchronisation
             victim = live.pop(rng.randrange(len(live)))
             name = consumer_of(victim)
-            mid_batch += bool(client.scard(c.OWNED_KEY.format(consumer=name)))
+            mid_batch += bool(client.scard(store.OWNED_KEY.format(consumer=name)))
             victim.proc.send_signal(signal.SIGKILL)
             killed[name] = time.monotonic()
             victim.proc.wait()
@@ -541,7 +546,7 @@ def test_engine_exception_is_retried_then_dead_lettered(redis_server, workers):
     marker = f"POISON-{uuid.uuid4().hex[:8]}"
     retries = 3
     worker = workers(null_env(redis_server, TICKETQ_MAX_RETRIES=str(retries), **{POISON_MARKER_ENV: marker}),
-                     "poison")  # fmt: skip
+                     "poison", faulty=True)  # fmt: skip
     good = [{"id": f"good-{i}", "text": f"my invoice number {i} is wrong"} for i in range(300)]
     poison = [{"id": f"poison-{i}", "text": f"please help {marker} {i}"} for i in range(5)]
     packs = [[{"id": f"pack{p}-{i}", "text": f"pack {p} ticket {i}" + (f" {marker}" if i == 2 and p < 3 else "")}
@@ -592,7 +597,7 @@ def test_crash_looping_ticket_is_dead_lettered_after_bounded_deliveries(redis_se
     crash_id = sent[2].id
     crashes, started = 0, time.monotonic()
     for round_ in range(retries + 3):  # bounded: the limit is retries + 1 crashing deliveries
-        worker = workers(env, f"crash-{round_}", ready=False)
+        worker = workers(env, f"crash-{round_}", ready=False, faulty=True)
         wait_for(lambda w=worker: w.proc.poll() is not None or backend_states(client, [crash_id])[crash_id],
                  60, "a crash or the poison's final state")  # fmt: skip
         if worker.proc.poll() is None:
@@ -708,7 +713,7 @@ def accounted(client: redis.Redis, worker: Worker, letters: int, valid: set) -> 
 
     def check() -> bool:
         assert worker.proc.poll() is None, f"the worker died:\n{worker.log()[-3000:]}"
-        return client.xlen(c.DEAD_LETTER_STREAM) >= letters and valid <= set(finals(client))
+        return client.xlen(names.DEAD_LETTER_STREAM) >= letters and valid <= set(finals(client))
 
     return check
 

@@ -42,7 +42,8 @@ from workers import ROOT, Worker, redis_or_skip, wait_for, worker_env
 
 from producer.api import Producer
 from producer.synthetic import generate_tickets
-from worker import constants as c
+from ticketq import names
+from worker import store
 from worker.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -153,11 +154,12 @@ def cli_run(fleet, tmp_path_factory) -> CliRun:
 
 
 def _results_stream(client: redis.Redis) -> list[dict]:
-    return [json.loads(fields[b"data"]) for _, fields in client.xrange(c.RESULTS_STREAM)]
+    return [json.loads(fields[b"data"]) for _, fields in client.xrange(names.RESULTS_STREAM)]
 
 
 def _dead_letters(client: redis.Redis, task_id: str) -> list[dict]:
-    entries = ({k.decode(): v.decode() for k, v in fields.items()} for _, fields in client.xrange(c.DEAD_LETTER_STREAM))
+    raw = client.xrange(names.DEAD_LETTER_STREAM)
+    entries = ({k.decode(): v.decode() for k, v in fields.items()} for _, fields in raw)
     return [entry for entry in entries if entry["task_id"] == task_id]
 
 
@@ -204,7 +206,7 @@ def _worker_name(worker: Worker) -> str:
 
 def _send_raw(producer: Producer, args: list) -> AsyncResult:
     """Bypass the producer's validation: exactly what any Celery client could put on the queue."""
-    return producer.app.send_task(c.TASK_CLASSIFY, args=args, queue=producer.settings.queue)
+    return producer.app.send_task(names.TASK_CLASSIFY, args=args, queue=producer.settings.queue)
 
 
 # --------------------------------------------------------------------------------------------
@@ -260,7 +262,7 @@ def test_cli_run_results_are_in_the_backend_and_once_in_the_stream(cli_run, flee
     assert counts == Counter((r["task_id"], r["id"]) for r in cli_run.results), "each result exactly once"
     # The side channels live on the broker's database (/3 here), not on the default /0.
     some_task = next(iter(task_ids))
-    done_key = c.DONE_KEY.format(task_id=some_task, slot=0)
+    done_key = store.DONE_KEY.format(task_id=some_task, slot=0)
     assert broker.exists(done_key)
     default_db = redis.Redis.from_url("redis://127.0.0.1:6379/0")
     try:
@@ -390,6 +392,8 @@ BAD_INPUTS = {
     "two_arguments": ([{"text": "a"}, {"text": "b"}], "bad_payload"),
     "no_arguments": ([], "bad_payload"),
 }
+
+
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_bad_input_is_dead_lettered(pair, broker, fleet, case):
     args, reason = BAD_INPUTS[case]
@@ -463,8 +467,10 @@ STARTUP_FAILURES = {
     ),
     "model_missing": ({"TICKETQ_MODEL": "/nonexistent/ticketq-model"}, "ticketq standin"),
     # the null classifier needs no model, so the broker is the first thing that fails
-    "broker_unreachable": ({"TICKETQ_BROKER_URL": "redis://127.0.0.1:1/0", "TICKETQ_NULL_CLASSIFIER": "1"},
-                           "Redis is not reachable"),
+    "broker_unreachable": (
+        {"TICKETQ_BROKER_URL": "redis://127.0.0.1:1/0", "TICKETQ_NULL_CLASSIFIER": "1"},
+        "Redis is not reachable",
+    ),
 }
 
 

@@ -21,10 +21,12 @@ from celery.result import AsyncResult
 from celery_batches import SimpleRequest
 from workers import redis_or_skip
 
-from worker import constants as c
+from ticketq import names
+from worker import store
 from worker.metrics import Metrics
+from worker.nullclassifier import NullClassifier
 from worker.results import Prediction
-from worker.service import NullClassifier, TicketService
+from worker.service import TicketService
 from worker.settings import Settings
 
 REDIS_URL = "redis://127.0.0.1:6379/3"
@@ -82,7 +84,7 @@ class ScriptedClassifier:
 
     def __init__(self, batch: int, before=None, fail_once_at: int | None = None) -> None:
         self.batch, self.before, self.fail_once_at = batch, before, fail_once_at
-        self.null = NullClassifier(LABELS, poison_marker="")
+        self.null = NullClassifier(LABELS)
         self.computed: list[str] = []
 
     def classify(self, texts, on_batch=None, on_predictions=None):
@@ -112,7 +114,7 @@ def _service(classifier, client: redis.Redis) -> TicketService:
 
 def _request(payload, expires: datetime | None = None) -> SimpleRequest:
     headers = {"expires": expires.isoformat()} if expires else {}
-    return SimpleRequest(str(uuid.uuid4()), c.TASK_CLASSIFY, (payload,), {}, {}, "test", False, None, None, headers)
+    return SimpleRequest(str(uuid.uuid4()), names.TASK_CLASSIFY, (payload,), {}, {}, "test", False, None, None, headers)
 
 
 def _ticket(i: int, tag: str) -> dict:
@@ -120,7 +122,7 @@ def _ticket(i: int, tag: str) -> dict:
 
 
 def _stream_for(client: redis.Redis, task_ids: set[str]) -> list[dict]:
-    entries = (json.loads(fields[b"data"]) for _, fields in client.xrange(c.RESULTS_STREAM))
+    entries = (json.loads(fields[b"data"]) for _, fields in client.xrange(names.RESULTS_STREAM))
     return [entry for entry in entries if entry["task_id"] in task_ids]
 
 
@@ -142,7 +144,7 @@ def test_each_forward_batch_is_published_before_the_next_is_computed(client, app
     for request in requests:
         stored = AsyncResult(request.id, app=app)
         assert stored.state == states.SUCCESS and stored.result["task_id"] == request.id
-    assert not any(client.exists(c.ATTEMPTS_KEY.format(task_id=r.id)) for r in requests)
+    assert not any(client.exists(store.ATTEMPTS_KEY.format(task_id=r.id)) for r in requests)
     registry = service.metrics.registry
     assert registry.get_sample_value("ticketq_publish_seconds_count") == 3
     assert registry.get_sample_value("ticketq_time_to_first_result_seconds_count") == 1
@@ -224,10 +226,50 @@ def test_worker_answers_an_expired_message_as_expired(client, tmp_path):
     with running_worker(env, tmp_path / "worker.log"), producer:
         send = producer.app.send_task
         past = datetime.now(timezone.utc) - timedelta(seconds=30)
-        late = send(c.TASK_CLASSIFY, args=[_ticket(0, "real-late")], queue=queue, expires=past)
-        timely = send(c.TASK_CLASSIFY, args=[_ticket(1, "real-timely")], queue=queue, expires=3600)
+        late = send(names.TASK_CLASSIFY, args=[_ticket(0, "real-late")], queue=queue, expires=past)
+        timely = send(names.TASK_CLASSIFY, args=[_ticket(1, "real-timely")], queue=queue, expires=3600)
         assert timely.get(timeout=60)["status"] == "ok"
         with pytest.raises(Exception, match="expired"):
             late.get(timeout=60)
     (entry,) = _stream_for(client, {late.id})
     assert entry["status"] == "failed" and entry["reason"] == "expired" and entry["id"] == "real-late-0"
+
+
+# --------------------------------------------------------------------------------------------
+# a real worker plans over everything that arrived while its model was busy
+
+
+@pytest.mark.integration
+def test_flushes_held_while_the_model_is_busy_become_one_job(client, tmp_path):
+    """40 single messages reach a worker whose classifier takes 0.5 s a call, window 4.
+
+    Stock celery-batches made each 4-message flush its own pool job: 10 jobs of 4, queued behind
+    each other. Held flushes go as one job when the running one returns, so the engine gets to plan
+    over nearly all of them at once: 2-3 jobs, one holding most tickets.
+    """
+    import sys
+
+    from faults import COMMAND, DELAY_ENV
+    from workers import worker_env
+
+    from producer.api import Producer
+    from worker.procs import WorkerProcess
+
+    queue = f"stream-held-{uuid.uuid4().hex[:8]}"
+    env = worker_env(None, REDIS_URL, queue, TICKETQ_BATCH_WINDOW="4", TICKETQ_MAX_WAIT_MS="20",
+                     TICKETQ_PREFETCH_MULTIPLIER="64", **{DELAY_ENV: "0.5"})  # fmt: skip
+    worker = WorkerProcess(env, tmp_path / "worker.log", command=[sys.executable, *COMMAND])
+    producer = Producer(Settings(broker_url=REDIS_URL, queue=queue))
+    try:
+        worker.wait_ready(120)
+        with producer:
+            results = producer.wait(producer.submit_many([_ticket(i, "held") for i in range(40)]), timeout=60)
+        metrics = worker.metrics()
+    finally:
+        worker.stop()
+    jobs = metrics["ticketq_flushes_total{}"]
+    above_16 = metrics["ticketq_batch_size_count{}"] - metrics["ticketq_batch_size_bucket{le=16.0}"]
+    print(f"\n[held flushes] 40 messages, window 4, 0.5 s per call: {jobs:.0f} jobs, {above_16:.0f} above 16 tickets")
+    assert [r["status"] for r in results] == ["ok"] * 40
+    assert jobs <= 4, "flushes held while the model was busy must go as one job"
+    assert above_16 >= 1, "one job must hold most of the tickets"

@@ -1,6 +1,9 @@
 """Real processes for integration tests: ticketq workers and private redis-servers.
 
-Tests synchronise on events (metrics served, results arrived, process exited), never on sleeps.
+The worker process, free ports, metrics scraping and polling are `worker.procs`, the helper that
+`ticketq demo`, the bench and the load test use too; this module adds what only tests need: a
+test-shaped worker environment, private redis-servers, and skipping without Redis. Tests
+synchronise on events (metrics served, results arrived, process exited), never on sleeps.
 """
 
 from __future__ import annotations
@@ -8,91 +11,24 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
-import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import pytest
 import redis
 
-from worker.demo import scrape as scrape_url
+from worker import procs
+from worker.procs import ROOT, free_port, wait_for
+from worker.procs import WorkerProcess as Worker
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.05):
-    """Poll `predicate` until truthy; fail with `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
-
-
-def scrape(port: int, host: str = "127.0.0.1") -> dict[str, float]:
-    """Parse /metrics with prometheus_client's parser: 'name{k=v,...}' -> value."""
-    return scrape_url(f"http://{host}:{port}/metrics")
-
-
-class Worker:
-    """A `ticketq worker` subprocess with its own metrics port and log file."""
-
-    def __init__(self, env: dict[str, str], log_path: Path) -> None:
-        self.metrics_port = int(env["TICKETQ_METRICS_PORT"])
-        self.log_path = log_path
-        self._log = log_path.open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "worker.cli", "worker", "--loglevel", "INFO"],
-            env=env, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def metrics(self) -> dict[str, float]:
-        return scrape(self.metrics_port)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = 120) -> None:
-        """Ready = metrics served with model info (model loaded, prefix primed) and the consumer up."""
-
-        def ready() -> bool:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
-            try:
-                return any(k.startswith("ticketq_model_info") for k in self.metrics()) and " ready." in self.log()
-            except OSError:
-                return False
-
-        wait_for(ready, timeout, f"worker ready (log {self.log_path})", interval=0.2)
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
+# What the tests import from here; ROOT, free_port, wait_for and Worker come from worker.procs.
+__all__ = [
+    "ROOT", "RedisServer", "Worker", "free_port", "null_classifier_service", "redis_or_skip", "running_worker",
+    "wait_for", "worker_env",
+]  # fmt: skip
 
 
 def worker_env(model_dir: Path | None, broker_url: str, queue: str, **extra: str) -> dict[str, str]:
@@ -112,14 +48,9 @@ def worker_env(model_dir: Path | None, broker_url: str, queue: str, **extra: str
     return env
 
 
-@contextmanager
-def running_worker(env: dict[str, str], log_path: Path, ready_timeout: float = 120) -> Iterator[Worker]:
-    worker = Worker(env, log_path)
-    try:
-        worker.wait_ready(ready_timeout)
-        yield worker
-    finally:
-        worker.stop()
+def running_worker(env: dict[str, str], log_path: Path, ready_timeout: float = 120) -> AbstractContextManager[Worker]:
+    """`procs.running_worker` with a test's patience: the tiny stand-in is ready in seconds."""
+    return procs.running_worker(env, log_path, ready_timeout)
 
 
 class RedisServer:

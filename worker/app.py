@@ -1,17 +1,21 @@
-"""Celery glue: the app, the batching task and the worker's start-up. No model logic here.
+"""Celery glue: `create_app(settings)` builds the app, its batch task and its start-up hooks.
 
-    celery -A worker.app worker --pool threads --concurrency 1 -Q ticketq
-    ticketq worker          # the same, with the right flags and a Redis preflight
+    ticketq worker                                                       # the usual way
+    celery -A worker.app worker --pool threads --concurrency 1 -Q ticketq   # plain Celery also works
 
-Settings come from TICKETQ_* at import time. The model is loaded and its prefix primed in
-`worker_init`, before the consumer takes any message.
+Nothing is built at import: `create_app` takes the settings, and the app carries a `Runtime` (the
+service, metrics and readiness of this process) that the worker's start-up fills in — the model
+is loaded and its prefix primed in `worker_init`, before the consumer takes any message. `app`
+is created from TICKETQ_* on first access, for `celery -A worker.app`. No model logic here.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
@@ -21,18 +25,89 @@ from celery.exceptions import InvalidTaskError
 from celery.worker.consumer import Consumer
 from celery_batches import Batches
 
-from worker import constants as c
+from ticketq.connections import RedisUnavailable, connect, redis_client
+from ticketq.contract import DEAD_LETTER_REASONS, Reason, TicketRejected
+from ticketq.names import TASK_CLASSIFY
 from worker import internals
-from worker.deadletter import raw_entry
 from worker.metrics import Metrics
-from worker.service import NullClassifier, TicketRejected, TicketService
-from worker.settings import Settings
+from worker.nullclassifier import NullClassifier
+from worker.service import Classifier, TicketService
+from worker.settings import Settings, load_settings
+from worker.store import Outbox, raw_entry
 
 log = logging.getLogger(__name__)
 
+ClassifierFactory = Callable[[Settings], Classifier]
 
-def create_app(settings: Settings) -> Celery:
+
+class ModelNotReady(RuntimeError):
+    """The engine could not be built (model missing, bad settings)."""
+
+
+class Runtime:
+    """One worker process once started: its settings, service, metrics and readiness."""
+
+    def __init__(self, settings: Settings, classifier_factory: ClassifierFactory | None = None) -> None:
+        self.settings = settings
+        self.classifier_factory = classifier_factory or build_classifier
+        self.service: TicketService | None = None
+        self.metrics: Metrics | None = None
+        self.consumer_running = False  # between worker_ready and worker_shutting_down: /readyz
+
+    def start(self) -> TicketService:
+        """Check the libraries and Redis, build the classifier, serve metrics: the worker's start-up."""
+        settings = self.settings
+        internals.check_versions()
+        client = preflight(settings)
+        metrics = Metrics()
+        classifier = self.classifier_factory(settings)
+        info = getattr(classifier, "info", None)
+        metrics.model.info(
+            {"model": info.name, "standin": str(info.standin).lower(), "dtype": info.dtype, "device": info.device}
+            if info else {"model": "null-classifier", "standin": "false", "dtype": "-", "device": "-"}
+        )  # fmt: skip
+        metrics.preinit(settings.label_names, tuple(str(reason) for reason in DEAD_LETTER_REASONS))
+        metrics.watch_queue(lambda: client.llen(settings.queue))
+        if settings.metrics_port:
+            metrics.serve(settings.metrics_host, settings.metrics_port, ready=self.ready_problem)
+            log.info("metrics on http://%s:%d/metrics", settings.metrics_host, settings.metrics_port)
+        self.metrics = metrics
+        self.service = TicketService(settings, classifier, metrics, client)
+        return self.service
+
+    def ready_problem(self) -> str | None:
+        return None if self.consumer_running else "consumer not running"
+
+
+def build_classifier(settings: Settings) -> Classifier:
+    """The engine the settings ask for (model loaded, prefix primed, autotuned), or the null classifier."""
+    if settings.null_classifier:
+        log.warning("TICKETQ_NULL_CLASSIFIER is on: labels are a hash, for measuring queue overhead only")
+        return NullClassifier(settings.label_names)
+    from worker.engine import Engine, ModelNotFound  # torch is imported only by workers that classify
+
+    started = time.perf_counter()
+    try:
+        engine = Engine.from_settings(settings)
+    except ModelNotFound as exc:
+        raise ModelNotReady(str(exc)) from None
+    if settings.autotune:
+        from worker.autotune import autotune
+
+        autotune(engine, budget_s=settings.autotune_s)
+    info = engine.info
+    log.info(
+        "model %s ready on %s/%s in %.1fs (prefix %d tokens cached)%s",
+        info.name, info.device, info.dtype, time.perf_counter() - started, engine.prefix_len,
+        " — STAND-IN: labels are meaningless" if info.standin else "",
+    )  # fmt: skip
+    return engine
+
+
+def create_app(settings: Settings, classifier_factory: ClassifierFactory | None = None) -> Celery:
+    """The Celery app of one worker (or client) process; `classifier_factory` replaces the engine (tests)."""
     app = Celery("ticketq", broker=settings.broker_url, backend=settings.backend_url)
+    app.ticketq_runtime = Runtime(settings, classifier_factory)
     if settings.fetch == "atomic":  # pop and record in one Redis step; see worker/internals.py
         app.conf.broker_transport = "worker.internals:Transport"
     transport = {"visibility_timeout": settings.visibility_timeout_s}
@@ -64,108 +139,62 @@ def create_app(settings: Settings) -> Celery:
         result_expires=settings.result_expires_s,
         result_extended=False,
         task_default_queue=settings.queue,
-        task_routes={c.TASK_CLASSIFY: {"queue": settings.queue}},
+        task_routes={TASK_CLASSIFY: {"queue": settings.queue}},
         broker_connection_retry_on_startup=True,
         worker_cancel_long_running_tasks_on_connection_loss=False,
         worker_hijack_root_logger=False,
     )
     app.task(
-        name=c.TASK_CLASSIFY,
-        base=Batches,
+        name=TASK_CLASSIFY,
+        base=internals.Batches,
         bind=True,
         flush_every=settings.batch_window,
         flush_interval=settings.max_wait_ms / 1000,
         acks_late=True,
     )(classify_batch)
+    _connect_signals(app)
     return app
+
+
+def run_worker(
+    settings: Settings,
+    loglevel: str = "INFO",
+    name: str | None = None,
+    classifier_factory: ClassifierFactory | None = None,
+) -> None:
+    """Run one worker process (one model replica) on the ticket queue until it is stopped."""
+    preflight(settings)
+    app = create_app(settings, classifier_factory)
+    app.worker_main([
+        "worker",
+        f"--loglevel={loglevel}",
+        "--pool=threads",
+        "--concurrency=1",
+        f"--queues={settings.queue}",
+        f"--hostname={name or f'ticketq-{os.getpid()}@%h'}",
+        "--without-gossip",
+        "--without-mingle",
+    ])  # fmt: skip
+
+
+def runtime_of(app: Celery) -> Runtime:
+    return app.ticketq_runtime
 
 
 def classify_batch(task, requests: list) -> None:
     """The batch function: hands the drained buffer to the service, which never raises."""
-    if STATE.service is None:  # a worker started without worker_init (e.g. eager tests)
-        start_service()
-    STATE.service.process(requests, task.backend)
-
-
-# Every reason a ticket or message can be dead-lettered for (service.py and DeadLetterConsumer).
-REJECTION_REASONS = (
-    "bad_payload", "missing_field", "wrong_type", "invalid_utf8", "oversize", "empty_text", "engine_error",
-    "too_many_deliveries", "worker_error", "decode_error", "unknown_message", "unknown_task", "invalid_task",
-    "unreadable_message",
-)  # fmt: skip
-
-
-class ModelNotReady(RuntimeError):
-    """The engine could not be built (model missing, bad settings)."""
-
-
-class _State:
-    service: TicketService | None = None
-    metrics: Metrics | None = None
-    consumer_running: bool = False  # between worker_ready and worker_shutting_down: /readyz
-
-
-STATE = _State()
-settings = Settings()
-app = create_app(settings)
+    runtime = runtime_of(task.app)
+    if runtime.service is None:  # a worker started without worker_init (e.g. eager tests)
+        runtime.start()
+    runtime.service.process(requests, task.backend)
 
 
 def preflight(settings: Settings) -> redis.Redis:
     """Fail fast with a clear message when Redis is unreachable or refuses our credentials."""
-    client = redis.Redis.from_url(settings.broker_url, socket_connect_timeout=3, socket_timeout=10)
     try:
-        client.ping()
-    except redis.AuthenticationError as exc:
-        raise SystemExit(
-            f"Redis at {_safe_url(settings.broker_url)} refused the credentials ({exc}). "
-            "Check the password/user in TICKETQ_BROKER_URL (redis://:PASSWORD@host:6379/0)."
-        ) from None
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
-        raise SystemExit(
-            f"Redis is not reachable at {_safe_url(settings.broker_url)} ({exc}). Start one "
-            "(redis-server --port 6379) or set TICKETQ_BROKER_URL."
-        ) from None
-    return client
-
-
-def start_service() -> TicketService:
-    internals.check_versions()
-    client = preflight(settings)
-    metrics = Metrics()
-    if settings.null_classifier:
-        log.warning("TICKETQ_NULL_CLASSIFIER is on: labels are a hash, for measuring queue overhead only")
-        classifier = NullClassifier(settings.label_names)
-        metrics.model.info({"model": "null-classifier", "standin": "false", "dtype": "-", "device": "-"})
-    else:
-        from worker.engine import Engine, ModelNotFound  # torch is imported only by workers that classify
-
-        started = time.perf_counter()
-        try:
-            classifier = Engine.from_settings(settings)
-        except ModelNotFound as exc:
-            raise ModelNotReady(str(exc)) from None
-        if settings.autotune:
-            from worker.autotune import autotune
-
-            autotune(classifier, budget_s=settings.autotune_s)
-        info = classifier.info
-        metrics.model.info(
-            {"model": info.name, "standin": str(info.standin).lower(), "dtype": info.dtype, "device": info.device}
-        )
-        log.info(
-            "model %s ready on %s/%s in %.1fs (prefix %d tokens cached)%s",
-            info.name, info.device, info.dtype, time.perf_counter() - started, classifier.prefix_len,
-            " — STAND-IN: labels are meaningless" if info.standin else "",
-        )  # fmt: skip
-    metrics.preinit(settings.label_names, REJECTION_REASONS)
-    metrics.watch_queue(lambda: client.llen(settings.queue))
-    if settings.metrics_port:
-        metrics.serve(settings.metrics_host, settings.metrics_port,
-                      ready=lambda: None if STATE.consumer_running else "consumer not running")  # fmt: skip
-        log.info("metrics on http://%s:%d/metrics", settings.metrics_host, settings.metrics_port)
-    STATE.metrics = metrics
-    STATE.service = TicketService(settings, classifier, metrics, client)
-    return STATE.service
+        return connect(settings.broker_url, socket_timeout_s=10)
+    except RedisUnavailable as exc:
+        raise SystemExit(str(exc)) from None
 
 
 @contextmanager
@@ -188,30 +217,39 @@ def _startup_logging():
         logger.setLevel(level)
 
 
-@signals.worker_init.connect
-def _on_worker_init(**_: Any) -> None:
-    # Celery logs and swallows exceptions from signal handlers; a worker without a model must stop.
-    try:
-        with _startup_logging():
-            start_service()
-    except Exception as exc:
-        log.critical("ticketq worker cannot start: %s", exc, exc_info=not isinstance(exc, ModelNotReady))
-        raise SystemExit(1) from exc
-    except SystemExit as exc:
-        log.critical("ticketq worker cannot start: %s", exc)
-        raise
+def _connect_signals(app: Celery) -> None:
+    """Start-up and readiness hooks of this app's worker (Celery's signals are process-wide)."""
+    runtime = runtime_of(app)
+    uid = f"ticketq-{id(app)}"
 
+    def on_worker_init(sender: Any = None, **_: Any) -> None:
+        if getattr(sender, "app", None) is not app:
+            return
+        # Celery logs and swallows exceptions from signal handlers; a worker without a model must stop.
+        try:
+            with _startup_logging():
+                runtime.start()
+        except Exception as exc:
+            log.critical("ticketq worker cannot start: %s", exc, exc_info=not isinstance(exc, ModelNotReady))
+            raise SystemExit(1) from exc
+        except SystemExit as exc:
+            log.critical("ticketq worker cannot start: %s", exc)
+            raise
 
-@signals.worker_shutting_down.connect
-def _on_worker_shutting_down(**_: Any) -> None:
-    STATE.consumer_running = False
+    def on_worker_ready(sender: Any = None, **_: Any) -> None:
+        if getattr(sender, "app", None) is not app:
+            return
+        runtime.consumer_running = True
+        settings = runtime.settings
+        log.info("ticketq worker ready: queue %r, window %d, max wait %d ms", settings.queue, settings.batch_window,
+                 settings.max_wait_ms)  # fmt: skip
 
+    def on_worker_shutting_down(**_: Any) -> None:  # its sender is a host name: one worker per process
+        runtime.consumer_running = False
 
-@signals.worker_ready.connect
-def _on_worker_ready(**_: Any) -> None:
-    STATE.consumer_running = True
-    log.info("ticketq worker ready: queue %r, window %d, max wait %d ms", settings.queue, settings.batch_window,
-             settings.max_wait_ms)  # fmt: skip
+    signals.worker_init.connect(on_worker_init, weak=False, dispatch_uid=f"{uid}-init")
+    signals.worker_ready.connect(on_worker_ready, weak=False, dispatch_uid=f"{uid}-ready")
+    signals.worker_shutting_down.connect(on_worker_shutting_down, weak=False, dispatch_uid=f"{uid}-down")
 
 
 class DeadLetterConsumer(Consumer):
@@ -227,7 +265,7 @@ class DeadLetterConsumer(Consumer):
     def on_ready(self) -> None:
         super().on_ready()
         # asynloop calls on_ready after every (re)connect; the flush timer did not survive it.
-        task = self.app.tasks.get(c.TASK_CLASSIFY)
+        task = self.app.tasks.get(TASK_CLASSIFY)
         if isinstance(task, Batches):
             internals.rearm_flush_timer(task, self.timer)
 
@@ -261,30 +299,33 @@ class DeadLetterConsumer(Consumer):
         return on_task_received_guarded
 
     def on_decode_error(self, message, exc) -> None:
-        _dead_letter_raw(self.app, "decode_error", exc, message)
+        _dead_letter_raw(self.app, Reason.DECODE_ERROR, exc, message)
         super().on_decode_error(message, exc)
 
     def on_unknown_message(self, body, message) -> None:
-        _dead_letter_raw(self.app, "unknown_message", None, message)
+        _dead_letter_raw(self.app, Reason.UNKNOWN_MESSAGE, None, message)
         super().on_unknown_message(body, message)
 
     def on_unknown_task(self, body, message, exc) -> None:
-        _dead_letter_raw(self.app, "unknown_task", exc, message)
+        _dead_letter_raw(self.app, Reason.UNKNOWN_TASK, exc, message)
         super().on_unknown_task(body, message, exc)
 
     def on_invalid_task(self, body, message, exc) -> None:
-        _dead_letter_raw(self.app, "invalid_task", exc, message)
+        _dead_letter_raw(self.app, Reason.INVALID_TASK, exc, message)
         super().on_invalid_task(body, message, exc)
 
 
-def _dead_letter_raw(app: Celery, reason: str, exc: Exception | None, message) -> None:
+def _dead_letter_raw(app: Celery, reason: Reason, exc: Exception | None, message) -> None:
     """Dead-letter a message Celery refused, raw bytes kept; a waiting client gets a FAILURE at once."""
+    runtime = runtime_of(app)
+    settings = runtime.settings
     entry = raw_entry(reason, exc, message.headers, message.content_type, message.body)
+    client = runtime.service.redis if runtime.service else redis_client(settings.broker_url, socket_timeout_s=10)
+    outbox = Outbox(client, settings.stream_maxlen, settings.result_expires_s, settings.worst_batch_s)
     try:
-        client = STATE.service.redis if STATE.service else redis.Redis.from_url(settings.broker_url)
-        client.xadd(c.DEAD_LETTER_STREAM, entry, maxlen=settings.stream_maxlen)
-        if STATE.metrics:
-            STATE.metrics.dead_letters.labels(reason=reason).inc()
+        outbox.dead_letter(entry)
+        if runtime.metrics:
+            runtime.metrics.dead_letters.labels(reason=str(reason)).inc()
         task_id = (message.headers or {}).get("id") if isinstance(message.headers, dict) else None
         if isinstance(task_id, str) and task_id:  # else the task stays PENDING: its client waits for its timeout
             app.backend.mark_as_failure(task_id, TicketRejected(reason, entry["error"]), call_errbacks=False)
@@ -292,7 +333,14 @@ def _dead_letter_raw(app: Celery, reason: str, exc: Exception | None, message) -
         log.exception("could not dead-letter a refused message: %s", json.dumps(entry)[:500])
 
 
-def _safe_url(url: str) -> str:
-    from kombu.utils.url import maybe_sanitize_url
+_default_app: Celery | None = None
 
-    return maybe_sanitize_url(url)
+
+def __getattr__(name: str) -> Any:
+    """`worker.app.app`: the app built from TICKETQ_* on first access (for `celery -A worker.app`)."""
+    global _default_app
+    if name != "app":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if _default_app is None:
+        _default_app = create_app(load_settings())
+    return _default_app

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, NoReturn
@@ -72,24 +71,13 @@ def worker(
     """Start one worker process (one model replica) consuming the ticket queue. Configure with TICKETQ_*."""
     from worker.metrics import port_problem
 
-    settings = _settings()  # before worker.app, which builds its settings at import time
+    settings = _settings()
     _check_model(settings)
     if problem := port_problem(settings.metrics_host, settings.metrics_port):
         _fail(problem)
-    from worker.app import app, preflight
+    from worker.app import run_worker
 
-    preflight(settings)
-    argv = [
-        "worker",
-        f"--loglevel={loglevel}",
-        "--pool=threads",
-        "--concurrency=1",
-        f"--queues={settings.queue}",
-        f"--hostname={name or f'ticketq-{os.getpid()}@%h'}",
-        "--without-gossip",
-        "--without-mingle",
-    ]
-    app.worker_main(argv)
+    run_worker(settings, loglevel, name)
 
 
 @cli.command()
@@ -126,7 +114,7 @@ def classify(
         _fail(f"--format {fmt}: must be auto, jsonl or csv")
     try:
         out = check_output(out or DEFAULT_OUT, [path], force)
-        source = read_tickets(path, fmt)  # type: ignore[arg-type]
+        source = read_tickets(path, fmt, settings.max_ticket_bytes)  # type: ignore[arg-type]
     except (TicketFileError, OutputError) as exc:
         _fail(str(exc))
     _check_model(settings)
@@ -187,15 +175,14 @@ def demo(
 @cli.command()
 def config(markdown: Annotated[bool, typer.Option(help="Print a Markdown table (for docs).")] = False) -> None:
     """Show every TICKETQ_* setting: its effective value, default and meaning (passwords masked)."""
-    from kombu.utils.url import maybe_sanitize_url
-
+    from ticketq.config import mask_url
     from worker.settings import Settings
 
     current = _settings()
     rows = []
     for name, field in Settings.model_fields.items():
         value = getattr(current, name)
-        shown = maybe_sanitize_url(value) if isinstance(value, str) and "://" in value else value
+        shown = mask_url(value) if isinstance(value, str) and "://" in value else value
         if isinstance(shown, tuple):
             shown = ",".join(shown)
         default = ",".join(field.default) if isinstance(field.default, tuple) else field.default
@@ -218,7 +205,7 @@ def config(markdown: Annotated[bool, typer.Option(help="Print a Markdown table (
 )
 def bench(ctx: typer.Context) -> None:
     """The benchmark table: every mode side by side on the same tickets (`ticketq bench --help`)."""
-    from worker.bench import main as bench_main
+    from worker.bench.cli import main as bench_main  # its own typer command: options and help live there
 
     raise typer.Exit(bench_main(ctx.args))
 

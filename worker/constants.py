@@ -1,19 +1,9 @@
-"""Every name shared across processes: Celery task and queue, Redis keys, metric names.
+"""The worker's Prometheus metric names: what dashboards and alert rules (deploy/) refer to.
 
-Producers, workers, dashboards and alert rules all refer to these strings; keep them in one
-place so a rename cannot leave one side behind.
+Keep them in one place so a rename cannot leave a panel or an alert behind (tests/test_deploy.py
+checks every name deploy/ uses against this file). Names clients share (task, queue, streams)
+are in ticketq.names; the Redis keys workers write, in worker.store.
 """
-
-# Celery: the task any client sends (`app.send_task(TASK_CLASSIFY, args=[payload])`) and its queue.
-TASK_CLASSIFY = "ticketq.classify"
-QUEUE = "ticketq"
-
-# Redis streams (capped with MAXLEN ~ settings.stream_maxlen).
-RESULTS_STREAM = "ticketq:results"
-DEAD_LETTER_STREAM = "ticketq:dead"
-
-# Default labels of the closed set.
-DEFAULT_LABELS = ("billing", "technical", "account")
 
 # Prometheus metric names (the client adds `_total` to counters, `_bucket/_sum/_count` to histograms).
 METRIC_PREFIX = "ticketq"
@@ -38,14 +28,3 @@ M_DUPLICATES = "ticketq_duplicate_results"  # counter: re-executions whose resul
 M_SHADOW_DROPPED = "ticketq_shadow_dropped"  # counter: shadow samples dropped because the checker was busy
 M_FIRST_RESULT = "ticketq_time_to_first_result_seconds"  # histogram: batch start -> its first result published
 M_PUBLISH = "ticketq_publish_seconds"  # histogram: Redis work of publishing one forward batch's results
-
-# Redis keys written by workers (besides Celery's own).
-DONE_KEY = "ticketq:done:{task_id}:{slot}"  # set once per final result: makes stream publishing idempotent
-ATTEMPTS_KEY = "ticketq:attempts:{task_id}"  # deliveries of one message: bounds crash loops on poison tickets
-
-# Redis keys of the atomic fetch (worker.internals.Transport; kombu's own `unacked` hash and
-# `unacked_index` zset are kept as they are). <consumer> = host:pid:random of one consuming channel.
-FETCHING_KEY = "ticketq:fetching:{consumer}:{queue}"  # list: a message between its pop and its unacked record
-OWNED_KEY = "ticketq:owned:{consumer}"  # set: delivery tags this consumer holds unacked
-ALIVE_KEY = "ticketq:alive:{consumer}"  # string with a TTL (the lease): exists while the consumer beats
-CONSUMERS_KEY = "ticketq:consumers"  # hash: consumer -> JSON {host, pid, queues, since}: whom to check

@@ -8,21 +8,16 @@ label counts and the metrics URL.
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
 from producer.api import Producer
 from producer.synthetic import generate_tickets
+from worker.procs import WorkerProcess, free_port
 from worker.settings import DEFAULT_MODEL, Settings
 
 STANDIN_DIR = Path("models/qwen2.5-0.5b-standin")
@@ -54,50 +49,6 @@ def resolve_model(name: str, console: Console) -> str:
     return str(STANDIN_DIR)
 
 
-def free_port(preferred: int) -> int:
-    for port in (preferred, 0):
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-                return sock.getsockname()[1]
-            except OSError:
-                continue
-    raise RuntimeError("no free port")
-
-
-def scrape(url: str) -> dict[str, float]:
-    """`/metrics` parsed with prometheus_client's own parser: sample name+labels -> value."""
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            samples[f"{sample.name}{{{labels}}}"] = sample.value
-    return samples
-
-
-def start_worker(env: dict[str, str], log_path: Path) -> subprocess.Popen:
-    log = log_path.open("w")
-    return subprocess.Popen(
-        [sys.executable, "-m", "worker.cli", "worker", "--loglevel", "INFO"], env=env, stdout=log, stderr=log
-    )
-
-
-def wait_ready(proc: subprocess.Popen, metrics_url: str, log_path: Path, timeout: float = 600) -> None:
-    """Ready = the worker serves metrics with its model info (the model is loaded and primed)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"worker exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        try:
-            if any(key.startswith("ticketq_model_info") for key in scrape(metrics_url)):
-                return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"worker not ready after {timeout:.0f} s; see {log_path}")
-
-
 def run_demo(tickets: int, seed: int, console: Console) -> int:
     settings = Settings()
     try:
@@ -111,26 +62,21 @@ def run_demo(tickets: int, seed: int, console: Console) -> int:
     port = free_port(settings.metrics_port or 9808)
     queue = f"ticketq-demo-{os.getpid()}"
     env = {**os.environ, "TICKETQ_MODEL": model, "TICKETQ_QUEUE": queue, "TICKETQ_METRICS_PORT": str(port)}
-    metrics_url = f"http://127.0.0.1:{port}/metrics"
     log_path = Path("ticketq-demo-worker.log")
-    worker = start_worker(env, log_path)
+    worker = WorkerProcess(env, log_path)
     try:
         with console.status(f"starting a worker with {model} (log: {log_path})…"):
-            wait_ready(worker, metrics_url, log_path)
+            worker.wait_ready()
         producer = Producer(settings.model_copy(update={"queue": queue}))
         batch = generate_tickets(tickets, seed=seed)
         start = time.perf_counter()
         sent = producer.submit_many(batch, progress=True)
         results = producer.wait(sent, timeout=3600, progress=True)
         seconds = time.perf_counter() - start
-        report(console, results, seconds, scrape(metrics_url), metrics_url, model)
+        report(console, results, seconds, worker.metrics(), worker.metrics_url, model)
         return 0 if all(r["status"] == "ok" for r in results) else 1
     finally:
-        worker.send_signal(signal.SIGTERM)
-        try:
-            worker.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            worker.kill()
+        worker.stop()
 
 
 def report(console: Console, results: list[dict], seconds: float, metrics: dict, url: str, model: str) -> None:

@@ -8,9 +8,13 @@ One model replica, a prompt whose prefix KV cache is computed once, and two ways
 - `reference` — the obvious path every optimisation is judged against: one ticket at a time,
   the full prompt, no cache, full-vocabulary logits.
 
+Two more exist only as the benchmark's baselines (`worker.bench.baselines`), so that its tensor
+code lives here too: `full_prompt_batch` (`reference` a padded batch at a time) and `generate`
+(the chat template and `model.generate`, what a newcomer writes).
+
 `TICKETQ_DTYPE=int8` (opt-in, CPU) swaps the optimised path's decoder for a copy whose linear
-layers run torch's dynamic int8 kernels; the model, the prefix cache and `reference` stay
-float32, so every int8 answer is still judged against float32.
+layers (all but the MLP's down projection) run torch's dynamic int8 kernels; the model, the
+prefix cache and `reference` stay float32, so every int8 answer is still judged against float32.
 
 Both produce trie-constrained label probabilities: at every point where labels diverge, the
 softmax over the allowed next tokens (exactly what constrained decoding would choose from).
@@ -19,6 +23,7 @@ softmax over the allowed next tokens (exactly what constrained decoding would ch
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import json
 import logging
@@ -34,7 +39,7 @@ from urllib.parse import urlsplit
 import torch
 
 from worker import batching
-from worker.prompt import EncodedTicket, PromptTemplate, system_text
+from worker.prompt import EncodedTicket, PromptTemplate, canonical_text, system_text
 from worker.results import BatchReport, Prediction
 from worker.settings import Settings
 from worker.standin import STANDIN_MARKER
@@ -68,12 +73,17 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
-def cpu_has_native_bf16() -> bool:
+def cpu_flags() -> set[str]:
+    """The first CPU's feature flags from /proc/cpuinfo (empty where there is none: not Linux)."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return set()
+    return next((set(line.partition(":")[2].split()) for line in lines if line.startswith("flags")), set())
+
+
+def cpu_has_native_bf16() -> bool:
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 # bfloat16 must beat float32 by this much on the probe to be worth its rounding on a CPU.
@@ -120,28 +130,78 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 INT8 = "int8"  # TICKETQ_DTYPE value: float32 model, int8 decoder linears on the batched path
+# Decoder linears the int8 path keeps in float32: the MLP's down projection reads silu(gate) * up,
+# whose heavy tail makes one per-batch activation scale too coarse (most of the int8 error, measured).
+INT8_FLOAT_LINEARS = ("mlp.down_proj",)
 
 
-def quantize_linears_int8(decoder: torch.nn.Module) -> torch.nn.Module:
-    """A copy of `decoder` whose `nn.Linear` layers run dynamic int8 (int8 weights, per-batch int8 activations).
+def int8_full_range() -> bool:
+    """Whether int8 activations may use all 8 bits: only where the CPU has AVX512-VNNI.
 
-    Measured on a 2-core AVX2 EPYC against float32 on the decoder's GEMM shapes (rows 16-1024):
-    torch's `quantize_dynamic` (fbgemm/x86 int8 kernels) 1.6-3x faster; the int8 weight-only and
-    int8 x int8 ops that torchao's CPU configs call (`_weight_int8pack_mm`, `_int_mm`) 20-40x
-    slower. The copy shares every float parameter (embeddings, norms) with `decoder`, which is
+    Without VNNI, fbgemm sums pairs of u8 x s8 products in saturating int16 (vpmaddubsw), which
+    is why torch.ao's dynamic linear quantises activations on 7 bits (`reduce_range=True`); VNNI
+    accumulates in int32, so the 8th bit is free and halves the activation rounding.
+    """
+    return "avx512_vnni" in cpu_flags()
+
+
+@functools.cache
+def _full_range_dynamic_linear() -> type[torch.nn.Module]:
+    """torch.ao's dynamic int8 `Linear` with its activations quantised on 8 bits (`reduce_range=False`)."""
+    from torch.ao.nn.quantized.dynamic import Linear
+
+    class FullRangeDynamicLinear(Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            # the packed weight `Linear.forward` passes too (torch 2.4-2.13; tests/test_engine.py checks it)
+            packed = self._packed_params._packed_params
+            return torch.ops.quantized.linear_dynamic(x, packed, reduce_range=False).to(x.dtype)
+
+    return FullRangeDynamicLinear
+
+
+def quantize_linears_int8(decoder: torch.nn.Module, full_range: bool | None = None) -> torch.nn.Module:
+    """A copy of `decoder` whose linear layers but `INT8_FLOAT_LINEARS` run dynamic int8.
+
+    int8 weights with one scale per output channel; activations quantised per batch, on 8 bits
+    where `full_range` (default: `int8_full_range()`), else on torch's 7. Chosen by measurement
+    (docs/bench/int8_variants.py; 200 tickets, the full-size stand-in, one thread, a 2-core Intel
+    Xeon with AVX512-VNNI; agreement with the float32 reference off the near-ties): every linear
+    with one scale per matrix, the first version, 93.8% at 1.7x float32; per-channel scales alone
+    93.8%, with 8-bit activations 97.4%; down_proj in float32 with 7-bit activations 98.4%; this,
+    100.0% at 1.6x (see docs/bench/int8-variants.md). Where the 7 bits remain (no VNNI), expect
+    the 98.4%.
+
+    Speed, measured on a 2-core AVX2 EPYC against float32 on the decoder's GEMM shapes: torch's
+    `quantize_dynamic` (fbgemm/x86 int8 kernels) 1.6-3x faster; the int8 weight-only and int8 x
+    int8 ops that torchao's CPU configs call (`_weight_int8pack_mm`, `_int_mm`) 20-40x slower.
+    The copy shares every float parameter (embeddings, norms, down_proj) with `decoder`, which is
     left untouched for the float32 reference.
     """
     try:
-        from torch.ao.quantization import quantize_dynamic
+        from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
     except ImportError as exc:  # torch.ao.quantization is deprecated in favour of torchao
         raise RuntimeError(
             f"TICKETQ_DTYPE=int8 needs torch.ao.quantization.quantize_dynamic, absent in torch {torch.__version__}"
         ) from exc
+    full_range = int8_full_range() if full_range is None else full_range
     shared = {id(t): t for t in (*decoder.parameters(), *decoder.buffers())}
     quantized = copy.deepcopy(decoder, memo=shared)  # new module tree, the same tensors
+    spec = {  # by module name: the linears to convert, each with per-channel weight scales
+        name: per_channel_dynamic_qconfig
+        for name, module in quantized.named_modules()
+        if isinstance(module, torch.nn.Linear) and not name.endswith(INT8_FLOAT_LINEARS)
+    }
+    mapping = {torch.nn.Linear: _full_range_dynamic_linear() if full_range else DynamicLinear}
     with warnings.catch_warnings():  # its deprecation notice, once per start-up, says nothing actionable here
         warnings.simplefilter("ignore")
-        quantize_dynamic(quantized, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+        quantize_dynamic(quantized, spec, dtype=torch.qint8, mapping=mapping, inplace=True)
+    log.info(
+        "int8: %d decoder linears in int8 (per-channel weights, %d-bit activations), %s in float32",
+        len(spec),
+        8 if full_range else 7,
+        ", ".join(INT8_FLOAT_LINEARS),
+    )
     return quantized
 
 
@@ -457,13 +517,76 @@ class Engine:
             logits = (
                 self.model(input_ids=ids, use_cache=False, **self._last_only).logits[0, -1].float()
             )  # (V,)
-            allowed = torch.log_softmax(logits, dim=-1)[list(kids)]  # (C,) full-vocab log-probs
-            branch_logprobs[path] = torch.log_softmax(allowed, dim=-1)  # renormalised over the choices
+            branch_logprobs[path] = _choice_logprobs(logits, kids)  # (C,)
         logprobs = {
             name: sum(float(branch_logprobs[path][child]) for path, child in self.prompt.trie.decisions(name))
             for name in self.labels
         }
         return _make_prediction(logprobs, encoded)
+
+    # ----- baselines (the benchmark measures the paths above against these) ----------------
+
+    @torch.inference_mode()
+    def full_prompt_batch(
+        self, rows: Sequence[EncodedTicket], width: int | None = None
+    ) -> tuple[list[Prediction], list[BatchReport]]:
+        """`rows` as whole prompts (prefix + ticket + suffix, nothing cached), right-padded to prefix + `width`.
+
+        `reference` a batch at a time, for the bench's naive, naive-global and sorted modes: at each
+        label-trie branch one forward of every row's prompt plus the branch path, and the
+        full-vocabulary log-softmax at each row's last real token, restricted to the branch's
+        children and renormalised. One report per forward (distinct first label tokens: one in all).
+        """
+        width = width or max(len(row.ids) for row in rows)
+        scores, reports = {}, []
+        for path, kids in self.prompt.trie.branches.items():
+            sequences = [[*self.prompt.prefix_ids, *row.ids, *path] for row in rows]
+            padded = self.prefix_len + width + len(path)
+            start = time.perf_counter()
+            scores[path] = self._full_prompt_scores(sequences, padded, kids)  # (B, C)
+            reports.append(BatchReport(len(rows), padded, sum(map(len, sequences)), time.perf_counter() - start))
+        return [self._prediction(i, row, scores) for i, row in enumerate(rows)], reports
+
+    def _full_prompt_scores(self, sequences: list[list[int]], width: int, kids: tuple[int, ...]) -> torch.Tensor:
+        """Choice log-probs at each sequence's last real token; the sequences right-padded to `width`, no cache."""
+        lengths = torch.tensor([len(s) for s in sequences], device=self.device)  # (B,)
+        ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long, device=self.device)  # (B, T)
+        for i, seq in enumerate(sequences):
+            ids[i, : len(seq)] = torch.tensor(seq, device=self.device)
+        mask = (torch.arange(width, device=self.device)[None, :] < lengths[:, None]).long()  # (B, T), 1 = real
+        # the batched path's decoder (int8 where this engine is), every position computed
+        hidden = self.decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state  # (B, T, H)
+        last = hidden[torch.arange(len(sequences), device=self.device), lengths - 1]  # (B, H)
+        logits = self.label_head(last).float()  # (B, V): full vocabulary, last real token only
+        return _choice_logprobs(logits, kids).cpu()  # (B, C)
+
+    @torch.inference_mode()
+    def generate(self, text: object, max_new_tokens: int) -> tuple[str, int, int]:
+        """The bench's `generate` baseline: the rendered chat prompt and greedy `model.generate`.
+
+        Returns (the decoded new text, prompt tokens, new tokens actually generated); the caller
+        looks for a label in the text, as a newcomer's code would.
+        """
+        rendered = self.prompt.render(canonical_text(text))
+        ids = self.tokenizer(rendered, add_special_tokens=False, return_tensors="pt")["input_ids"].to(self.device)
+        out = self.model.generate(
+            ids,  # (1, T)
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=self.pad_id,
+        )  # (1, T + new)
+        new = out[0, ids.shape[1] :]  # (new,)
+        return self.tokenizer.decode(new, skip_special_tokens=True), ids.shape[1], int(new.shape[0])
+
+
+def _choice_logprobs(logits: torch.Tensor, kids: tuple[int, ...]) -> torch.Tensor:
+    """Full-vocabulary log-probs restricted to a branch's children, renormalised over them: (..., V) -> (..., C)."""
+    allowed = torch.log_softmax(logits, dim=-1)[..., list(kids)]  # (..., C) full-vocab log-probs
+    return torch.log_softmax(allowed, dim=-1)  # (..., C) renormalised over the choices
 
 
 def _make_prediction(logprobs: dict[str, float], encoded: EncodedTicket) -> Prediction:

@@ -15,9 +15,11 @@ attribute they override is gone. Nothing else in ticketq touches a private name 
    messages of a consumer whose lease ran out back to the queue within seconds, instead of after
    the visibility timeout (which stays as a backstop). A channel lost to a broker outage is such a
    consumer too: its leftovers come back once its lease has run out. Producers and plain Celery clients are
-   unchanged: same queue list, same message format. Keys: see worker.constants (FETCHING_KEY,
+   unchanged: same queue list, same message format. Keys: see worker.store (FETCHING_KEY,
    OWNED_KEY, ALIVE_KEY, CONSUMERS_KEY).
-2. `rearm_flush_timer`: celery-batches' flush timer, lost when Celery reconnects to the broker.
+2. `Batches`: celery-batches' task base, holding flushes while the model is busy and sending
+   them as one job when it is free, so the engine plans over everything that waited.
+3. `rearm_flush_timer`: celery-batches' flush timer, lost when Celery reconnects to the broker.
 """
 
 from __future__ import annotations
@@ -33,14 +35,17 @@ from importlib.metadata import version
 from queue import Empty
 from typing import Any
 
+import celery_batches
 import redis
+from celery.concurrency.thread import TaskPool as ThreadTaskPool
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 
-from worker import constants as c
-from worker.deadletter import raw_entry
+from ticketq.contract import Reason
+from ticketq.names import DEAD_LETTER_STREAM
+from worker import store
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +53,16 @@ log = logging.getLogger(__name__)
 TESTED = {"kombu": ((5, 5), (5, 8)), "celery": ((5, 4), (5, 7)), "celery-batches": ((0, 10), (0, 12))}
 # Private names overridden or called below, per class.
 REQUIRED = {
-    kombu_redis.Channel: ("_brpop_start", "_brpop_read", "_in_poll", "_brpop_sent_at", "client", "_connparams",
-                          "_create_client", "_do_restore_message"),
+    kombu_redis.Channel: (
+        "_brpop_start",
+        "_brpop_read",
+        "_in_poll",
+        "_brpop_sent_at",
+        "client",
+        "_connparams",
+        "_create_client",
+        "_do_restore_message",
+    ),
     kombu_redis.QoS: ("_remove_from_indices", "pipe_or_acquire"),
     virtual.Transport: ("_deliver",),
 }
@@ -76,10 +89,82 @@ def check_versions() -> None:
         if missing:
             where = f"{cls.__module__}.{cls.__name__}"
             raise IncompatibleLibrary(f"{where} no longer has {missing}: see worker/internals.py")
-    from celery_batches import Batches
+    for name in ("_do_flush", "flush", "Strategy"):  # Strategy sets the `_pool` that Batches.flush uses
+        if not hasattr(celery_batches.Batches, name):
+            raise IncompatibleLibrary(f"celery_batches.Batches no longer has {name}: see worker/internals.py")
+    for name in ("apply_batches_task", "SimpleRequest"):
+        if not hasattr(celery_batches, name):
+            raise IncompatibleLibrary(f"celery_batches no longer has {name}: see worker/internals.py")
 
-    if not hasattr(Batches, "_do_flush"):
-        raise IncompatibleLibrary("celery_batches.Batches no longer has _do_flush: see worker/internals.py")
+
+class Batches(celery_batches.Batches):
+    """celery-batches' Batches, planning over everything that arrived while the model was busy.
+
+    Stock, every flush (each `flush_every` messages, or the `flush_interval` timer) becomes its own
+    pool job; with the one model thread busy they queue behind the running forward and each is
+    planned alone, so under load the engine ran many 1-3-ticket jobs (the demo: 238 forwards,
+    2.5 tickets each) and latency grew with the queue of tiny jobs. Here a flush that comes while
+    a job runs is held, and everything held goes as one job the moment the running job returns:
+    the engine sorts and cuts all of it by the token budget, so forwards grow with the load.
+
+    Only for the threads pool (ticketq's worker runs one model thread); any other pool gets the
+    stock behaviour. Held requests are unacknowledged (acks_late), like the buffer's: a worker
+    that dies holding them has them redelivered.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._job_lock = threading.Lock()
+        self._job_running = False
+        self._held: list[Any] = []
+
+    def flush(self, requests: Any) -> Any:
+        if not isinstance(self._pool, ThreadTaskPool):
+            return super().flush(requests)
+        with self._job_lock:
+            if self._job_running:
+                self._held.extend(requests)
+                return None
+            self._job_running = True
+        return self._submit(list(requests))
+
+    def _submit(self, requests: list[Any]) -> Any:
+        """celery_batches.Batches.flush, with `_run_job` as the pool target so we learn when it ends."""
+        acks_late = [request for request in requests if request.task.acks_late]
+        acks_early = [request for request in requests if not request.task.acks_late]
+        simple = ([celery_batches.SimpleRequest.from_request(request) for request in requests],)
+
+        def on_accepted(pid: int, time_accepted: float) -> None:
+            for request in acks_early:
+                request.acknowledge()
+
+        def on_return(result: Any) -> None:
+            for request in acks_late:
+                request.acknowledge()
+
+        try:
+            return self._pool.apply_async(self._run_job, (simple,), accept_callback=on_accepted, callback=on_return)
+        except RuntimeError as exc:  # the pool is shutting down: the requests stay unacked and come back
+            log.warning("could not start a batch of %d requests (%s); they will be redelivered", len(requests), exc)
+            with self._job_lock:
+                self._job_running = False
+            return None
+
+    def _run_job(self, simple: tuple[list[Any]]) -> Any:
+        try:
+            return celery_batches.apply_batches_task(self, simple, 0, None)
+        finally:
+            self._next_job()
+
+    def _next_job(self) -> None:
+        """The running job ended: send everything held since it started as one job, or go idle."""
+        with self._job_lock:
+            held, self._held = self._held, []
+            if not held:
+                self._job_running = False
+                return
+        log.debug("batch of %d requests held while the model was busy", len(held))
+        self._submit(held)
 
 
 def rearm_flush_timer(task: Any, timer: Any) -> None:
@@ -96,6 +181,7 @@ def rearm_flush_timer(task: Any, timer: Any) -> None:
 
 # ------------------------------------------------------------------------------------------------
 # the atomic fetch
+
 
 def new_consumer_id() -> str:
     """host:pid:random, one per consuming channel (Celery opens a new channel on every reconnect)."""
@@ -144,13 +230,13 @@ class Channel(kombu_redis.Channel):
             self._disconnect_pools()
             raise IncompatibleLibrary("TICKETQ_FETCH=atomic does not support kombu's global_keyprefix")
         self.consumer = new_consumer_id()
-        self.owned_key = c.OWNED_KEY.format(consumer=self.consumer)
+        self.owned_key = store.OWNED_KEY.format(consumer=self.consumer)
         self._fetched: tuple[str, bytes] | None = None  # (fetching list, item) until recorded as unacked
         self._fetch_queue: str | None = None
         self._lease: Lease | None = None
 
     def fetching_key(self, queue: str, consumer: str | None = None) -> str:
-        return c.FETCHING_KEY.format(consumer=consumer or self.consumer, queue=queue)
+        return store.FETCHING_KEY.format(consumer=consumer or self.consumer, queue=queue)
 
     def basic_consume(self, queue: str, *args: Any, **kwargs: Any) -> Any:
         result = super().basic_consume(queue, *args, **kwargs)
@@ -210,10 +296,10 @@ class Channel(kombu_redis.Channel):
 
     def _refuse(self, queue: str, item: bytes, exc: Exception) -> None:
         log.error("refused an unreadable item on queue %r (not a kombu message): %r", queue, exc)
-        entry = raw_entry("unreadable_message", exc, {}, "", item)
+        entry = store.raw_entry(Reason.UNREADABLE_MESSAGE, exc, {}, "", item)
         with self.conn_or_acquire() as client:
             pipe = client.pipeline()  # dead letter and removal in one transaction: kept exactly once
-            pipe.xadd(c.DEAD_LETTER_STREAM, entry, maxlen=self.ticketq_stream_maxlen)
+            pipe.xadd(DEAD_LETTER_STREAM, entry, maxlen=self.ticketq_stream_maxlen)
             pipe.lrem(self.fetching_key(queue), 1, item)
             pipe.execute()
 
@@ -255,7 +341,7 @@ class Lease(threading.Thread):
         super().__init__(name="ticketq-lease", daemon=True)
         self.channel = channel
         self.lease_s = float(channel.ticketq_lease_s)
-        self.alive_key = c.ALIVE_KEY.format(consumer=channel.consumer)
+        self.alive_key = store.ALIVE_KEY.format(consumer=channel.consumer)
         self.started = time.time()
         self._queues: set[str] = set()
         self._stopped = threading.Event()
@@ -295,15 +381,15 @@ class Lease(threading.Thread):
                 "since": round(self.started, 3)}  # fmt: skip
         pipe = client.pipeline()
         pipe.set(self.alive_key, json.dumps(info), px=int(self.lease_s * 1000))
-        pipe.hset(c.CONSUMERS_KEY, self.channel.consumer, json.dumps(info))
+        pipe.hset(store.CONSUMERS_KEY, self.channel.consumer, json.dumps(info))
         pipe.execute()
 
     def recover_expired(self, client: redis.Redis) -> None:
-        consumers = {bytes_to_str(k): json.loads(v) for k, v in client.hgetall(c.CONSUMERS_KEY).items()}
+        consumers = {bytes_to_str(k): json.loads(v) for k, v in client.hgetall(store.CONSUMERS_KEY).items()}
         others = [name for name in consumers if name != self.channel.consumer]
         pipe = client.pipeline(transaction=False)
         for name in others:
-            pipe.exists(c.ALIVE_KEY.format(consumer=name))
+            pipe.exists(store.ALIVE_KEY.format(consumer=name))
         for name, alive in zip(others, pipe.execute(), strict=True):
             if not alive:
                 self.recover(client, name, consumers[name].get("queues", []))
@@ -313,12 +399,12 @@ class Lease(threading.Thread):
         """Put a dead consumer's fetched and unacked messages back in their queues (safe to race)."""
         started = time.monotonic()
         fetched = sum(self.requeue_fetching(client, consumer, queue) for queue in queues)
-        owned_key = c.OWNED_KEY.format(consumer=consumer)
+        owned_key = store.OWNED_KEY.format(consumer=consumer)
         tags = [bytes_to_str(tag) for tag in client.smembers(owned_key)]
         restored = sum(self.restore_owned(client, owned_key, tag) for tag in tags)
         pipe = client.pipeline()
         pipe.delete(owned_key)
-        pipe.hdel(c.CONSUMERS_KEY, consumer)
+        pipe.hdel(store.CONSUMERS_KEY, consumer)
         pipe.execute()
         if fetched or restored:
             log.warning(
@@ -369,7 +455,7 @@ class Lease(threading.Thread):
             pipe = client.pipeline()
             pipe.delete(self.alive_key)
             if not client.scard(self.channel.owned_key):
-                pipe.hdel(c.CONSUMERS_KEY, self.channel.consumer)
+                pipe.hdel(store.CONSUMERS_KEY, self.channel.consumer)
             pipe.execute()
         except redis.RedisError as exc:
             log.warning("could not release the lease (%s); live workers recover it after %.0fs", exc, self.lease_s)

@@ -1,10 +1,11 @@
 """Open-loop load test: Poisson arrivals through Redis and a real worker, latency against offered load.
 
-    python -m worker.loadtest --model models/qwen2.5-0.5b-standin --rates 0.5,0.8,1.0,1.2 --duration 30 \\
+    ticketq loadtest --model models/qwen2.5-0.5b-standin --rates 0.5,0.8,1.0,1.2 --duration 30 \\
         --json docs/bench/loadtest.json --chart docs/bench/loadtest.png
-    python -m worker.loadtest --null --duration 3          # the queue path alone (null classifier)
+    ticketq loadtest --null --duration 3          # the queue path alone (null classifier)
 
-It starts one `ticketq worker` subprocess on a private queue, measures its capacity (a burst of
+(`python -m worker.loadtest` takes the same options.) It starts one `ticketq worker` subprocess
+(`worker.procs`) on a private queue, measures its capacity (a burst of
 `--capacity-tickets` tickets, first send to last result) unless `--capacity` is given, then for each
 fraction of that capacity sends single-ticket messages with exponential gaps (open loop: a late
 send does not delay the next one's schedule) and collects every result from the results stream.
@@ -15,7 +16,6 @@ asserted: the machines are shared and noisy.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -27,16 +27,40 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Annotated
+
+import typer
 
 from producer.api import Producer
+from producer.clitools import CONTEXT_SETTINGS
 from producer.synthetic import generate_tickets
-from worker import constants as c
-from worker.demo import free_port, scrape, start_worker, wait_ready
+from ticketq.names import RESULTS_STREAM
+from worker.procs import free_port, running_worker, scrape
 from worker.settings import Settings
 
 DEFAULT_RATES = (0.5, 0.8, 1.0, 1.2)
+
+
+@dataclass(frozen=True)
+class Options:
+    """One load test as the command line asked for it."""
+
+    model: str | None = None
+    null: bool = False
+    rates: tuple[float, ...] = DEFAULT_RATES
+    duration: float = 20.0
+    capacity: float | None = None
+    capacity_tickets: int = 100
+    pool: int = 600
+    seed: int = 0
+    threads: int | None = None
+    broker_url: str | None = None
+    json: Path | None = None
+    chart: Path | None = None
+    markdown: Path | None = None
 
 
 @dataclass
@@ -88,7 +112,7 @@ class Collector(threading.Thread):
         last = self.since_id
         client = self.producer.redis
         while not self.stop.is_set():
-            reply = client.xread({c.RESULTS_STREAM: last}, count=1000, block=200)
+            reply = client.xread({RESULTS_STREAM: last}, count=1000, block=200)
             now = time.time()
             for _, entries in reply or ():
                 for entry_id, fields in entries:
@@ -99,7 +123,7 @@ class Collector(threading.Thread):
 
 def stream_position(producer: Producer) -> str:
     """The results stream's last id now: the collector reads only what comes after it."""
-    reply = producer.redis.xrevrange(c.RESULTS_STREAM, count=1)
+    reply = producer.redis.xrevrange(RESULTS_STREAM, count=1)
     return reply[0][0].decode() if reply else "0"
 
 
@@ -204,20 +228,18 @@ def measure_capacity(producer: Producer, texts: list[str], tickets: int) -> floa
     return tickets / (time.perf_counter() - start)
 
 
-def worker_env(args: argparse.Namespace, queue: str, port: int) -> dict[str, str]:
+def worker_env(options: Options, queue: str, port: int) -> dict[str, str]:
     env = {**os.environ, "TICKETQ_QUEUE": queue, "TICKETQ_METRICS_HOST": "127.0.0.1",
            "TICKETQ_METRICS_PORT": str(port), "PYTHONUNBUFFERED": "1"}  # fmt: skip
-    if args.broker_url:
-        env["TICKETQ_BROKER_URL"] = args.broker_url
-    if args.null:
+    if options.broker_url:
+        env["TICKETQ_BROKER_URL"] = options.broker_url
+    if options.null:
         env["TICKETQ_NULL_CLASSIFIER"] = "1"
     else:
         env["TICKETQ_NULL_CLASSIFIER"] = "0"
-        env["TICKETQ_MODEL"] = args.model or env.get("TICKETQ_MODEL", Settings().model)
-    if args.threads:
-        env["TICKETQ_THREADS"] = str(args.threads)
-    root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        env["TICKETQ_MODEL"] = options.model or env.get("TICKETQ_MODEL", Settings().model)
+    if options.threads:
+        env["TICKETQ_THREADS"] = str(options.threads)
     return env
 
 
@@ -227,32 +249,33 @@ def machine() -> dict:
             "loadavg_at_end": [round(x, 2) for x in load] if load else None}  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> Report:
+def run(options: Options) -> Report:
+    """A worker on a private queue, its capacity, then every rate in turn; the queue is deleted after."""
     queue = f"ticketq-loadtest-{uuid.uuid4().hex[:8]}"
-    settings = Settings(**({"broker_url": args.broker_url} if args.broker_url else {}), queue=queue)
-    texts = [t["text"] for t in generate_tickets(args.pool, seed=args.seed)]
-    port = free_port(0)
-    log_path = Path(tempfile.gettempdir(), f"{queue}-worker.log")
-    proc = start_worker(worker_env(args, queue, port), log_path)
+    settings = Settings(**({"broker_url": options.broker_url} if options.broker_url else {}), queue=queue)
+    texts = [t["text"] for t in generate_tickets(options.pool, seed=options.seed)]
+    env = worker_env(options, queue, free_port())
     producer = Producer(settings)
     try:
-        url = f"http://127.0.0.1:{port}/metrics"
-        wait_ready(proc, url, log_path)
-        producer.wait(producer.submit_many(texts[:8]), timeout=600)  # warm-up: kernels, connections
-        capacity = args.capacity or measure_capacity(producer, texts, args.capacity_tickets)
-        model = "null-classifier" if args.null else worker_env(args, queue, port)["TICKETQ_MODEL"]
-        report = Report(model, round(capacity, 3), args.capacity is None, args.duration, {})
-        for number, fraction in enumerate(args.rates):
-            rate = run_rate(producer, url, texts, fraction, capacity, args.duration, seed=args.seed + number)
-            report.rates.append(rate)
-            print(table_row(rate), file=sys.stderr, flush=True)
-        report.machine = machine()
-        return report
+        with running_worker(env, Path(tempfile.gettempdir(), f"{queue}-worker.log")) as worker:
+            model = "null-classifier" if options.null else env["TICKETQ_MODEL"]
+            return run_rates(producer, worker.metrics_url, texts, model, options)
     finally:
         producer.redis.delete(queue)
         producer.close()
-        proc.terminate()
-        proc.wait(timeout=60)
+
+
+def run_rates(producer: Producer, metrics_url: str, texts: list[str], model: str, options: Options) -> Report:
+    """Warm up, measure (or take) the capacity, then each offered rate; one table row per rate on stderr."""
+    producer.wait(producer.submit_many(texts[:8]), timeout=600)  # warm-up: kernels, connections
+    capacity = options.capacity or measure_capacity(producer, texts, options.capacity_tickets)
+    report = Report(model, round(capacity, 3), options.capacity is None, options.duration, {})
+    for number, fraction in enumerate(options.rates):
+        rate = run_rate(producer, metrics_url, texts, fraction, capacity, options.duration, seed=options.seed + number)
+        report.rates.append(rate)
+        print(table_row(rate), file=sys.stderr, flush=True)
+    report.machine = machine()
+    return report
 
 
 # ----- output --------------------------------------------------------------------------------
@@ -297,60 +320,71 @@ def chart(report: Report, path: Path) -> None:
     plt.close(fig)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m worker.loadtest", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="TICKETQ_MODEL for the worker (default: the environment's)")
-    parser.add_argument("--null", action="store_true", help="null classifier: the queue path alone")
-    parser.add_argument("--rates", type=_fractions, default=DEFAULT_RATES,
-                        help="fractions of capacity, comma separated (default 0.5,0.8,1.0,1.2)")  # fmt: skip
-    parser.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per rate")
-    parser.add_argument("--capacity", type=_positive, help="items/s to scale the rates by (default: measure it)")
-    parser.add_argument("--capacity-tickets", type=int, default=100, help="burst size of the capacity measurement")
-    parser.add_argument("--pool", type=int, default=600, help="synthetic tickets to draw texts from")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, help="TICKETQ_THREADS for the worker")
-    parser.add_argument("--broker-url", help="Redis URL (default: TICKETQ_BROKER_URL)")
-    parser.add_argument("--json", type=Path, help="write the report as JSON here")
-    parser.add_argument("--chart", type=Path, help="write latency vs offered load as PNG here")
-    parser.add_argument("--markdown", type=Path, help="write the table as Markdown here")
-    args = parser.parse_args(argv)
-    if args.capacity_tickets < 1:
-        parser.error(f"--capacity-tickets must be >= 1, got {args.capacity_tickets}")
-    if args.duration <= 0:
-        parser.error(f"--duration must be > 0 seconds, got {args.duration}")
-    return args
+# ----- command line ----------------------------------------------------------------------------
 
 
 def _fractions(text: str) -> tuple[float, ...]:
     try:
         values = tuple(float(part) for part in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"rates must be numbers separated by commas, got {text!r}") from None
+        raise typer.BadParameter(f"rates must be numbers separated by commas, got {text!r}") from None
     if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"every rate must be > 0, got {text!r}")
+        raise typer.BadParameter(f"every rate must be > 0, got {text!r}")
     return values
 
 
-def _positive(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+def _positive(value: float | None) -> float | None:
+    if value is not None and value <= 0:
+        raise typer.BadParameter(f"must be > 0, got {value}")
     return value
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    report = run(args)
+app = typer.Typer(add_completion=False, context_settings=CONTEXT_SETTINGS, pretty_exceptions_enable=False)
+
+
+@app.command(help=__doc__.split("\n\n")[0])
+def loadtest(
+    model: Annotated[str | None, typer.Option(help="TICKETQ_MODEL for the worker (default: the environment's)")] = None,
+    null: Annotated[bool, typer.Option("--null", help="null classifier: the queue path alone")] = False,
+    rates: Annotated[str, typer.Option(callback=_fractions, show_default=False,  # the callback makes it a tuple
+                     help="fractions of capacity, comma separated (default 0.5,0.8,1.0,1.2)")] = "0.5,0.8,1.0,1.2",
+    duration: Annotated[float, typer.Option(callback=_positive, help="seconds of arrivals per rate")] = 20.0,
+    capacity: Annotated[float | None, typer.Option(callback=_positive,
+                        help="items/s to scale the rates by (default: measure it)")] = None,
+    capacity_tickets: Annotated[int, typer.Option(min=1, help="burst size of the capacity measurement")] = 100,
+    pool: Annotated[int, typer.Option(help="synthetic tickets to draw texts from")] = 600,
+    seed: Annotated[int, typer.Option()] = 0,
+    threads: Annotated[int | None, typer.Option(help="TICKETQ_THREADS for the worker")] = None,
+    broker_url: Annotated[str | None, typer.Option(help="Redis URL (default: TICKETQ_BROKER_URL)")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="write the report as JSON here")] = None,
+    chart_path: Annotated[Path | None, typer.Option("--chart",
+                          help="write latency vs offered load as PNG here")] = None,
+    markdown_path: Annotated[Path | None, typer.Option("--markdown", help="write the table as Markdown here")] = None,
+) -> None:  # fmt: skip
+    options = Options(model, null, tuple(rates), duration, capacity, capacity_tickets, pool, seed, threads,
+                      broker_url, json_path, chart_path, markdown_path)  # fmt: skip
+    write_report(run(options), options)
+
+
+def write_report(report: Report, options: Options) -> None:
+    """The summary line and the table on stdout; JSON, Markdown and the chart where asked."""
     print(f"capacity {report.capacity_per_s:.2f} items/s ({'measured' if report.capacity_measured else 'given'}), "
           f"model {report.model}, load average {report.machine.get('loadavg_at_end')}")  # fmt: skip
     print(markdown(report))
-    data = asdict(report)
-    if args.json:
-        args.json.write_text(json.dumps(data, indent=2) + "\n")
-    if args.markdown:
-        args.markdown.write_text(markdown(report) + "\n")
-    if args.chart:
-        chart(report, args.chart)
+    if options.json:
+        options.json.write_text(json.dumps(asdict(report), indent=2) + "\n")
+    if options.markdown:
+        options.markdown.write_text(markdown(report) + "\n")
+    if options.chart:
+        chart(report, options.chart)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`ticketq loadtest ARGV` (also `python -m worker.loadtest ARGV`); the exit status."""
+    try:
+        app(list(sys.argv[1:] if argv is None else argv), prog_name="ticketq loadtest")
+    except SystemExit as exc:  # click's standalone mode ends every run, good or bad, in SystemExit
+        return 0 if exc.code is None else int(exc.code)
     return 0
 
 

@@ -1,7 +1,9 @@
 """Classify a ticket file in-process, no Redis: the article's own use case (a backlog, one machine).
 
 Every input row ends as exactly one result row, in file order, with its `source` (`file:line`):
-`ok` with a label, or `failed` with a reason (a malformed row, or a ticket the prompt refuses).
+`ok` with a label, or `failed` with a reason: the file reader applies the ticket contract
+(`ticketq.contract`, TICKETQ_MAX_TICKET_BYTES included) exactly as the queue path does, so a row is
+refused or classified here as it would be there.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def classify_file(engine, source: TicketFile, progress: bool = True) -> Summary:
             encoded.append(engine.prompt.encode(ticket["text"]))
             good.append(ticket)
         except InvalidTicket as exc:
-            results.append({"id": ticket["id"], "status": "failed", "reason": "empty_text", "error": str(exc)})
+            results.append({"id": ticket["id"], "status": "failed", "reason": exc.reason, "error": exc.detail})
     summary = Summary()
     bar = tqdm(total=len(good), unit="ticket", desc="classifying", disable=not progress)
     start = time.perf_counter()

@@ -1,7 +1,8 @@
 """The operator's view of a running ticketq, read from Redis and Celery: queue status, dead letters
 (list, show, requeue through Celery with the original task id), and result lookup.
 
-No torch: it runs anywhere a producer runs. Key names come from `worker.constants`.
+No torch: it runs anywhere a producer runs. Stream names come from `ticketq.names`, keys and the
+writes a requeue makes from `worker.store`.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from dataclasses import dataclass
 from kombu.transport.redis import Channel
 
 from producer.api import Producer
-from worker import constants as c
+from ticketq import names
+from worker import store
 from worker.settings import Settings
 
 
 @dataclass(frozen=True)
 class DeadLetter:
-    """One entry of the dead-letter stream (see `_dead_letter` in service.py, `_dead_letter_raw` in app.py)."""
+    """One entry of the dead-letter stream (`ticket_entry` or `raw_entry` in worker/store.py)."""
 
     entry_id: str
     fields: dict[str, str]
@@ -65,21 +67,21 @@ class Ops:
             "leases": self.leases(),
             "workers": sorted(name for reply in replies for name in reply),
             "dead_letters": dict(Counter(letter.reason for letter in self.dead_letters()).most_common()),
-            "results_stream": self.redis.xlen(c.RESULTS_STREAM),
+            "results_stream": self.redis.xlen(names.RESULTS_STREAM),
         }
 
     def leases(self) -> dict[str, int]:
         """Consumers of the atomic fetch (worker.internals): holding a lease, or expired and awaiting
         recovery by a live worker (their messages go back to the queue within a lease period)."""
-        names = self.redis.hkeys(c.CONSUMERS_KEY)
+        names = self.redis.hkeys(store.CONSUMERS_KEY)
         pipe = self.redis.pipeline(transaction=False)
         for name in names:
-            pipe.exists(c.ALIVE_KEY.format(consumer=name.decode()))
+            pipe.exists(store.ALIVE_KEY.format(consumer=name.decode()))
         alive = sum(bool(found) for found in pipe.execute())
         return {"alive": alive, "expired": len(names) - alive}
 
     def dead_letters(self, reason: str | None = None) -> list[DeadLetter]:
-        entries = self.redis.xrange(c.DEAD_LETTER_STREAM)
+        entries = self.redis.xrange(names.DEAD_LETTER_STREAM)
         letters = [DeadLetter(raw_id.decode(), {k.decode(): v.decode() for k, v in fields.items()})
                    for raw_id, fields in entries]  # fmt: skip
         return [letter for letter in letters if reason is None or letter.reason == reason]
@@ -98,11 +100,9 @@ class Ops:
         """
         args, task_id = self._resend_args(letter)
         slots = len(args[0]) if isinstance(args[0], list) else 1
-        keys = [c.ATTEMPTS_KEY.format(task_id=task_id)]
-        keys += [c.DONE_KEY.format(task_id=task_id, slot=slot) for slot in range(slots)]
-        self.redis.delete(*keys)
-        self.producer.app.send_task(c.TASK_CLASSIFY, args=args, queue=self.settings.queue, task_id=task_id)
-        self.redis.xdel(c.DEAD_LETTER_STREAM, letter.entry_id)
+        store.forget_message(self.redis, task_id, slots)
+        self.producer.app.send_task(names.TASK_CLASSIFY, args=args, queue=self.settings.queue, task_id=task_id)
+        store.drop_dead_letter(self.redis, letter.entry_id)
         return task_id
 
     def _resend_args(self, letter: DeadLetter) -> tuple[list, str]:
@@ -136,8 +136,8 @@ class NotRequeueable(ValueError):
 
 
 def _celery_args(body: bytes, task: str) -> list:
-    if task and task != c.TASK_CLASSIFY:
-        raise NotRequeueable(f"task {task!r} is not {c.TASK_CLASSIFY}; nothing to re-send")
+    if task and task != names.TASK_CLASSIFY:
+        raise NotRequeueable(f"task {task!r} is not {names.TASK_CLASSIFY}; nothing to re-send")
     try:
         args = json.loads(body)[0]
     except (ValueError, KeyError, IndexError, TypeError):

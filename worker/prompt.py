@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ticketq.contract import TicketRejected, check_text
+
 TICKET_MARKER = "\x00TICKET\x00"
 
 
-class InvalidTicket(ValueError):
-    """A ticket the engine refuses (empty text, not a string). The message says why."""
+class InvalidTicket(TicketRejected):
+    """A ticket text the engine refuses under the contract's text rule; `reason` and the message say why."""
 
 
 @dataclass(frozen=True)
@@ -25,13 +27,15 @@ class EncodedTicket:
 
 
 def canonical_text(text: object) -> str:
-    """The text both paths classify: surrounding whitespace removed (it only moves token boundaries)."""
-    if not isinstance(text, str):
-        raise InvalidTicket(f"ticket text must be a string, got {type(text).__name__}")
-    stripped = text.strip()
-    if not stripped:
-        raise InvalidTicket("ticket text is empty or whitespace only")
-    return stripped
+    """The text both paths classify: surrounding whitespace removed (it only moves token boundaries).
+
+    Validity is the contract's text rule (`ticketq.contract.check_text`), less the byte limit that
+    the edges apply: the engine reads at most `max_ticket_tokens` tokens of any text instead.
+    """
+    try:
+        return check_text(text).strip()
+    except TicketRejected as exc:
+        raise InvalidTicket(exc.reason, exc.detail) from None
 
 
 def system_text(system_prompt: str, labels: tuple[str, ...], descriptions: dict[str, str]) -> str:

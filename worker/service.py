@@ -13,16 +13,10 @@ message's backend result is written once its last ticket is done.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
-import queue
-import random
 import socket
-import threading
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -30,62 +24,14 @@ from typing import Any, Protocol
 
 import redis
 
-from worker import constants as c
+from ticketq.contract import Reason, Ticket, TicketRejected, validate_ticket
 from worker.metrics import Metrics
 from worker.results import BatchReport, Prediction
 from worker.settings import Settings
+from worker.shadow import ShadowChecker
+from worker.store import Outbox, ticket_entry
 
 log = logging.getLogger(__name__)
-
-# Idempotent publish of one forward batch's results: the first final result for (task, slot) goes
-# to the stream, repeats do not. One call per forward batch, not one per ticket.
-# KEYS[1] results stream; KEYS[2..n+1] the done key of each result (DONE_KEY: task id, slot).
-# ARGV[1] stream MAXLEN (approximate), ARGV[2] done-key expiry in seconds, ARGV[3..n+2] result JSON.
-# Returns one flag per result: 1 published now, 0 published before (a re-execution).
-PUBLISH_ONCE = """
-local added = {}
-for i = 2, #KEYS do
-  if redis.call('SET', KEYS[i], '1', 'NX', 'EX', ARGV[2]) then
-    redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'data', ARGV[i + 1])
-    added[i - 1] = 1
-  else
-    added[i - 1] = 0
-  end
-end
-return added
-"""
-
-# Idempotent backend write, in Celery's own format (key `celery-task-meta-<id>`, the same value
-# PUBLISHed on that key for pub/sub waiters, as RedisBackend.set does). SET NX keeps Celery's rule
-# "a stored result is never overwritten by a later execution" without its extra GET round trip.
-# KEYS[1] result key; ARGV[1] encoded meta, ARGV[2] expiry in seconds (0: none).
-STORE_ONCE = """
-local stored
-if tonumber(ARGV[2]) > 0 then
-  stored = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
-else
-  stored = redis.call('SET', KEYS[1], ARGV[1], 'NX')
-end
-if stored then
-  redis.call('PUBLISH', KEYS[1], ARGV[1])
-  return 1
-end
-return 0
-"""
-
-
-class TicketRejected(ValueError):
-    """A ticket or message that cannot be classified; `reason` is a short machine-readable code."""
-
-    def __init__(self, reason: str, detail: str | None = None) -> None:
-        if detail is None:  # rebuilt by a Celery client from the stored message "reason: detail"
-            reason, _, detail = reason.partition(": ")
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
-
-    def __repr__(self) -> str:
-        return f"TicketRejected({self.reason!r}, {self.detail!r})"
 
 
 class Classifier(Protocol):
@@ -107,13 +53,6 @@ class Backend(Protocol):
     def mark_as_failure(
         self, task_id: str, exc: BaseException, request: Any = None, call_errbacks: bool = True
     ) -> Any: ...
-
-
-@dataclass(frozen=True)
-class Ticket:
-    id: str
-    text: str
-    submitted_at: float | None
 
 
 @dataclass
@@ -156,30 +95,6 @@ class PublishFailed(RuntimeError):
     """Publishing a forward batch's results failed (Redis away too long): not an engine error to retry."""
 
 
-def parse_ticket(raw: Any, max_bytes: int) -> Ticket:
-    """Validate one ticket payload at the edge; raise TicketRejected with a clear reason."""
-    if not isinstance(raw, dict):
-        raise TicketRejected("bad_payload", f"a ticket must be a JSON object, got {type(raw).__name__}")
-    if "text" not in raw:
-        raise TicketRejected("missing_field", "ticket has no 'text' field")
-    text, ticket_id = raw["text"], raw.get("id")
-    if not isinstance(text, str):
-        raise TicketRejected("wrong_type", f"'text' must be a string, got {type(text).__name__}")
-    if ticket_id is not None and not isinstance(ticket_id, str | int):
-        raise TicketRejected("wrong_type", f"'id' must be a string or integer, got {type(ticket_id).__name__}")
-    try:
-        size = len(text.encode("utf-8"))
-    except UnicodeEncodeError as exc:  # lone surrogates decoded from a JSON \\udcxx escape
-        raise TicketRejected("invalid_utf8", f"text is not valid UTF-8 ({exc.reason})") from None
-    if size > max_bytes:
-        raise TicketRejected("oversize", f"text is {size} bytes, above TICKETQ_MAX_TICKET_BYTES={max_bytes}")
-    if not text.strip():
-        raise TicketRejected("empty_text", "ticket text is empty or whitespace only")
-    submitted = raw.get("submitted_at")
-    submitted = float(submitted) if isinstance(submitted, int | float) and math.isfinite(submitted) else None
-    return Ticket(id=str(ticket_id) if ticket_id is not None else "", text=text, submitted_at=submitted)
-
-
 class TicketService:
     """Owns a classifier, the Redis side-channels (results stream, dead letters) and the metrics."""
 
@@ -188,6 +103,7 @@ class TicketService:
         self.classifier = classifier
         self.metrics = metrics
         self.redis = client
+        self.outbox = Outbox(client, settings.stream_maxlen, settings.result_expires_s, settings.worst_batch_s)
         self.worker_name = f"{socket.gethostname()}:{os.getpid()}"
         self.model_fields = _model_fields(classifier, settings)
         self.shadow = ShadowChecker(classifier, metrics, settings.shadow_rate) if settings.shadow_rate > 0 else None
@@ -233,15 +149,14 @@ class TicketService:
         kills workers spends its own deliveries, not those of the tickets that shared its batch
         (counting the whole buffer up front dead-lettered them all together).
         """
-        keys = [c.ATTEMPTS_KEY.format(task_id=request.id) for request in requests]
-        seen = self._retrying(lambda: self.redis.mget(keys)) if keys else []
+        seen = self.outbox.attempts([request.id for request in requests])
         fresh = [request for request, count in zip(requests, seen, strict=True) if count is None]
         redelivered = sorted(
-            ((int(count), request) for request, count in zip(requests, seen, strict=True) if count is not None),
+            ((count, request) for request, count in zip(requests, seen, strict=True) if count is not None),
             key=lambda pair: pair[0],
         )
         if fresh:
-            self._retrying(lambda: self._incr_attempts(*(c.ATTEMPTS_KEY.format(task_id=r.id) for r in fresh)))
+            self.outbox.count_deliveries([request.id for request in fresh])
         return fresh, [request for _, request in redelivered]
 
     def _unpack(self, requests: Sequence[Any], backend: Backend, started: float) -> Work:
@@ -261,8 +176,9 @@ class TicketService:
                 slot = Slot(request, index)
                 try:
                     if len(args) != 1:
-                        raise TicketRejected("bad_payload", f"expected one argument (ticket or list), got {len(args)}")
-                    slot.ticket = parse_ticket(raw, self.settings.max_ticket_bytes)
+                        detail = f"expected one argument (ticket or list), got {len(args)}"
+                        raise TicketRejected(Reason.BAD_PAYLOAD, detail)
+                    slot.ticket = validate_ticket(raw, self.settings.max_ticket_bytes)
                 except TicketRejected as rejection:
                     slot.result = self._reject(request, index, raw, rejection)
                 work.add(slot)
@@ -281,26 +197,17 @@ class TicketService:
                 when = datetime.fromtimestamp(deadline, timezone.utc).isoformat()
                 late = f"deadline {when} passed {now - deadline:.3f}s before the batch started"
                 raw = {**_raw(slot.ticket), "id": slot.ticket.id or _slot_id(slot)}
-                slot.result = self._failure(slot.request, slot.index, raw, TicketRejected("expired", late))
+                slot.result = self._failure(slot.request, slot.index, raw, TicketRejected(Reason.EXPIRED, late))
 
     def _too_many_deliveries(self, request: Any, backend: Backend) -> bool:
         """A message redelivered past max_retries (its batch keeps killing workers) is dead-lettered."""
-        key = c.ATTEMPTS_KEY.format(task_id=request.id)
-        attempts = self._retrying(lambda: self._incr_attempts(key))
+        attempts = self.outbox.count_deliveries([request.id])
         if attempts <= self.settings.max_retries + 1:
             return False
-        rejection = TicketRejected("too_many_deliveries", f"delivered {attempts} times; it may crash workers")
+        rejection = TicketRejected(Reason.TOO_MANY_DELIVERIES, f"delivered {attempts} times; it may crash workers")
         self._dead_letter(request, None, request.args, rejection)
-        self._retrying(lambda: _mark_failed(backend, request, rejection))
+        self.outbox.mark_failed(backend, request, rejection)
         return True
-
-    def _incr_attempts(self, *keys: str) -> int:
-        """INCR each attempts key (with its expiry); the first key's new count."""
-        pipe = self.redis.pipeline()
-        for key in keys:
-            pipe.incr(key)
-            pipe.expire(key, self.settings.result_expires_s)
-        return int(pipe.execute()[0])
 
     # ----- classification with retries, results as each forward batch finishes ------------
 
@@ -346,7 +253,7 @@ class TicketService:
             self._classify_resilient(work, slots, attempt + 1)
         elif slots:
             slot = slots[0]
-            rejection = TicketRejected("engine_error", f"{type(exc).__name__}: {exc} (after {attempt} attempts)")
+            rejection = TicketRejected(Reason.ENGINE_ERROR, f"{type(exc).__name__}: {exc} (after {attempt} attempts)")
             slot.result = self._reject(slot.request, slot.index, _raw(slot.ticket), rejection)
             self._deliver(work, [slot])
 
@@ -402,7 +309,7 @@ class TicketService:
             return
         begun = time.perf_counter()
         complete = work.completed_by(slots)
-        self._retrying(lambda: self._stream(slots, complete))
+        self._stream(slots, complete)
         self._store(work, complete)
         work.published.update(complete)
         self.metrics.publish.observe(time.perf_counter() - begun)
@@ -412,23 +319,9 @@ class TicketService:
             self.metrics.first_result.observe(max(0.0, time.time() - work.started))
 
     def _stream(self, slots: list[Slot], complete: list[str]) -> None:
-        """One PUBLISH_ONCE for all `slots` and DEL of the completed messages' attempts keys, in one pipeline.
-
-        EVAL, not a registered Script: redis-py checks SCRIPT EXISTS before every pipeline that
-        holds a Script (a second round trip per forward batch, a third of the publish time in a
-        profile); EVAL of a short body costs a few hundred bytes and Redis caches the compiled script.
-
-        Deleting an attempts key before the backend write is safe: a crash in between only makes
-        the redelivered message look fresh, and its results are published once anyway.
-        """
-        keys = [c.RESULTS_STREAM, *(c.DONE_KEY.format(task_id=slot.request.id, slot=slot.index) for slot in slots)]
-        args = [self.settings.stream_maxlen, self.settings.result_expires_s, *(json.dumps(s.result) for s in slots)]
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.eval(PUBLISH_ONCE, len(keys), *keys, *args)
-        for task_id in complete:
-            pipe.delete(c.ATTEMPTS_KEY.format(task_id=task_id))
-        added = pipe.execute()[0]
-        repeated = [slot for slot, entry in zip(slots, added, strict=True) if not entry]
+        """Stream the slots' results once each, closing the attempts of the messages they complete."""
+        added = self.outbox.publish([(slot.request.id, slot.index, slot.result) for slot in slots], complete)
+        repeated = [slot for slot, new in zip(slots, added, strict=True) if not new]
         if repeated:
             self.metrics.duplicates.inc(len(repeated))
             tasks = sorted({slot.request.id for slot in repeated})
@@ -448,22 +341,9 @@ class TicketService:
                 successes.append((request, results[0]))
             else:
                 error = TicketRejected(results[0]["reason"], results[0]["error"].split(": ", 1)[-1])
-                self._retrying(lambda request=request, error=error: _mark_failed(work.backend, request, error))
+                self.outbox.mark_failed(work.backend, request, error)
         if successes:
-            self._retrying(lambda: self._store_successes(work.backend, successes))
-
-    def _store_successes(self, backend: Backend, successes: list[tuple[Any, Any]]) -> None:
-        client = getattr(backend, "client", None)
-        if not isinstance(client, redis.Redis):  # not a Redis backend: Celery's own write, one per task
-            for request, value in successes:
-                backend.mark_as_done(request.id, value, request=request)
-            return
-        expires = int(backend.expires or 0)
-        pipe = client.pipeline(transaction=False)
-        for request, value in successes:
-            meta = success_meta(backend, request.id, value)
-            pipe.eval(STORE_ONCE, 1, backend.get_key_for_task(request.id), backend.encode(meta), expires)
-        pipe.execute()
+            self.outbox.store_successes(work.backend, successes)
 
     def _count(self, slots: list[Slot]) -> None:
         now = time.time()
@@ -475,41 +355,19 @@ class TicketService:
                 self.metrics.latency.observe(max(0.0, now - slot.ticket.submitted_at))
 
     def _dead_letter(self, request: Any, index: int | None, raw: Any, rejection: TicketRejected) -> None:
-        entry = {
-            "task_id": request.id,
-            "slot": "" if index is None else str(index),
-            "reason": rejection.reason,
-            "error": str(rejection),
-            "payload": _dump(raw),
-            "worker": self.worker_name,
-            "at": f"{time.time():.3f}",
-        }
-        self._retrying(lambda: self.redis.xadd(c.DEAD_LETTER_STREAM, entry, maxlen=self.settings.stream_maxlen))
+        entry = ticket_entry(request.id, index, rejection.reason, str(rejection), raw, self.worker_name)
+        self.outbox.dead_letter(entry)
         self.metrics.dead_letters.labels(reason=rejection.reason).inc()
         log.warning("dead-lettered task %s slot %s: %s", request.id, entry["slot"], rejection)
 
     def _fail_open(self, requests: Sequence[Any], backend: Backend, exc: Exception) -> None:
-        error = TicketRejected("worker_error", f"{type(exc).__name__}: {exc}")
+        error = TicketRejected(Reason.WORKER_ERROR, f"{type(exc).__name__}: {exc}")
         for request in requests:
             try:
-                _mark_failed(backend, request, error)
+                self.outbox.mark_failed(backend, request, error)
                 self._dead_letter(request, None, request.args, error)
             except Exception:  # Redis gone too: the message is acked; log loudly so it is visible
                 log.exception("could not mark task %s failed", request.id)
-
-    def _retrying(self, action: Callable[[], Any]) -> Any:
-        """Run a Redis write, riding out a broker restart for up to TICKETQ_WORST_BATCH_S seconds."""
-        deadline = time.monotonic() + self.settings.worst_batch_s
-        delay = 0.1
-        while True:
-            try:
-                return action()
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-                if time.monotonic() > deadline:
-                    raise
-                log.warning("Redis unavailable (%s); retrying in %.1fs", exc, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
 
 
 def message_deadline(request: Any) -> float | None:
@@ -528,74 +386,6 @@ def message_deadline(request: Any) -> float | None:
         log.warning("task %s: unreadable expires %r ignored", getattr(request, "id", "?"), expires[:64])
         return None
     return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
-
-
-def success_meta(backend: Any, task_id: str, value: Any) -> dict:
-    """Celery's result meta for a SUCCESS, as `BaseBackend._store_result` builds it (result_extended off).
-
-    Built from public API only (`app.now`, the backend's `encode` serialises it); ticketq tasks have
-    no children, group or parent, and the worker runs with `result_extended=False`.
-    """
-    return {
-        "status": "SUCCESS",
-        "result": value,
-        "traceback": None,
-        "children": [],
-        "date_done": backend.app.now().isoformat(),
-        "task_id": task_id,
-    }
-
-
-class ShadowChecker:
-    """Re-runs a sample of tickets through the reference path on a background thread.
-
-    `ticketq_shadow_agreed_total / ticketq_shadow_checked_total` shows, live, whether the
-    optimised path still answers as the reference does. The queue is bounded: when the checker
-    falls behind, samples are dropped (and counted), never the hot path slowed.
-    """
-
-    def __init__(self, classifier: Classifier, metrics: Metrics, rate: float, capacity: int = 256) -> None:
-        self.classifier = classifier
-        self.metrics = metrics
-        self.rate = rate
-        self.dropped = metrics.shadow_dropped
-        self._queue: queue.Queue[tuple[str, Prediction]] = queue.Queue(maxsize=capacity)
-        self._random = random.Random(0)
-        threading.Thread(target=self._run, name="ticketq-shadow", daemon=True).start()
-
-    def offer(self, text: str, prediction: Prediction) -> None:
-        if self._random.random() >= self.rate:
-            return
-        try:
-            self._queue.put_nowait((text, prediction))
-        except queue.Full:
-            self.dropped.inc()
-
-    def join(self) -> None:
-        self._queue.join()
-
-    def _run(self) -> None:
-        while True:
-            text, served = self._queue.get()
-            try:
-                reference = self.classifier.reference(text)
-                self.metrics.shadow_checked.inc()
-                if reference.label == served.label:
-                    self.metrics.shadow_agreed.inc()
-                else:
-                    log.error("SHADOW MISMATCH: served %s, reference %s (%r)", served, reference, text[:80])
-            except Exception:
-                log.exception("shadow check failed")
-            finally:
-                self._queue.task_done()
-
-
-def _mark_failed(backend: Backend, request: Any, exc: BaseException) -> None:
-    # call_errbacks=False: Celery's mark_as_failure reads `request.errbacks` after storing the
-    # state, and celery-batches' SimpleRequest has no such attribute. The AttributeError used to
-    # reach process()'s last line of defence, which then marked the whole buffer failed (successes
-    # included) and dead-lettered every ticket in it a second time. Batch tasks carry no errbacks.
-    backend.mark_as_failure(request.id, exc, request=request, call_errbacks=False)
 
 
 def _model_fields(classifier: Classifier, settings: Settings) -> dict:
@@ -620,73 +410,3 @@ def _slot_id(slot: Slot) -> str:
 
 def _raw(ticket: Ticket) -> dict:
     return {"id": ticket.id, "text": ticket.text, "submitted_at": ticket.submitted_at}
-
-
-def _dump(raw: Any) -> str:
-    try:
-        return json.dumps(raw, ensure_ascii=True)[:65536]
-    except (TypeError, ValueError):
-        return repr(raw)[:65536]
-
-
-# Fault injection for the reliability tests only; never set it in a deployment (see NullClassifier).
-POISON_MARKER_ENV = "TICKETQ_TEST_POISON_MARKER"
-
-
-class EngineFault(RuntimeError):
-    """Raised by the null classifier's fault-injection hook, standing in for an engine exception."""
-
-
-class NullClassifier:
-    """Zero-cost classifier (TICKETQ_NULL_CLASSIFIER=1): only for measuring the queue's own ceiling.
-
-    Labels are a hash of the text; no model is loaded. Token counts are bytes/4, roughly BPE's.
-
-    Fault-injection hook, for tests only: with `TICKETQ_TEST_POISON_MARKER=<marker>` in the
-    environment, a batch holding a text that contains `<marker>` raises `EngineFault` (an engine
-    exception), and a text containing `<marker>:exit` ends the process with `os._exit(1)` (a
-    worker that crashes on a ticket). The variable is deliberately outside `Settings`, is read
-    only by this test classifier and the marker is chosen by the test, so no real ticket or
-    deployment trips it by accident.
-    """
-
-    info = None
-
-    def __init__(self, labels: tuple[str, ...], poison_marker: str | None = None) -> None:
-        self.labels = labels
-        self.poison_marker = poison_marker if poison_marker is not None else os.environ.get(POISON_MARKER_ENV) or None
-        if self.poison_marker:
-            log.warning("%s is set: tickets containing %r fail on purpose", POISON_MARKER_ENV, self.poison_marker)
-
-    def classify(
-        self,
-        texts: Sequence[str],
-        on_batch: Callable[[BatchReport], None] | None = None,
-        on_predictions: Callable[[Sequence[int], list[Prediction]], None] | None = None,
-    ):
-        if self.poison_marker:
-            self._inject_faults(texts)
-        predictions = [self.reference(text) for text in texts]
-        lengths = [len(text) // 4 + 1 for text in texts]
-        report = BatchReport(rows=len(texts), width=max(lengths), real_tokens=sum(lengths), seconds=0.0)
-        if on_batch:
-            on_batch(report)
-        if on_predictions:  # one "forward batch" holding every text
-            on_predictions(range(len(texts)), predictions)
-        return predictions, [report]
-
-    def reference(self, text: str) -> Prediction:
-        label = self.labels[zlib.crc32(text.encode("utf-8", "surrogatepass")) % len(self.labels)]
-        probs = {name: float(name == label) for name in self.labels}
-        return Prediction(label=label, probs=probs, margin=1.0, truncated=False, tokens=len(text) // 4 + 1)
-
-    def _inject_faults(self, texts: Sequence[str]) -> None:
-        marker = self.poison_marker
-        if any(f"{marker}:exit" in text for text in texts):
-            log.critical("fault injection: crashing the worker process on a %s:exit ticket", marker)
-            logging.shutdown()
-            os._exit(1)
-        poisoned = sum(marker in text for text in texts)
-        if poisoned:
-            log.warning("fault injection: engine fault on a batch of %d texts (%d poisoned)", len(texts), poisoned)
-            raise EngineFault(f"injected engine fault ({poisoned} poisoned ticket(s) in a batch of {len(texts)})")

@@ -1,35 +1,32 @@
-"""One settings object for the whole service, read from `TICKETQ_*` environment variables.
+"""The worker's settings: the client settings (ticketq.config) plus the model, engine and queue
+service, every one read from `TICKETQ_*`.
 
-Every default lives here. Invalid values and invalid combinations are rejected when the object
-is built (start-up), with a message that names the setting.
+Every default lives here or in `ticketq.config.ClientSettings`. Invalid values and invalid
+combinations are rejected when the object is built (start-up), with a message that names the
+setting.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
+from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import Field, model_validator
 
-from worker.constants import DEFAULT_LABELS, QUEUE
+from ticketq.config import ClientSettings, SettingsError  # noqa: F401 -- what load_settings raises
 
 DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
-BROKER_SCHEMES = ("redis", "rediss")
 DEFAULT_SYSTEM_PROMPT = (
     "You are a support ticket router. Read the customer's ticket and answer with exactly one "
     "word: the team that should handle it."
 )
 
 
-class Settings(BaseSettings):
-    """ticketq configuration. Every field is `TICKETQ_<FIELD>` in the environment."""
-
-    model_config = SettingsConfigDict(env_prefix="TICKETQ_", extra="ignore", validate_default=True)
+class Settings(ClientSettings):
+    """ticketq worker configuration. Every field is `TICKETQ_<FIELD>` in the environment; the
+    broker, queue, labels and ticket size limit come from `ClientSettings`."""
 
     # --- model and engine ---
     model: str = Field(DEFAULT_MODEL, description="Hub id or local directory of the causal LM.")
@@ -43,16 +40,10 @@ class Settings(BaseSettings):
         "path's decoder linear layers in dynamic int8; the reference and shadow checks stay float32.",
     )
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice).")
-    labels: Annotated[tuple[str, ...], NoDecode] = Field(
-        DEFAULT_LABELS, description="Closed label set, comma separated; `name=description` adds a hint."
-    )
     system_prompt: str = Field(
         DEFAULT_SYSTEM_PROMPT, description="System instructions before the label list."
     )
     max_ticket_tokens: int = Field(512, ge=8, description="Longer tickets are truncated and flagged.")
-    max_ticket_bytes: int = Field(
-        65536, ge=64, description="Raw text above this is rejected (dead-lettered)."
-    )
     max_batch_tokens: int = Field(1024, ge=16, description="Padded-token budget of one forward pass.")
     max_batch_size: int = Field(64, ge=1, description="Rows in one forward pass.")
     cost_fixed_ms: float = Field(25.0, ge=0, description="Planner: fixed cost of one forward pass.")
@@ -62,24 +53,13 @@ class Settings(BaseSettings):
     autotune_s: float = Field(20.0, gt=0, description="Seconds of timed forward passes for autotune.")
 
     # --- queue service ---
-    broker_url: str = Field(
-        "redis://127.0.0.1:6379/0",
-        description="Celery broker: redis:// or rediss:// (TLS); the results and dead-letter streams live there too.",
-    )
-    result_backend: str | None = Field(None, description="Celery result backend (default: broker_url).")
-    queue: str = Field(QUEUE, description="Celery queue the worker consumes.")
     batch_window: int = Field(64, ge=1, description="Messages drained into one micro-batch at most.")
     max_wait_ms: int = Field(50, ge=1, description="Wait at most this long after the first buffered message.")
     prefetch_multiplier: int | None = Field(
         None, ge=1, description="Celery prefetch (default: 2 x batch_window so the window can fill)."
     )
-    visibility_timeout_s: int = Field(300, ge=1, description="Redis redelivers unacked messages after this.")
     worst_batch_s: float = Field(
         30.0, gt=0, description="Expected worst batch time; visibility must exceed 4x."
-    )
-    result_expires_s: int = Field(86400, ge=60, description="How long results stay in the backend.")
-    stream_maxlen: int = Field(
-        100_000, ge=100, description="Approximate cap of the results/dead-letter streams."
     )
     max_retries: int = Field(3, ge=0, le=10, description="Retries of a ticket whose batch failed.")
     shadow_rate: float = Field(0.0, ge=0.0, le=1.0, description="Fraction re-checked on the reference path.")
@@ -94,50 +74,6 @@ class Settings(BaseSettings):
     lease_s: float = Field(
         10.0, ge=1, description="A worker silent this long is dead: live workers requeue its messages."
     )
-
-    @field_validator("labels", mode="before")
-    @classmethod
-    def _split_labels(cls, value: object) -> object:
-        if isinstance(value, str):
-            value = [part.strip() for part in value.split(",")]
-        return value
-
-    @field_validator("labels")
-    @classmethod
-    def _check_labels(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        names = [label.split("=", 1)[0].strip() for label in value]
-        if len(names) < 2:
-            raise ValueError("needs at least two labels, comma separated (billing,technical,account)")
-        if any(not name for name in names):
-            raise ValueError("has an empty label name; labels are comma separated, each non-empty")
-        duplicates = sorted({name for name in names if names.count(name) > 1})
-        if duplicates:
-            shown = ", ".join(map(repr, duplicates))
-            raise ValueError(f"label {shown} appears more than once; each label must be unique")
-        return tuple(label.strip() for label in value)
-
-    @field_validator("broker_url")
-    @classmethod
-    def _check_broker_url(cls, value: str) -> str:
-        # ticketq reads and writes Redis streams on the broker itself, so only Redis will do.
-        scheme = _url_scheme(value)
-        if scheme not in BROKER_SCHEMES:
-            raise ValueError(f"must be a Redis URL: redis://[:password@]host:6379/0 or rediss://… (TLS), "
-                             f"not {scheme + '://' if scheme else 'a URL without a scheme'}")
-        return value
-
-    @field_validator("result_backend")
-    @classmethod
-    def _check_backend_url(cls, value: str | None) -> str | None:
-        if value is None:
-            return value
-        from celery.app.backends import BACKEND_ALIASES  # lazy: only this check needs celery
-
-        scheme = _url_scheme(value)
-        if scheme.partition("+")[0] not in BACKEND_ALIASES:
-            raise ValueError(f"must be a Celery result backend URL such as redis://host:6379/0 (unset: the broker), "
-                             f"not {scheme + '://' if scheme else 'a URL without a scheme'}")
-        return value
 
     @model_validator(mode="after")
     def _check_combinations(self) -> Settings:
@@ -160,96 +96,14 @@ class Settings(BaseSettings):
         return self
 
     @property
-    def label_names(self) -> tuple[str, ...]:
-        return tuple(label.split("=", 1)[0].strip() for label in self.labels)
-
-    @property
-    def label_descriptions(self) -> dict[str, str]:
-        return {
-            name.strip(): desc.strip()
-            for name, _, desc in (label.partition("=") for label in self.labels)
-            if desc.strip()
-        }
-
-    @property
-    def backend_url(self) -> str:
-        return self.result_backend or self.broker_url
-
-    @property
     def effective_prefetch(self) -> int:
         return self.prefetch_multiplier or 2 * self.batch_window
 
 
-class SettingsError(ValueError):
-    """Invalid settings; `str()` has one line per problem: `TICKETQ_X=value: what is allowed`."""
-
-
 def load_settings(flags: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
-    """`Settings()` from the environment plus `overrides` (None = not given), or `SettingsError`.
-
-    `flags` names the command-line option behind an override (`{"dtype": "--dtype"}`), so the
-    message points at what the user typed.
-    """
-    given = {name: value for name, value in overrides.items() if value is not None}
-    try:
-        return Settings(**given)
-    except ValidationError as exc:
-        lines = [_describe(error, {name: flag for name, flag in (flags or {}).items() if name in given})
-                 for error in exc.errors()]  # fmt: skip
-        raise SettingsError("\n".join(lines)) from None
-
-
-def _describe(error: Mapping[str, Any], flags: Mapping[str, str]) -> str:
-    """One line for one pydantic error: the setting, the value given, what is allowed."""
-    allowed = _allowed(error)
-    if not error["loc"]:  # a combination check (model validator): its message names every setting
-        return allowed
-    name = str(error["loc"][0])
-    env = f"TICKETQ_{name.upper()}"
-    if name in flags:
-        return f"{flags[name]} {_shown(error['input'])}: {allowed}"
-    raw = os.environ.get(env, error["input"])
-    return f"{env}={_shown(raw)}: {allowed}"
-
-
-_BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
-_KINDS = {
-    "int_parsing": "must be a whole number", "int_from_float": "must be a whole number",
-    "float_parsing": "must be a number", "bool_parsing": "must be true or false (1/0, yes/no, on/off)",
-    "string_type": "must be text", "missing": "is required",
-}  # fmt: skip
-
-
-def _allowed(error: Mapping[str, Any]) -> str:
-    kind, ctx = error["type"], error.get("ctx") or {}
-    if kind in _BOUNDS:
-        bound = next(iter(ctx.values()))
-        return f"must be {_BOUNDS[kind]} {bound}"
-    if kind == "literal_error":
-        return f"must be one of {ctx['expected']}"
-    if kind in _KINDS:
-        return _KINDS[kind]
-    return str(error["msg"]).removeprefix("Value error, ").replace("Input should be", "must be")
-
-
-_PASSWORD = re.compile(r"(://[^/@:]*:)[^/@]*@")  # the password of scheme://user:password@host
-
-
-def _shown(value: object) -> str:
-    """The value as typed, with any URL password masked (it ends up in terminals and logs)."""
-    text = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
-    return _PASSWORD.sub(r"\1**@", text) if text else "''"
-
-
-def _url_scheme(url: str) -> str:
-    if "://" not in url:
-        return ""
-    parts = urlsplit(url)
-    try:
-        parts.port  # noqa: B018 -- urllib checks the port only when asked
-    except ValueError:
-        raise ValueError("the port is not a number (host:6379)") from None
-    return parts.scheme
+    """`Settings()` from the environment plus `overrides` (None = not given), or `SettingsError`
+    with one line per problem (see `ClientSettings.from_env`)."""
+    return Settings.from_env(flags, **overrides)
 
 
 # A Hugging Face Hub id: `name` or `org/name`, letters, digits, `-`, `_`, `.`.

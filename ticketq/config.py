@@ -1,0 +1,194 @@
+"""The client-side settings (what a producer needs to reach the workers), their one-line errors,
+and URL masking.
+
+`ClientSettings` reads `TICKETQ_*`; the worker's `worker.settings.Settings` extends it, so a
+producer and a worker given the same environment agree on the broker, the queue, the labels and
+the ticket size limit. `from_env` turns pydantic's errors into one line per problem
+(`TICKETQ_X=value: what is allowed`), with any password masked by `mask_url`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Annotated, Any, TypeVar
+from urllib.parse import urlsplit
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from ticketq.contract import MAX_TICKET_BYTES
+from ticketq.names import DEFAULT_LABELS, QUEUE
+
+BROKER_SCHEMES = ("redis", "rediss")
+
+S = TypeVar("S", bound="ClientSettings")
+
+
+class SettingsError(ValueError):
+    """Invalid settings; `str()` has one line per problem: `TICKETQ_X=value: what is allowed`."""
+
+
+class ClientSettings(BaseSettings):
+    """What producers and workers share. Every field is `TICKETQ_<FIELD>` in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="TICKETQ_", extra="ignore", validate_default=True)
+
+    labels: Annotated[tuple[str, ...], NoDecode] = Field(
+        DEFAULT_LABELS, description="Closed label set, comma separated; `name=description` adds a hint."
+    )
+    max_ticket_bytes: int = Field(
+        MAX_TICKET_BYTES, ge=64, description="Raw text above this is rejected (dead-lettered)."
+    )
+    broker_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Celery broker: redis:// or rediss:// (TLS); the results and dead-letter streams live there too.",
+    )
+    result_backend: str | None = Field(None, description="Celery result backend (default: broker_url).")
+    queue: str = Field(QUEUE, description="Celery queue the worker consumes.")
+    # A client sets it too: kombu's Redis transport must use the worker's value.
+    visibility_timeout_s: int = Field(300, ge=1, description="Redis redelivers unacked messages after this.")
+    result_expires_s: int = Field(86400, ge=60, description="How long results stay in the backend.")
+    stream_maxlen: int = Field(100_000, ge=100, description="Approximate cap of the results/dead-letter streams.")
+
+    @classmethod
+    def from_env(cls: type[S], flags: Mapping[str, str] | None = None, **overrides: Any) -> S:
+        """The settings from the environment plus `overrides` (None = not given), or `SettingsError`.
+
+        `flags` names the command-line option behind an override (`{"broker_url": "--broker-url"}`),
+        so the message points at what the user typed.
+        """
+        given = {name: value for name, value in overrides.items() if value is not None}
+        try:
+            return cls(**given)
+        except ValidationError as exc:
+            typed = {name: flag for name, flag in (flags or {}).items() if name in given}
+            raise SettingsError("\n".join(_describe(error, typed) for error in exc.errors())) from None
+
+    @field_validator("labels", mode="before")
+    @classmethod
+    def _split_labels(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",")]
+        return value
+
+    @field_validator("labels")
+    @classmethod
+    def _check_labels(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        names = [label.split("=", 1)[0].strip() for label in value]
+        if len(names) < 2:
+            raise ValueError("needs at least two labels, comma separated (billing,technical,account)")
+        if any(not name for name in names):
+            raise ValueError("has an empty label name; labels are comma separated, each non-empty")
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            shown = ", ".join(map(repr, duplicates))
+            raise ValueError(f"label {shown} appears more than once; each label must be unique")
+        return tuple(label.strip() for label in value)
+
+    @field_validator("broker_url")
+    @classmethod
+    def _check_broker_url(cls, value: str) -> str:
+        # ticketq reads and writes Redis streams on the broker itself, so only Redis will do.
+        scheme = _url_scheme(value)
+        if scheme not in BROKER_SCHEMES:
+            raise ValueError(
+                f"must be a Redis URL: redis://[:password@]host:6379/0 or rediss://… (TLS), "
+                f"not {scheme + '://' if scheme else 'a URL without a scheme'}"
+            )
+        return value
+
+    @field_validator("result_backend")
+    @classmethod
+    def _check_backend_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        from celery.app.backends import BACKEND_ALIASES  # lazy: only this check needs celery
+
+        scheme = _url_scheme(value)
+        if scheme.partition("+")[0] not in BACKEND_ALIASES:
+            raise ValueError(
+                f"must be a Celery result backend URL such as redis://host:6379/0 (unset: the broker), "
+                f"not {scheme + '://' if scheme else 'a URL without a scheme'}"
+            )
+        return value
+
+    @property
+    def label_names(self) -> tuple[str, ...]:
+        return tuple(label.split("=", 1)[0].strip() for label in self.labels)
+
+    @property
+    def label_descriptions(self) -> dict[str, str]:
+        return {
+            name.strip(): desc.strip()
+            for name, _, desc in (label.partition("=") for label in self.labels)
+            if desc.strip()
+        }
+
+    @property
+    def backend_url(self) -> str:
+        return self.result_backend or self.broker_url
+
+
+# scheme://user:PASSWORD@host: the user has no ':', the password runs to the last '@' of the authority
+_USERINFO_PASSWORD = re.compile(r"(://[^/?#@:\s]*:)[^/?#\s]*@")
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#\s]*")  # redis-py also takes ?password=
+
+
+def mask_url(text: str) -> str:
+    """`text` with any URL password replaced by `**`, safe to print and log; nothing else changes.
+
+    Works on any text (a setting's value, a message) and never raises, unlike parsing it as a URL.
+    """
+    return _QUERY_PASSWORD.sub(r"\1**", _USERINFO_PASSWORD.sub(r"\1**@", text))
+
+
+def _describe(error: Mapping[str, Any], flags: Mapping[str, str]) -> str:
+    """One line for one pydantic error: the setting, the value given, what is allowed."""
+    allowed = _allowed(error)
+    if not error["loc"]:  # a combination check (model validator): its message names every setting
+        return allowed
+    name = str(error["loc"][0])
+    env = f"TICKETQ_{name.upper()}"
+    if name in flags:
+        return f"{flags[name]} {_shown(error['input'])}: {allowed}"
+    raw = os.environ.get(env, error["input"])
+    return f"{env}={_shown(raw)}: {allowed}"
+
+
+_BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
+_KINDS = {
+    "int_parsing": "must be a whole number", "int_from_float": "must be a whole number",
+    "float_parsing": "must be a number", "bool_parsing": "must be true or false (1/0, yes/no, on/off)",
+    "string_type": "must be text", "missing": "is required",
+}  # fmt: skip
+
+
+def _allowed(error: Mapping[str, Any]) -> str:
+    kind, ctx = error["type"], error.get("ctx") or {}
+    if kind in _BOUNDS:
+        bound = next(iter(ctx.values()))
+        return f"must be {_BOUNDS[kind]} {bound}"
+    if kind == "literal_error":
+        return f"must be one of {ctx['expected']}"
+    if kind in _KINDS:
+        return _KINDS[kind]
+    return str(error["msg"]).removeprefix("Value error, ").replace("Input should be", "must be")
+
+
+def _shown(value: object) -> str:
+    """The value as typed, with any URL password masked (it ends up in terminals and logs)."""
+    text = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+    return mask_url(text) if text else "''"
+
+
+def _url_scheme(url: str) -> str:
+    if "://" not in url:
+        return ""
+    parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 -- urllib checks the port only when asked
+    except ValueError:
+        raise ValueError("the port is not a number (host:6379)") from None
+    return parts.scheme

@@ -1,0 +1,210 @@
+"""The ticket contract: what a ticket is, the one rule that accepts or refuses it, why one is
+refused, and the per-ticket result shapes that come back.
+
+Every path that takes tickets in applies `validate_ticket`: the Python API (`producer.api`),
+ticket files (`producer.tickets`, so also `ticketq classify`) and the worker (each ticket of a
+message). The rule, in full:
+
+- `id`: optional (absent or null: the receiver names the ticket). Otherwise a string or an
+  integer (not a bool); an integer becomes its decimal string (`7` and `"7"` are the same id). Not
+  empty or whitespace only.
+- `text`: a string, valid UTF-8 (no lone surrogates), not empty or whitespace only, at most
+  `max_bytes` bytes of UTF-8 (TICKETQ_MAX_TICKET_BYTES, default `MAX_TICKET_BYTES`). Longer text
+  is refused (`oversize`), never cut by bytes. Within the limit the model reads at most
+  TICKETQ_MAX_TICKET_TOKENS tokens of it and flags the result `truncated`.
+- duplicate ids: refused within one input the sender holds whole (a file, one `submit_many` call)
+  with `UniqueIds`; nobody can check across calls.
+
+On the wire: task `names.TASK_CLASSIFY`, JSON, `args=[ticket]` (its result is one per-ticket
+dict) or `args=[[ticket, ...]]` (a packed message: its result is a list of them), a ticket being
+`{"id"?, "text", "submitted_at"?: unix seconds}`. A failed single-ticket message ends in Celery
+state FAILURE with `TicketRejected("<reason>: <detail>")`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Literal, TypedDict
+
+MAX_TICKET_BYTES = 65536  # default of TICKETQ_MAX_TICKET_BYTES
+
+
+class Reason(str, Enum):
+    """Why a ticket or message got no label. The values are what results, dead letters and the
+    `ticketq_dead_letters` metric store; `str()` gives the value."""
+
+    # the ticket breaks the contract (validate_ticket, UniqueIds)
+    BAD_PAYLOAD = "bad_payload"  # not a JSON object, or a message without exactly one argument
+    MISSING_FIELD = "missing_field"  # no 'text'
+    WRONG_TYPE = "wrong_type"  # 'text' not a string, 'id' not a string or integer
+    EMPTY_ID = "empty_id"  # 'id' given but empty or whitespace only
+    INVALID_UTF8 = "invalid_utf8"  # text with lone surrogates, or a file line that is not UTF-8
+    OVERSIZE = "oversize"  # text above TICKETQ_MAX_TICKET_BYTES
+    EMPTY_TEXT = "empty_text"  # text empty or whitespace only
+    DUPLICATE_ID = "duplicate_id"  # an id seen before in the same file or submit_many call
+    # the worker could not finish it
+    ENGINE_ERROR = "engine_error"  # the model failed on it alone, after retries
+    WORKER_ERROR = "worker_error"  # an unexpected error in the worker around the model
+    TOO_MANY_DELIVERIES = "too_many_deliveries"  # redelivered past TICKETQ_MAX_RETRIES: it may crash workers
+    EXPIRED = "expired"  # its Celery `expires` deadline passed before its batch started
+    # a message Celery or the transport refused before it became a ticket (raw bytes dead-lettered)
+    DECODE_ERROR = "decode_error"
+    UNKNOWN_MESSAGE = "unknown_message"
+    UNKNOWN_TASK = "unknown_task"
+    INVALID_TASK = "invalid_task"
+    UNREADABLE_MESSAGE = "unreadable_message"
+    # a ticket file's row (producer.tickets) or a ticket the producer sent
+    MALFORMED_ROW = "malformed_row"
+    INVALID_JSON = "invalid_json"
+    MALFORMED_CSV = "malformed_csv"
+    NO_RESULT = "no_result"  # sent, but no result came back for it
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# What a worker can dead-letter a ticket or message for (each gets a ticketq_dead_letters series).
+DEAD_LETTER_REASONS: tuple[Reason, ...] = (
+    Reason.BAD_PAYLOAD, Reason.MISSING_FIELD, Reason.WRONG_TYPE, Reason.EMPTY_ID, Reason.INVALID_UTF8,
+    Reason.OVERSIZE, Reason.EMPTY_TEXT, Reason.ENGINE_ERROR, Reason.TOO_MANY_DELIVERIES, Reason.WORKER_ERROR,
+    Reason.DECODE_ERROR, Reason.UNKNOWN_MESSAGE, Reason.UNKNOWN_TASK, Reason.INVALID_TASK,
+    Reason.UNREADABLE_MESSAGE,
+)  # fmt: skip
+
+
+class TicketRejected(ValueError):
+    """A ticket or message that cannot be classified; `reason` is a `Reason` value (a plain str).
+
+    `str()` is `"<reason>: <detail>"`, which is all Celery stores of an exception: a client
+    rebuilds it as `TicketRejected("<reason>: <detail>")`, so one argument is split back.
+    """
+
+    def __init__(self, reason: Reason | str, detail: str | None = None) -> None:
+        reason = str(reason)
+        if detail is None:  # rebuilt by a Celery client from the stored message "reason: detail"
+            reason, _, detail = reason.partition(": ")
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+    def __repr__(self) -> str:
+        return f"TicketRejected({self.reason!r}, {self.detail!r})"
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A ticket that passed `validate_ticket`. `id` is "" when none was given."""
+
+    id: str
+    text: str
+    submitted_at: float | None
+
+
+def validate_ticket(raw: object, max_bytes: int = MAX_TICKET_BYTES) -> Ticket:
+    """The one ticket rule (module docstring) for one payload; raises `TicketRejected` with the reason."""
+    if not isinstance(raw, Mapping):
+        raise TicketRejected(Reason.BAD_PAYLOAD, f"a ticket must be a JSON object, got {type(raw).__name__}")
+    if "text" not in raw:
+        raise TicketRejected(Reason.MISSING_FIELD, "ticket has no 'text' field")
+    text = _text_of_type(raw["text"])
+    ticket_id = _valid_id(raw.get("id"))
+    size = _utf8_size(text)
+    if size > max_bytes:
+        raise TicketRejected(Reason.OVERSIZE, f"text is {size} bytes, above TICKETQ_MAX_TICKET_BYTES={max_bytes}")
+    _not_blank(text)
+    submitted = raw.get("submitted_at")
+    # optional and only informative (queue_wait_s): anything but a finite number is dropped, not refused
+    finite = isinstance(submitted, int | float) and math.isfinite(submitted)
+    return Ticket(id=ticket_id, text=text, submitted_at=float(submitted) if finite else None)
+
+
+def check_text(text: object) -> str:
+    """The text part of the rule without the byte limit, for the engine, which truncates by tokens."""
+    text = _text_of_type(text)
+    _utf8_size(text)
+    _not_blank(text)
+    return text
+
+
+def _text_of_type(text: object) -> str:
+    if not isinstance(text, str):
+        raise TicketRejected(Reason.WRONG_TYPE, f"'text' must be a string, got {type(text).__name__}")
+    return text
+
+
+def _valid_id(ticket_id: object) -> str:
+    """The id as a string ("" when none was given)."""
+    if ticket_id is None:
+        return ""
+    if isinstance(ticket_id, bool) or not isinstance(ticket_id, str | int):
+        raise TicketRejected(Reason.WRONG_TYPE, f"'id' must be a string or integer, got {type(ticket_id).__name__}")
+    if isinstance(ticket_id, str) and not ticket_id.strip():
+        shown = f"'id' must be a non-empty string or an integer, got {ticket_id!r}"
+        raise TicketRejected(Reason.EMPTY_ID, f"{shown}; leave it out (or null) to have one assigned")
+    return str(ticket_id)
+
+
+def _utf8_size(text: str) -> int:
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:  # lone surrogates decoded from a JSON \udcxx escape
+        raise TicketRejected(Reason.INVALID_UTF8, f"text is not valid UTF-8 ({exc.reason})") from None
+
+
+def _not_blank(text: str) -> None:
+    if not text.strip():
+        raise TicketRejected(Reason.EMPTY_TEXT, "ticket text is empty or whitespace only")
+
+
+class UniqueIds:
+    """The duplicate-id rule over one input held whole (a file, one `submit_many` call)."""
+
+    def __init__(self) -> None:
+        self._first: dict[str, str] = {}
+
+    def add(self, ticket_id: str, where: str) -> None:
+        """Record `ticket_id` as seen `where` ("on line 3"); `TicketRejected` if it was seen before."""
+        if ticket_id in self._first:
+            raise TicketRejected(
+                Reason.DUPLICATE_ID, f"duplicate id {ticket_id!r} (first seen {self._first[ticket_id]})"
+            )
+        self._first[ticket_id] = where
+
+
+# --- what comes back for each ticket ---
+
+Status = Literal["ok", "failed", "timeout"]
+
+
+class Classified(TypedDict):
+    """A labelled ticket, as the worker publishes it (results stream, Celery backend)."""
+
+    id: str
+    task_id: str
+    status: Literal["ok"]
+    label: str
+    probs: dict[str, float]  # every label's constrained-decoding probability
+    margin: float  # probability of the best label minus the runner-up's
+    truncated: bool  # longer than TICKETQ_MAX_TICKET_TOKENS tokens: the model read its start
+    model: str
+    standin: bool  # a stand-in model: the label means nothing
+    worker: str  # host:pid
+    queue_wait_s: float | None  # submitted_at to batch start; None without submitted_at
+    processing_s: float  # batch start to this result
+
+
+class Failed(TypedDict, total=False):
+    """A ticket without a label. Always `id`, `status` and `error`; `reason` (a `Reason`) where
+    the cause is known, `task_id` once sent, `worker` from a worker, `source` (`file:line`) in a
+    results file. `status` is "timeout" when no result came within the caller's deadline."""
+
+    id: str | None
+    task_id: str
+    status: Literal["failed", "timeout"]
+    reason: str
+    error: str
+    worker: str
+    source: str

@@ -1,0 +1,19 @@
+"""Every name a client and a worker must agree on: the Celery task and queue, the Redis streams,
+the default label set.
+
+Producers, workers, any Celery client and the deployment files refer to these strings; a rename
+here is a protocol change. Worker-only names (metrics, the worker's own Redis keys) live in
+`worker.constants`.
+"""
+
+# Celery: the task any client sends (`app.send_task(TASK_CLASSIFY, args=[payload])`) and its queue.
+TASK_CLASSIFY = "ticketq.classify"
+QUEUE = "ticketq"
+
+# Redis streams on the broker (capped with MAXLEN ~ TICKETQ_STREAM_MAXLEN): every final per-ticket
+# result, and every refused ticket or message with its raw payload.
+RESULTS_STREAM = "ticketq:results"
+DEAD_LETTER_STREAM = "ticketq:dead"
+
+# Default labels of the closed set (TICKETQ_LABELS).
+DEFAULT_LABELS = ("billing", "technical", "account")

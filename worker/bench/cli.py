@@ -1,0 +1,205 @@
+"""`ticketq bench` on the command line (typer): the options and their help, and the exit status.
+
+`worker/cli.py` forwards `ticketq bench ARGS` to `main(ARGS)`, so that `ticketq` itself starts
+without loading the benchmark; nothing here imports torch (`--help` stays instant).
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from collections.abc import Sequence
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from producer.clitools import CONTEXT_SETTINGS, EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from worker.bench.records import DEFAULT_MODES, DEFAULTS, MODES, QUICK, Options
+from worker.bench.report import make_header, print_report, strict_failure, summarise, write_outputs
+from worker.bench.runner import load_tickets, run_modes, setup
+
+PROG = "ticketq bench"
+DESCRIPTION = (
+    "Load one model once and classify the same tickets in every mode below. Per mode: items/s, speedup "
+    "over sequential, padding ratio (pad / tokens computed), tokens computed per ticket and tokens/s (where "
+    "the time goes: fewer tokens, or faster tokens), agreement and max |delta prob| against "
+    "sequential, disagreements on near-ties and on the rest, peak RSS. A rich table on stdout, "
+    "optionally JSON and a PNG chart."
+)
+MODE_HELP = """\
+modes (run in this order, one after another, on the same tickets):
+  generate       chat template + model.generate (4 new tokens, greedy) per
+                 ticket, label parsed from the text
+  sequential     one ticket at a time, full prompt, constrained label scoring
+                 (Engine.reference) = reference
+  naive          fixed-size batches in arrival order, padded to the batch's
+                 longest, full prompt per row
+  naive-global   the same, every batch padded to the longest ticket of all
+  sorted         length-sorted fixed-size batches, full prompt per row (the
+                 article's method)
+  ticketq        the engine: autotuned cost model, DP plan, prefix KV cache,
+                 label-only head
+  ticketq-int8   the same, decoder linear layers in dynamic int8 (inexact,
+                 CPU; TICKETQ_DTYPE=int8)
+  ticketq-queue  the same through Redis and a real `ticketq worker` process
+                 (skipped if Redis is down)
+  llama-cpp      llama.cpp on the same model in GGUF f32: prompt cache, one
+                 ticket at a time, the engine's token ids, label from the
+                 answer-position logits (needs pip install 'ticketq[peers]')
+  llama-cpp-q8   the same in GGUF q8_0
+
+Default: every mode but generate, ticketq-int8, llama-cpp, llama-cpp-q8
+(list them, or --modes all). sequential always runs: it is the reference for
+agreement and the baseline for speedup.
+--quick = {tickets} tickets, batch size {batch_size}, {warmup} warm-up ticket, a {autotune_s:.0f} s autotune,
+no generate; explicit options still win.
+"""  # lines under 78 characters: the help is printed 80 wide where there is no terminal
+# Help panels: the option groups of `--help`.
+MODEL, TICKETS, RUN, OUTPUT = "model (defaults come from the TICKETQ_* settings)", "tickets", "run", "output"
+
+
+class Dtype(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    int8 = "int8"
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+    mps = "mps"
+
+
+def _modes(value: str | None) -> tuple[str, ...] | None:
+    """`--modes a,b` or `all` as a tuple of known modes; None when not given (the default set)."""
+    if value is None:
+        return None
+    wanted = [m.strip() for m in value.split(",") if m.strip()]
+    if wanted == ["all"]:
+        return MODES
+    unknown = [m for m in wanted if m not in MODES]
+    if unknown or not wanted:
+        raise typer.BadParameter(f"unknown {unknown or 'empty list'}; choose from {', '.join(MODES)} or 'all'")
+    return tuple(wanted)
+
+
+app = typer.Typer(add_completion=False, context_settings=CONTEXT_SETTINGS, pretty_exceptions_enable=False)
+
+
+@app.command(help=escape(DESCRIPTION), epilog=escape(MODE_HELP.format(**QUICK)))
+def bench(
+    ctx: typer.Context,
+    model: Annotated[str | None, typer.Option(metavar="ID|DIR", rich_help_panel=MODEL,
+                     help="hub id or local directory (default: TICKETQ_MODEL)")] = None,
+    dtype: Annotated[Dtype | None, typer.Option(rich_help_panel=MODEL, help="(default: TICKETQ_DTYPE)")] = None,
+    device: Annotated[Device | None, typer.Option(rich_help_panel=MODEL, help="(default: TICKETQ_DEVICE)")] = None,
+    threads: Annotated[int | None, typer.Option(metavar="N", min=1, rich_help_panel=MODEL,
+                       help="torch threads, set once for every mode")] = None,
+    tickets: Annotated[int | None, typer.Option(metavar="N", min=1, rich_help_panel=TICKETS,
+                       help="how many (default: 600; with a file: all)")] = None,
+    tickets_file: Annotated[Path | None, typer.Option(metavar="PATH", rich_help_panel=TICKETS,
+                            help="JSONL {id, text} (or CSV) instead of synthetic long-tail tickets")] = None,
+    seed: Annotated[int, typer.Option(metavar="SEED", show_default=False, rich_help_panel=TICKETS,
+                    help="synthetic ticket seed (default: 0)")] = 0,
+    modes: Annotated[str | None, typer.Option(metavar="LIST", callback=_modes, rich_help_panel=RUN,
+                     help="comma-separated modes, or 'all' (default: all but generate)")] = None,
+    batch_size: Annotated[int | None, typer.Option(metavar="N", min=1, rich_help_panel=RUN,
+                          help="rows per batch in naive, naive-global, sorted (default: 16)")] = None,
+    max_batch_tokens: Annotated[int | None, typer.Option(metavar="N", min=1, rich_help_panel=RUN,
+                                help="ticketq's padded-token budget; given, autotune is skipped")] = None,
+    no_autotune: Annotated[bool, typer.Option("--no-autotune", rich_help_panel=RUN,
+                           help="plan with the TICKETQ_COST_* model as configured")] = False,
+    autotune_s: Annotated[float | None, typer.Option(metavar="S", rich_help_panel=RUN,
+                          help="autotune measuring budget (default: 20)")] = None,
+    warmup: Annotated[int | None, typer.Option(metavar="N", min=0, rich_help_panel=RUN,
+                      help="warm-up tickets per mode, the shortest (default: 4)")] = None,
+    tie_tolerance: Annotated[float, typer.Option(metavar="P", min=0.0, show_default=False, rich_help_panel=RUN,
+                             help="a reference margin below this is a near-tie (default: 0.01)")] = 0.01,
+    llama_cpp_src: Annotated[Path | None, typer.Option(metavar="DIR", rich_help_panel=RUN, help=(
+        "llama.cpp source tree with convert_hf_to_gguf.py (default: from the llama-cpp-python sdist)"))] = None,
+    quick: Annotated[bool, typer.Option("--quick", rich_help_panel=RUN,
+                     help="a short run for a slow machine (see below)")] = False,
+    strict: Annotated[bool, typer.Option("--strict", rich_help_panel=RUN,
+                      help="exit 1 on any disagreement that is not a near-tie")] = False,
+    json: Annotated[Path | None, typer.Option(metavar="PATH", rich_help_panel=OUTPUT,
+                    help=escape("write [header, one object per mode] as JSON"))] = None,
+    chart: Annotated[Path | None, typer.Option(metavar="PATH", rich_help_panel=OUTPUT,
+                     help="write a PNG: items/s and padding ratio per mode")] = None,
+    markdown: Annotated[Path | None, typer.Option(metavar="PATH", rich_help_panel=OUTPUT,
+                        help="write the table as Markdown (for a README)")] = None,
+) -> None:  # fmt: skip
+    raise typer.Exit(run(options_from(ctx.params, ctx.obj or [])))
+
+
+def options_from(params: dict[str, Any], argv: Sequence[str]) -> Options:
+    """The parsed options as an `Options`, every default resolved (`--quick` picks the short ones)."""
+    defaults = QUICK if params["quick"] else DEFAULTS
+    tickets = params["tickets"]
+    if tickets is None and params["tickets_file"] is None:  # with a file and no --tickets: all of its rows
+        tickets = defaults["tickets"]
+    given = {name: params[name] for name in ("batch_size", "warmup", "autotune_s")}
+    return Options(
+        model=params["model"],
+        dtype=params["dtype"].value if params["dtype"] else None,
+        device=params["device"].value if params["device"] else None,
+        threads=params["threads"],
+        tickets=tickets,
+        tickets_file=params["tickets_file"],
+        seed=params["seed"],
+        requested_modes=params["modes"] or DEFAULT_MODES,  # the default set has no generate, --quick or not
+        **{name: defaults[name] if value is None else value for name, value in given.items()},
+        max_batch_tokens=params["max_batch_tokens"],
+        no_autotune=params["no_autotune"],
+        tie_tolerance=params["tie_tolerance"],
+        llama_cpp_src=params["llama_cpp_src"],
+        quick=params["quick"],
+        strict=params["strict"],
+        json=params["json"],
+        chart=params["chart"],
+        markdown=params["markdown"],
+        command=shlex.join(["ticketq", "bench", *argv]),
+    )
+
+
+def parse_args(argv: Sequence[str]) -> Options:
+    """The options `ticketq bench ARGV` would run with, without running (typer.BadParameter if invalid)."""
+    ctx = typer.main.get_command(app).make_context(PROG, list(argv))
+    return options_from(ctx.params, argv)
+
+
+def run(options: Options) -> int:
+    """Load, run every mode, report; 0 done, 1 a real disagreement under --strict, 2 bad input or model."""
+    console = Console()
+    if not console.is_terminal:  # files and pipes: wide enough for the whole table
+        console.width = max(console.width, 120)
+    tickets = load_tickets(options, console)
+    bench = setup(options, console) if tickets is not None else None
+    if bench is None:
+        return EXIT_USAGE
+    results = run_modes(bench, tickets, console)
+    rows = [summarise(result, results, options.tie_tolerance) for result in results]
+    header = make_header(bench, tickets, rows)
+    print_report(console, header, rows)
+    write_outputs(options, header, rows, console)
+    return EXIT_FAILED if options.strict and strict_failure(rows) else EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`ticketq bench ARGV`; the exit status (0 ok, 1 --strict failure, 2 bad options or setup)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        app(argv, prog_name=PROG, obj=argv)  # obj: the command as typed, for the report
+    except SystemExit as exc:  # click's standalone mode ends every run, good or bad, in SystemExit
+        return 0 if exc.code is None else int(exc.code)
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,350 @@
+"""The benchmark's figures and how they are shown: one JSON-ready row per mode, a header, three renderers.
+
+`summarise` turns a `ModeResult` into a row (items/s, speedup over `sequential`, padding ratio,
+tokens per ticket and per second, agreement with `sequential`, disagreements split into near-ties
+and the rest); `make_header` records the run (machine, versions, model, tickets, planner).
+Renderers: `print_report` (the rich table on stdout), `markdown_table`, `write_chart` (PNG);
+`write_outputs` writes the files the options ask for (JSON, PNG, Markdown).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import statistics
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.table import Table
+
+from worker.bench.records import REFERENCE, Answer, ModeResult, Options
+
+if TYPE_CHECKING:  # the runner imports this module; its types are only read here
+    from worker.bench.runner import Bench
+
+# Per-mode figures in the JSON rows (None where a mode was skipped).
+FIGURES = (
+    "tickets", "seconds", "items_per_s", "speedup", "padding_ratio", "pad_tokens", "computed_tokens",
+    "tokens_per_ticket", "tokens_per_s", "forwards",
+    "agreement", "max_abs_prob_diff", "near_ties", "disagreements_non_tie", "disagreements_near_tie", "failed",
+)  # fmt: skip
+STANDIN_LINE = "stand-in model (random weights): labels meaningless; speed is real"
+# (heading, JSON key, format) of the figure columns shared by the stdout and Markdown tables.
+COLUMNS = (
+    ("items/s", "items_per_s", "{:.2f}"),
+    ("speedup", "speedup", "{:.2f}x"),
+    ("padding", "padding_ratio", "{:.1%}"),
+    ("tokens/ticket", "tokens_per_ticket", "{:.1f}"),
+    ("tokens/s", "tokens_per_s", "{:.0f}"),
+    ("forwards", "forwards", "{}"),
+    ("agreement", "agreement", "{:.1%}"),
+    ("max |Δp|", "max_abs_prob_diff", "{:.1e}"),
+)
+
+
+# ----- figures ------------------------------------------------------------------------------
+
+
+def summarise(result: ModeResult, results: list[ModeResult], tie_tolerance: float) -> dict:
+    """One JSON-ready row: speed, padding, agreement with `sequential`, memory."""
+    row = {"kind": "mode", "mode": result.mode, "status": "skipped" if result.skipped else "ok"}
+    row |= dict.fromkeys(FIGURES) | {"peak_rss_mb": result.peak_rss_mb, "rss_of": result.rss_of, "notes": result.notes}
+    if result.skipped:
+        row["notes"] = [result.skipped, *result.notes]
+        return row
+    reference = next(r for r in results if r.mode == REFERENCE)
+    baseline = len(reference.answers) / reference.seconds if reference.seconds else None
+    n = len(result.answers)
+    pad, computed = result.padding or (
+        sum(r.pad_tokens for r in result.reports),
+        sum(r.computed_tokens for r in result.reports),
+    )
+    row |= {
+        "tickets": n,
+        "seconds": result.seconds,
+        "items_per_s": n / result.seconds if result.seconds else None,
+        "padding_ratio": pad / computed if computed else 0.0,
+        "pad_tokens": pad,
+        "computed_tokens": computed,
+        **token_rates(computed, n, result.seconds),
+        "forwards": result.forwards if result.forwards is not None else len(result.reports),
+        "failed": sum(a.label.startswith("<") for a in result.answers),
+    }
+    row["speedup"] = row["items_per_s"] / baseline if baseline and row["items_per_s"] else None
+    row |= compare(result.answers, reference.answers, tie_tolerance)
+    return row
+
+
+def token_rates(computed: int | None, tickets: int | None, seconds: float | None) -> dict:
+    """Where the time goes: fewer tokens per ticket (prefix cache, padding) or more tokens/s (batching)."""
+    return {
+        "tokens_per_ticket": computed / tickets if computed is not None and tickets else None,
+        "tokens_per_s": computed / seconds if computed is not None and seconds else None,
+    }
+
+
+def compare(answers: list[Answer], reference: list[Answer], tie_tolerance: float) -> dict:
+    """Agreement with the reference; disagreements split into near-ties and real ones."""
+    margins = [_margin(r.probs) for r in reference]
+    ties = [m < tie_tolerance for m in margins]
+    differs = [a.label != r.label for a, r in zip(answers, reference, strict=True)]
+    diffs = [
+        abs(a.probs[k] - p)
+        for a, r in zip(answers, reference, strict=True)
+        if a.probs is not None
+        for k, p in r.probs.items()
+    ]
+    return {
+        "agreement": 1 - sum(differs) / len(reference) if reference else None,
+        "max_abs_prob_diff": max(diffs) if diffs else None,
+        "near_ties": sum(ties),
+        "disagreements_non_tie": sum(d and not t for d, t in zip(differs, ties, strict=True)),
+        "disagreements_near_tie": sum(d and t for d, t in zip(differs, ties, strict=True)),
+    }
+
+
+def _margin(probs: dict[str, float]) -> float:
+    ranked = sorted(probs.values(), reverse=True)
+    return ranked[0] - ranked[1]
+
+
+def strict_failure(rows: list[dict]) -> bool:
+    """Any disagreement that is not a near-tie, in a mode that ran (what `--strict` exits 1 on)."""
+    return any(row["disagreements_non_tie"] for row in rows if row["status"] == "ok")
+
+
+# ----- the run's header ---------------------------------------------------------------------
+
+
+def make_header(bench: Bench, tickets: list[dict], rows: list[dict]) -> dict:
+    """What ran where: machine, load, versions, model, tickets, modes and the planner's cost model."""
+    import torch
+    import transformers
+
+    engine, options = bench.engine, bench.options
+    lengths = [e.ticket_tokens for e in engine.encode([t["text"] for t in tickets])]
+    return {
+        "kind": "header",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": options.command,
+        "machine": _machine(),
+        "load_average": {"start": bench.load_before, "end": load_average()},
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "model": engine.info.name,
+        "standin": engine.info.standin,
+        "dtype": engine.info.dtype,
+        "device": engine.info.device,
+        "tickets": len(tickets),
+        "ticket_source": _ticket_source(options),
+        "ticket_tokens": {
+            "min": min(lengths),
+            "median": statistics.median(lengths),
+            "max": max(lengths),
+            "mean": statistics.fmean(lengths),
+        },
+        "prefix_tokens": engine.prefix_len,
+        "suffix_tokens": len(engine.prompt.suffix_ids),
+        "labels": list(engine.labels),
+        "batch_size": options.batch_size,
+        "warmup_tickets": options.warmup,
+        "tie_tolerance": options.tie_tolerance,
+        "quick": options.quick,
+        "modes": options.mode_list,
+        "autotune": _autotune(bench),
+        "notes": _notes(bench, rows),
+    }
+
+
+def _ticket_source(options: Options) -> str:
+    return str(options.tickets_file) if options.tickets_file else f"synthetic long-tail, seed {options.seed}"
+
+
+def _autotune(bench: Bench) -> dict:
+    engine, tuning = bench.engine, bench.tuning
+    return {
+        "applied": tuning is not None,
+        "description": tuning.describe() if tuning else describe_cost(engine),
+        "cost": {"fixed_ms": engine.cost.fixed_ms, "token_ms": engine.cost.token_ms, "quad_ms": engine.cost.quad_ms},
+        "max_batch_tokens": engine.max_batch_tokens,
+        "samples": [list(s) for s in tuning.samples] if tuning else [],
+    }
+
+
+def describe_cost(engine) -> str:
+    """The planner's cost model and budget as the engine holds them (autotuned or configured)."""
+    from worker.autotune import Tuning
+
+    return Tuning(engine.cost, engine.max_batch_tokens, ()).describe()
+
+
+def _notes(bench: Bench, rows: list[dict]) -> list[str]:
+    engine = bench.engine
+    notes = []
+    if engine.info.standin:
+        notes.append(STANDIN_LINE)
+    if bench.int8_engine is not None:
+        tuned = f" planner: {bench.int8_tuning.describe()}" if bench.int8_tuning else ""
+        notes.append(
+            "ticketq-int8: decoder linear layers in dynamic int8 (torch quantize_dynamic), prefix cache and "
+            f"reference in float32; inexact, so near-ties may flip (counted separately).{tuned}"
+        )
+    if engine.info.dtype != "float32":
+        notes.append(
+            f"{engine.info.dtype}: batch shape changes rounding, so probabilities differ slightly between "
+            "modes; near-ties may flip (counted separately)"
+        )
+    if REFERENCE not in bench.options.requested_modes:
+        notes.append("sequential ran although not listed: it is the reference and the speedup baseline")
+    for row in rows:
+        notes += [n for n in row["notes"] if n not in notes]
+    return notes
+
+
+def _machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        match = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
+        cpu = match.group(1).strip() if match else cpu
+    except OSError:
+        pass
+    machine = {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "cpu_flags": _cpu_flags()}
+    if hasattr(os, "sched_getaffinity"):
+        machine["usable_cores"] = len(os.sched_getaffinity(0))
+    return machine
+
+
+def _cpu_flags() -> list[str]:
+    """The SIMD features that decide float32 / bf16 / int8 speed on a CPU (Linux only)."""
+    try:
+        match = re.search(r"^flags\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
+    except OSError:
+        return []
+    flags = set(match.group(1).split()) if match else set()
+    wanted = ("avx2", "fma", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+    return [f for f in wanted if f in flags]
+
+
+def load_average() -> tuple[float, float, float] | None:
+    return os.getloadavg() if hasattr(os, "getloadavg") else None
+
+
+# ----- renderers ----------------------------------------------------------------------------
+
+
+def print_report(console: Console, header: dict, rows: list[dict]) -> None:
+    """The rich table, the planner line and the notes."""
+    title = (
+        f"ticketq bench — {header['model']} ({header['dtype']}, {header['device']}, "
+        f"{header['torch_threads']} threads), {header['tickets']} tickets"
+    )
+    table = Table(
+        title=title,
+        caption=f"reference = sequential; near-tie = reference margin < "
+        f"{header['tie_tolerance']:g} ({rows[0]['near_ties'] if rows else 0} tickets)",
+    )
+    for column in ("mode", *(name for name, _, _ in COLUMNS), "disagree (real / near-tie)", "peak RSS MB"):
+        table.add_column(column, justify="left" if column == "mode" else "right")
+    for row in rows:
+        table.add_row(row["mode"], *(_cells(row) if row["status"] == "ok" else ["—"] * (len(COLUMNS) + 2)))
+    console.print(table)
+    console.print(f"planner: {header['autotune']['description']}")
+    for note in header["notes"]:
+        console.print(f"[yellow]note:[/] {note}")
+
+
+def markdown_table(header: dict, rows: list[dict]) -> str:
+    """The stdout table as GitHub Markdown, with the run's command and machine underneath."""
+    names = [name.replace("|", "\\|") for name, _, _ in COLUMNS]
+    lines = [
+        "| mode | " + " | ".join(names) + " | disagreements (real / near-tie) | peak RSS MB |",
+        "|---" * (len(names) + 3) + "|",
+    ]
+    for row in rows:
+        if row["status"] != "ok":
+            lines.append(f"| `{row['mode']}` | " + " | ".join(["—"] * (len(names) + 2)) + " |")
+            continue
+        row = token_rates(row["computed_tokens"], row["tickets"], row["seconds"]) | row  # older JSON lacks them
+        lines.append(f"| `{row['mode']}` | " + " | ".join(_cells(row, markdown=True)) + " |")
+    return "\n".join([*lines, "", _run_line(header), "", f"`{header['command']}`", ""])
+
+
+def _run_line(header: dict) -> str:
+    """Tickets, precision, machine, load, versions, date and planner: the sentence under a Markdown table."""
+    machine = header["machine"]
+    flags = f", {' '.join(machine['cpu_flags'])}" if machine.get("cpu_flags") else ""
+    load = header.get("load_average") or {}
+    loads = (
+        ", load average " + " → ".join(f"{value[0]:.2f}" for value in (load.get("start"), load.get("end")) if value)
+        if any(load.values())
+        else ""
+    )
+    return (
+        f"{header['tickets']} tickets ({header['ticket_source']}), {header['dtype']} on {header['device']} "
+        f"({machine['cpu']}{flags}, {machine.get('usable_cores', machine['cores'])} cores, {header['torch_threads']} "
+        f"torch threads{loads}), torch {header['torch']}, transformers {header['transformers']}, "
+        f"{header['date'][:10]}; planner: {header['autotune']['description']}."
+    )
+
+
+def _cells(row: dict, markdown: bool = False) -> list[str]:
+    """One mode's figures as table cells (Markdown: × for speedup, no RSS owner)."""
+    cells = [_fmt(row[key], spec.replace("x", "×") if markdown else spec) for _, key, spec in COLUMNS]
+    rss = _fmt(row["peak_rss_mb"], "{:.0f}")
+    if not markdown and row["rss_of"] == "worker process":
+        rss += " (worker)"
+    return [*cells, f"{row['disagreements_non_tie']} / {row['disagreements_near_tie']}", rss]
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "—" if value is None else spec.format(value)
+
+
+def write_chart(path: Path, header: dict, rows: list[dict]) -> None:
+    """A PNG: items/s (labelled with the speedup) and padding ratio per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers
+    import matplotlib.pyplot as plt
+
+    done = [r for r in rows if r["status"] == "ok"]
+    modes = [r["mode"] for r in done]
+    fig, (speed, pad) = plt.subplots(1, 2, figsize=(12, 4.5))
+    bars = speed.bar(modes, [r["items_per_s"] or 0 for r in done], color="tab:blue")
+    speed.bar_label(bars, labels=[_fmt(r["speedup"], "{:.2f}x") for r in done])
+    speed.set_ylabel("items / s")
+    speed.set_title("throughput (label: speedup vs sequential)")
+    bars = pad.bar(modes, [100 * (r["padding_ratio"] or 0) for r in done], color="tab:orange")
+    pad.bar_label(bars, fmt="%.1f%%")
+    pad.set_ylabel("padding (% of computed tokens)")
+    pad.set_title("padding ratio")
+    for ax in (speed, pad):
+        ax.tick_params(axis="x", rotation=30)
+    standin = " — STAND-IN: labels meaningless, speed real" if header["standin"] else ""
+    fig.suptitle(
+        f"{header['model']} {header['dtype']}/{header['device']}, {header['tickets']} tickets{standin}", fontsize=10
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(options: Options, header: dict, rows: list[dict], console: Console) -> None:
+    """The files the options ask for: `--json` [header, one object per mode], `--chart`, `--markdown`."""
+    if options.json:
+        options.json.parent.mkdir(parents=True, exist_ok=True)
+        options.json.write_text(json.dumps([header, *rows], indent=2, ensure_ascii=False) + "\n")
+        console.print(f"JSON written to {options.json}")
+    if options.chart:
+        write_chart(options.chart, header, rows)
+        console.print(f"chart written to {options.chart}")
+    if options.markdown:
+        options.markdown.parent.mkdir(parents=True, exist_ok=True)
+        options.markdown.write_text(markdown_table(header, rows))
+        console.print(f"Markdown table written to {options.markdown}")

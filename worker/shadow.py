@@ -1,0 +1,58 @@
+"""The live exactness check: a sample of served answers re-run through the unbatched reference path."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+from typing import Any
+
+from worker.metrics import Metrics
+from worker.results import Prediction
+
+log = logging.getLogger(__name__)
+
+
+class ShadowChecker:
+    """Re-runs a sample of tickets through the reference path on a background thread.
+
+    `ticketq_shadow_agreed_total / ticketq_shadow_checked_total` shows, live, whether the
+    optimised path still answers as the reference does. The queue is bounded: when the checker
+    falls behind, samples are dropped (and counted), never the hot path slowed.
+    """
+
+    def __init__(self, classifier: Any, metrics: Metrics, rate: float, capacity: int = 256) -> None:
+        self.classifier = classifier  # anything with `reference(text) -> Prediction`
+        self.metrics = metrics
+        self.rate = rate
+        self.dropped = metrics.shadow_dropped
+        self._queue: queue.Queue[tuple[str, Prediction]] = queue.Queue(maxsize=capacity)
+        self._random = random.Random(0)
+        threading.Thread(target=self._run, name="ticketq-shadow", daemon=True).start()
+
+    def offer(self, text: str, prediction: Prediction) -> None:
+        if self._random.random() >= self.rate:
+            return
+        try:
+            self._queue.put_nowait((text, prediction))
+        except queue.Full:
+            self.dropped.inc()
+
+    def join(self) -> None:
+        self._queue.join()
+
+    def _run(self) -> None:
+        while True:
+            text, served = self._queue.get()
+            try:
+                reference = self.classifier.reference(text)
+                self.metrics.shadow_checked.inc()
+                if reference.label == served.label:
+                    self.metrics.shadow_agreed.inc()
+                else:
+                    log.error("SHADOW MISMATCH: served %s, reference %s (%r)", served, reference, text[:80])
+            except Exception:
+                log.exception("shadow check failed")
+            finally:
+                self._queue.task_done()
