@@ -1,0 +1,75 @@
+"""The queue path's own ceiling: one null-classifier worker, N tickets, first send to last result.
+
+    .venv/bin/python docs/bench/queue_ceiling.py --tickets 4000 --pack 1 --pack 100 [--prefill]
+
+One worker process (`TICKETQ_NULL_CLASSIFIER=1`: no model, labels are a hash) on a private queue
+of the local Redis; the producer sends every ticket (`pack` per message), then waits for every
+result through the Celery backend (`--prefill`: every ticket is queued before the worker starts,
+and the worker is timed alone, from ready to last result). Prints tickets/s per pack size, the
+worker's jobs and forwards and the machine, one run each: compare rows within a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from producer.api import Producer
+from ticketq.config import ClientSettings
+from worker.procs import free_port, running_worker
+
+
+def run(broker_url: str, tickets: int, pack: int, workdir: Path, prefill: bool = False) -> dict:
+    queue = f"ceiling-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
+    env.update(TICKETQ_BROKER_URL=broker_url, TICKETQ_QUEUE=queue, TICKETQ_NULL_CLASSIFIER="1",
+               TICKETQ_METRICS_PORT=str(port))  # fmt: skip
+    texts = [{"id": f"c-{i}", "text": f"ceiling ticket {i}: my invoice is wrong"} for i in range(tickets)]
+    settings = ClientSettings(broker_url=broker_url, queue=queue)
+    with Producer(settings) as producer:
+        if prefill:  # the backlog is queued first: the worker alone is timed, from ready to last result
+            started = time.perf_counter()
+            sent = producer.submit_many(texts, pack=pack)
+            sent_s = time.perf_counter() - started
+        with running_worker(env, workdir / f"worker-{pack}.log", ready_timeout=120) as worker:
+            started = time.perf_counter()
+            if not prefill:
+                sent = producer.submit_many(texts, pack=pack)
+                sent_s = time.perf_counter() - started
+            results = producer.wait(sent, timeout=600)
+            total_s = time.perf_counter() - started
+            metrics = worker.metrics()
+    ok = sum(r["status"] == "ok" for r in results)
+    return {"pack": pack, "tickets": tickets, "ok": ok, "send_s": sent_s, "total_s": total_s,
+            "tickets_per_s": tickets / total_s, "jobs": metrics.get("ticketq_flushes_total{}", 0),
+            "forwards": metrics.get("ticketq_batch_size_count{}", 0)}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tickets", type=int, default=4000)
+    parser.add_argument("--pack", type=int, action="append", help="tickets per message (repeatable)")
+    parser.add_argument("--broker-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--prefill", action="store_true",
+                        help="queue every ticket before the worker starts: time the worker alone")
+    args = parser.parse_args()
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+    timed = "worker ready to last result s" if args.prefill else "first send to last result s"
+    print(f"| pack | tickets | ok | send s | {timed} | tickets/s | jobs | forwards |")
+    print("|---|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for pack in args.pack or [1, 100]:
+            r = run(args.broker_url, args.tickets, pack, Path(tmp), args.prefill)
+            print(f"| {r['pack']} | {r['tickets']} | {r['ok']} | {r['send_s']:.2f} | {r['total_s']:.2f} | "
+                  f"{r['tickets_per_s']:,.0f} | {r['jobs']:.0f} | {r['forwards']:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
