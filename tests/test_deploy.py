@@ -671,7 +671,7 @@ def _feed_worker(worker, queue: str) -> None:
 
     from producer.api import Producer
     from producer.synthetic import generate_tickets
-    from worker.constants import TASK_CLASSIFY
+    from ticketq.names import TASK_CLASSIFY
     from worker.settings import Settings
 
     tickets = [{"id": t["id"], "text": t["text"]} for t in generate_tickets(30, seed=5)]
