@@ -37,7 +37,8 @@ class Settings(ClientSettings):
         "auto",
         description="auto: bfloat16 on cuda; on a CPU with native bf16 only where a bf16 GEMM measures "
         ">= 1.25x float32's speed at start-up; else float32. int8 (CPU, opt-in, inexact): the batched "
-        "path's decoder linear layers in dynamic int8; the reference and shadow checks stay float32.",
+        "path's decoder linear layers in dynamic int8 (per-channel weights, the MLP down projection kept "
+        "float32, 8-bit activations on AVX512-VNNI); the reference and shadow checks stay float32.",
     )
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice).")
     system_prompt: str = Field(
