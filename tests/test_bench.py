@@ -237,7 +237,8 @@ def test_int8_mode_reports_its_agreement(peer_run):
     row = rows["ticketq-int8"]
     assert row["status"] == "ok" and row["tickets"] == 12 and row["failed"] == 0
     assert row["agreement"] is not None and row["max_abs_prob_diff"] is not None  # inexact: shown, not hidden
-    assert any(note.startswith("ticketq-int8: decoder linear layers in dynamic int8") for note in header["notes"])
+    int8_note = "ticketq-int8: decoder linear layers but the MLP down projection in dynamic int8"
+    assert any(note.startswith(int8_note) for note in header["notes"])
     assert rows["ticketq"]["agreement"] == 1.0
     assert "| `ticketq-int8` |" in markdown
     assert len(header["load_average"]["start"]) == 3 and isinstance(header["machine"]["cpu_flags"], list)

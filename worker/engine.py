@@ -152,7 +152,7 @@ def _full_range_dynamic_linear() -> type[torch.nn.Module]:
 
     class FullRangeDynamicLinear(Linear):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            # the packed weight `Linear.forward` passes too (torch 2.4-2.13; tests/test_engine.py checks it)
+            # the packed weight `Linear.forward` passes too (a private name: tests/test_engine.py runs this)
             packed = self._packed_params._packed_params
             return torch.ops.quantized.linear_dynamic(x, packed, reduce_range=False).to(x.dtype)
 
@@ -164,16 +164,18 @@ def quantize_linears_int8(decoder: torch.nn.Module, full_range: bool | None = No
 
     int8 weights with one scale per output channel; activations quantised per batch, on 8 bits
     where `full_range` (default: `int8_full_range()`), else on torch's 7. Chosen by measurement
-    (docs/bench/int8_variants.py; 200 tickets, the full-size stand-in, one thread, a 2-core Intel
-    Xeon with AVX512-VNNI; agreement with the float32 reference off the near-ties): every linear
-    with one scale per matrix, the first version, 93.8% at 1.7x float32; per-channel scales alone
-    93.8%, with 8-bit activations 97.4%; down_proj in float32 with 7-bit activations 98.4%; this,
-    100.0% at 1.6x (see docs/bench/int8-variants.md). Where the 7 bits remain (no VNNI), expect
-    the 98.4%.
+    (docs/bench/int8-variants.md: 2 x 200 tickets, the full-size stand-in, one thread, a 2-core
+    Intel Xeon with AVX512-VNNI; agreement with the float32 reference off the near-ties): every
+    linear with one scale per matrix, the first version, 94.3% at 1.75-2.0x float32; per-channel
+    scales alone 95.8%, with 8-bit activations 98.2%; down_proj in float32 as well, 99.2% with
+    7-bit activations (what a CPU without VNNI runs) and 99.5% with 8 (this), at ~1.5x float32
+    (1.49x and 1.59x, best of 3 and of 2 rounds). Most of the error was down_proj's input,
+    silu(gate) * up, heavy-tailed under one per-batch scale.
 
     Speed, measured on a 2-core AVX2 EPYC against float32 on the decoder's GEMM shapes: torch's
     `quantize_dynamic` (fbgemm/x86 int8 kernels) 1.6-3x faster; the int8 weight-only and int8 x
-    int8 ops that torchao's CPU configs call (`_weight_int8pack_mm`, `_int_mm`) 20-40x slower.
+    int8 ops that torchao's CPU configs call (`_weight_int8pack_mm`, `_int_mm`) 20-40x slower
+    (on the AVX512-VNNI Xeon, `_int_mm` is on par with fbgemm; `_weight_int8pack_mm` still ~60x).
     The copy shares every float parameter (embeddings, norms, down_proj) with `decoder`, which is
     left untouched for the float32 reference.
     """

@@ -191,8 +191,9 @@ def _notes(bench: Bench, rows: list[dict]) -> list[str]:
     if bench.int8_engine is not None:
         tuned = f" planner: {bench.int8_tuning.describe()}" if bench.int8_tuning else ""
         notes.append(
-            "ticketq-int8: decoder linear layers in dynamic int8 (torch quantize_dynamic), prefix cache and "
-            f"reference in float32; inexact, so near-ties may flip (counted separately).{tuned}"
+            "ticketq-int8: decoder linear layers but the MLP down projection in dynamic int8 (torch "
+            "quantize_dynamic, per-channel weights), prefix cache and reference in float32; inexact, so "
+            f"near-ties may flip (counted separately).{tuned}"
         )
     if engine.info.dtype != "float32":
         notes.append(
