@@ -485,8 +485,9 @@ def test_k8s_keda_scales_on_the_celery_queue():
 
 def _required() -> bool:
     """On CI (CI=true, set by every CI system) or with TICKETQ_REQUIRE_PROMETHEUS=1, missing tools fail."""
-    ci = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
-    return ci or os.environ.get("TICKETQ_REQUIRE_PROMETHEUS") == "1"
+    from workers import on_ci
+
+    return on_ci() or os.environ.get("TICKETQ_REQUIRE_PROMETHEUS") == "1"
 
 
 def _skip_or_fail(reason: str) -> None:

@@ -26,7 +26,7 @@ from worker.procs import WorkerProcess as Worker
 
 # What the tests import from here; ROOT, free_port, wait_for and Worker come from worker.procs.
 __all__ = [
-    "ROOT", "RedisServer", "Worker", "free_port", "null_classifier_service", "redis_or_skip", "running_worker",
+    "ROOT", "RedisServer", "Worker", "free_port", "null_classifier_service", "on_ci", "redis_or_skip", "running_worker",
     "wait_for", "worker_env",
 ]  # fmt: skip
 
@@ -115,6 +115,11 @@ def null_classifier_service(workdir: Path, prefix: str) -> Iterator[tuple[str, s
         server.stop()
 
 
+def on_ci() -> bool:
+    """CI=true (set by .ci/run and by every CI system): a missing service is a broken setup, not a skip."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
 def redis_or_skip(url: str) -> redis.Redis:
     """A client on the machine's Redis; skips the test without one, but fails under CI (CI=true),
     where a missing Redis is a broken setup, not a reason to pass."""
@@ -123,7 +128,7 @@ def redis_or_skip(url: str) -> redis.Redis:
         client.ping()
     except redis.RedisError as exc:
         reason = f"no Redis at {url} ({exc}); start one with `redis-server --port 6379`"
-        if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
+        if on_ci():
             pytest.fail(reason)
         pytest.skip(reason)
     return client

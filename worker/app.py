@@ -163,7 +163,7 @@ def run_worker(
     classifier_factory: ClassifierFactory | None = None,
 ) -> None:
     """Run one worker process (one model replica) on the ticket queue until it is stopped."""
-    preflight(settings)
+    preflight(settings).close()  # a clear one-line error before Celery's banner; start-up connects again
     app = create_app(settings, classifier_factory)
     app.worker_main([
         "worker",
@@ -320,8 +320,11 @@ def _dead_letter_raw(app: Celery, reason: Reason, exc: Exception | None, message
     runtime = runtime_of(app)
     settings = runtime.settings
     entry = raw_entry(reason, exc, message.headers, message.content_type, message.body)
-    client = runtime.service.redis if runtime.service else redis_client(settings.broker_url, socket_timeout_s=10)
-    outbox = Outbox(client, settings.stream_maxlen, settings.result_expires_s, settings.worst_batch_s)
+    if runtime.service:
+        outbox = runtime.service.outbox
+    else:  # refused before start-up finished: a client of its own
+        client = redis_client(settings.broker_url, socket_timeout_s=10)
+        outbox = Outbox(client, settings.stream_maxlen, settings.result_expires_s, settings.worst_batch_s)
     try:
         outbox.dead_letter(entry)
         if runtime.metrics:
