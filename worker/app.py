@@ -174,6 +174,7 @@ def run_worker(
         f"--hostname={name or f'ticketq-{os.getpid()}@%h'}",
         "--without-gossip",
         "--without-mingle",
+        "--without-heartbeat",  # see DeadLetterConsumer.Blueprint
     ])  # fmt: skip
 
 
@@ -259,8 +260,17 @@ class DeadLetterConsumer(Consumer):
     invalid tasks; each of those now leaves its raw payload and reason in the dead-letter stream,
     and a message malformed in a way Celery does not expect is refused instead of stopping the
     worker (see `create_task_handler`). A refused message with a task id also gets a FAILURE result,
-    so its client learns at once. It re-arms the batch flush timer after a broker reconnect.
+    so its client learns at once. It re-arms the batch flush timer after a broker reconnect, and it
+    runs without Celery's event heartbeat (see Blueprint).
     """
+
+    class Blueprint(Consumer.Blueprint):
+        # No Heart step, whatever the command line (`celery -A worker.app worker` too): Celery's
+        # event heartbeat publishes from the consumer's event loop every 2 s and retries until the
+        # broker answers, so a Redis outage that began just before it held the loop: the consumer
+        # never saw the outage, never reconnected, and fetched nothing until Redis was back (a CI
+        # run caught it). A worker's liveness is its lease (worker.internals) and its /metrics.
+        default_steps = [s for s in Consumer.Blueprint.default_steps if not s.endswith(":Heart")]  # noqa: RUF012
 
     def on_ready(self) -> None:
         super().on_ready()

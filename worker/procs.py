@@ -93,6 +93,20 @@ class WorkerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def wait_log(self, text: str, timeout: float, what: str) -> None:
+        """Until `text` is in the log; on timeout the error carries every thread's stack and the log's tail."""
+        try:
+            wait_for(lambda: text in self.log(), timeout, what)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}; the worker's threads and log:\n{self.stacks()}") from None
+
+    def stacks(self, tail: int = 12000) -> str:
+        """Celery's SIGUSR1 handler prints every thread's stack to the log: the log's tail after it."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+        return self.log()[-tail:]
+
     def wait_ready(self, timeout: float = 600) -> None:
         """Until metrics carry the model info and Celery logged READY_LINE; RuntimeError if the worker exits."""
         wait_for(self._ready, timeout, f"worker ready (log {self.log_path})", interval=0.2)
