@@ -43,10 +43,23 @@ class FaultyClassifier(NullClassifier):
         texts: Sequence[str],
         on_batch: Callable[[BatchReport], None] | None = None,
         on_predictions: Callable[[Sequence[int], list[Prediction]], None] | None = None,
+        more: Callable[[], Sequence[str]] | None = None,
     ) -> tuple[list[Prediction], list[BatchReport]]:
         time.sleep(self.delay_s)
+        self._check(texts)
+
+        def checked_more() -> Sequence[str]:
+            arrived = more() if more else ()
+            if arrived:  # the next "forward" costs the delay too, and may meet a poisoned ticket
+                time.sleep(self.delay_s)
+                self._check(arrived)
+            return arrived
+
+        return super().classify(texts, on_batch, on_predictions, checked_more)
+
+    def _check(self, texts: Sequence[str]) -> None:
         if not self.marker:
-            return super().classify(texts, on_batch, on_predictions)
+            return
         if any(f"{self.marker}:exit" in text for text in texts):
             log.critical("fault injection: crashing the worker process on a %s:exit ticket", self.marker)
             logging.shutdown()
@@ -55,7 +68,6 @@ class FaultyClassifier(NullClassifier):
         if poisoned:
             log.warning("fault injection: engine fault on a batch of %d texts (%d poisoned)", len(texts), poisoned)
             raise EngineFault(f"injected engine fault ({poisoned} poisoned ticket(s) in a batch of {len(texts)})")
-        return super().classify(texts, on_batch, on_predictions)
 
 
 def main() -> None:

@@ -358,6 +358,28 @@ def test_batch_reports_padding_as_computed_from_the_plan(tiny_engine, corpus, cl
     assert sum(r.rows for r in reports) == len(corpus)
 
 
+def test_tickets_arriving_between_forwards_join_the_plan(tiny_engine, corpus, references):
+    """`more()` after each forward: what arrived is planned with what waits, every answer exact."""
+    first, later = corpus[:20], corpus[20:]
+    arrivals = [later[:7], [], later[7:30], later[30:]]  # one arrival list per forward, then nothing
+    streamed: dict[int, Prediction] = {}
+
+    def more() -> list[str]:
+        return arrivals.pop(0) if arrivals else []
+
+    def on_predictions(indices, predictions) -> None:
+        assert not streamed.keys() & set(indices), "each ticket is published once"
+        streamed.update(zip(indices, predictions, strict=True))
+
+    predictions, reports = tiny_engine.classify(first, on_predictions=on_predictions, more=more)
+    assert not arrivals, "more() was asked after every forward"
+    assert len(predictions) == len(corpus) and sorted(streamed) == list(range(len(corpus)))
+    assert all(streamed[i] is p for i, p in enumerate(predictions))
+    assert sum(r.rows for r in reports) == len(corpus)
+    worst = assert_matches_reference(predictions, references)
+    print(f"\nmax diff with arrivals between forwards: {worst:.3e} over {len(reports)} forwards")
+
+
 def test_on_batch_receives_every_report(tiny_engine, corpus):
     seen = []
     _, reports = tiny_engine.classify(corpus[:60], on_batch=seen.append)

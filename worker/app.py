@@ -187,7 +187,8 @@ def classify_batch(task, requests: list) -> None:
     runtime = runtime_of(task.app)
     if runtime.service is None:  # a worker started without worker_init (e.g. eager tests)
         runtime.start()
-    runtime.service.process(requests, task.backend)
+    feed = task if isinstance(task, internals.Batches) else None  # requests between forwards; acks per result
+    runtime.service.process(requests, task.backend, feed)
 
 
 def preflight(settings: Settings) -> redis.Redis:

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 # on_predictions(indices into the caller's texts, their predictions): one call per forward batch
 PredictionsCallback = Callable[[Sequence[int], list[Prediction]], None]
+MoreCallback = Callable[[], Sequence[object]]  # tickets that arrived during the last forward
 
 
 class ModelNotFound(RuntimeError):
@@ -399,15 +400,19 @@ class Engine:
         plan: batching.Plan | None = None,
         on_batch: Callable[[BatchReport], None] | None = None,
         on_predictions: PredictionsCallback | None = None,
+        more: MoreCallback | None = None,
     ) -> tuple[list[Prediction], list[BatchReport]]:
         """Classify `texts` (in their order) with the planned, cached, label-only path.
 
         `on_predictions(indices, predictions)` gets each forward batch's answers as soon as that
         batch is computed (indices into `texts`), so a server can publish them without waiting
-        for the rest of the plan.
+        for the rest of the plan. `more()`, asked after every forward, returns tickets that
+        arrived meanwhile: they join the ones not yet computed and the rest is planned again, so
+        every forward is chosen from everything waiting at its start. Their indices follow
+        `texts` (the first one returned is `len(texts)`), and so do their predictions.
         """
         encoded = self.encode(texts)
-        return self.classify_encoded(encoded, plan, on_batch, on_predictions)
+        return self.classify_encoded(encoded, plan, on_batch, on_predictions, more)
 
     def classify_encoded(
         self,
@@ -415,11 +420,14 @@ class Engine:
         plan: batching.Plan | None = None,
         on_batch: Callable[[BatchReport], None] | None = None,
         on_predictions: PredictionsCallback | None = None,
+        more: MoreCallback | None = None,
     ) -> tuple[list[Prediction], list[BatchReport]]:
-        plan = plan or self.plan(encoded)
+        encoded = list(encoded)
+        batches = list((plan or self.plan(encoded)).batches)
         results: list[Prediction | None] = [None] * len(encoded)
         reports = []
-        for batch in plan.batches:
+        while batches:
+            batch = batches.pop(0)
             start = time.perf_counter()
             predictions = self.forward_batch([encoded[i] for i in batch.indices], width=batch.width)
             report = BatchReport(batch.rows, batch.width, batch.real_tokens, time.perf_counter() - start)
@@ -430,8 +438,21 @@ class Engine:
                 on_batch(report)
             if on_predictions:
                 on_predictions(batch.indices, predictions)
+            arrived = more() if more else ()
+            if arrived:
+                encoded.extend(self.encode(arrived))
+                results.extend([None] * len(arrived))
+                batches = self._replan(encoded, batches, range(len(encoded) - len(arrived), len(encoded)))
         assert all(r is not None for r in results), "the plan must cover every ticket"
         return results, reports  # type: ignore[return-value]
+
+    def _replan(
+        self, encoded: Sequence[EncodedTicket], batches: Sequence[batching.Batch], arrived: range
+    ) -> list[batching.Batch]:
+        """One plan over the tickets of `batches` (not computed yet) and the `arrived` ones."""
+        waiting = [i for batch in batches for i in batch.indices] + list(arrived)
+        plan = self.plan([encoded[i] for i in waiting])  # indices into `waiting`
+        return [replace(batch, indices=tuple(waiting[j] for j in batch.indices)) for batch in plan.batches]
 
     @torch.inference_mode()
     def forward_batch(self, rows: Sequence[EncodedTicket], width: int | None = None) -> list[Prediction]:

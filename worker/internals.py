@@ -17,8 +17,9 @@ attribute they override is gone. Nothing else in ticketq touches a private name 
    consumer too: its leftovers come back once its lease has run out. Producers and plain Celery clients are
    unchanged: same queue list, same message format. Keys: see worker.store (FETCHING_KEY,
    OWNED_KEY, ALIVE_KEY, CONSUMERS_KEY).
-2. `Batches`: celery-batches' task base, holding flushes while the model is busy and sending
-   them as one job when it is free, so the engine plans over everything that waited.
+2. `Batches`: celery-batches' task base, holding flushes while the model is busy and handing
+   them to the running job between forwards, so the engine plans over everything that waits;
+   each message is acked as soon as its result is out.
 3. `rearm_flush_timer`: celery-batches' flush timer, lost when Celery reconnects to the broker.
 """
 
@@ -98,14 +99,16 @@ def check_versions() -> None:
 
 
 class Batches(celery_batches.Batches):
-    """celery-batches' Batches, planning over everything that arrived while the model was busy.
+    """celery-batches' Batches, feeding the running job with everything that arrives while it runs.
 
     Stock, every flush (each `flush_every` messages, or the `flush_interval` timer) becomes its own
     pool job; with the one model thread busy they queue behind the running forward and each is
     planned alone, so under load the engine ran many 1-3-ticket jobs (the demo: 238 forwards,
     2.5 tickets each) and latency grew with the queue of tiny jobs. Here a flush that comes while
-    a job runs is held, and everything held goes as one job the moment the running job returns:
-    the engine sorts and cuts all of it by the token budget, so forwards grow with the load.
+    a job runs is held; the running job takes what is held between two forwards (`more`), so the
+    engine plans every forward over everything waiting at its start, and a message is acked the
+    moment its result is out (`done`), which frees its prefetch slot while the job goes on.
+    Whatever is still held when the job returns goes as the next job.
 
     Only for the threads pool (ticketq's worker runs one model thread); any other pool gets the
     stock behaviour. Held requests are unacknowledged (acks_late), like the buffer's: a worker
@@ -117,6 +120,7 @@ class Batches(celery_batches.Batches):
         self._job_lock = threading.Lock()
         self._job_running = False
         self._held: list[Any] = []
+        self._unacked: dict[str, list[Any]] = {}  # task id -> requests of the running job, until acked
 
     def flush(self, requests: Any) -> Any:
         if not isinstance(self._pool, ThreadTaskPool):
@@ -128,19 +132,44 @@ class Batches(celery_batches.Batches):
             self._job_running = True
         return self._submit(list(requests))
 
+    def more(self) -> list[Any]:
+        """For the running job, between two forwards: the requests held since it started (as
+        celery-batches' SimpleRequests), now part of it; acked by `done` or when it returns."""
+        with self._job_lock:
+            held, self._held = self._held, []
+            for request in held:
+                self._unacked.setdefault(request.id, []).append(request)
+        return [celery_batches.SimpleRequest.from_request(request) for request in held]
+
+    def done(self, task_ids: Any) -> None:
+        """The results of these messages are out (stream and backend): acknowledge them now."""
+        with self._job_lock:
+            requests = [request for task_id in task_ids for request in self._unacked.pop(task_id, ())]
+        for request in requests:
+            if request.task.acks_late:
+                request.acknowledge()
+
     def _submit(self, requests: list[Any]) -> Any:
         """celery_batches.Batches.flush, with `_run_job` as the pool target so we learn when it ends."""
-        acks_late = [request for request in requests if request.task.acks_late]
         acks_early = [request for request in requests if not request.task.acks_late]
         simple = ([celery_batches.SimpleRequest.from_request(request) for request in requests],)
+        job: dict[str, list[Any]] = {}  # this job's own: the next one may start before its on_return runs
+        for request in requests:
+            job.setdefault(request.id, []).append(request)
+        with self._job_lock:
+            self._unacked = job
 
         def on_accepted(pid: int, time_accepted: float) -> None:
             for request in acks_early:
                 request.acknowledge()
 
-        def on_return(result: Any) -> None:
-            for request in acks_late:
-                request.acknowledge()
+        def on_return(result: Any) -> None:  # what `done` did not ack: failures, ignored results
+            with self._job_lock:
+                rest = [request for requests in job.values() for request in requests]
+                job.clear()
+            for request in rest:
+                if request.task.acks_late:
+                    request.acknowledge()
 
         try:
             return self._pool.apply_async(self._run_job, (simple,), accept_callback=on_accepted, callback=on_return)
@@ -157,7 +186,7 @@ class Batches(celery_batches.Batches):
             self._next_job()
 
     def _next_job(self) -> None:
-        """The running job ended: send everything held since it started as one job, or go idle."""
+        """The running job ended: send everything still held as one job, or go idle."""
         with self._job_lock:
             held, self._held = self._held, []
             if not held:

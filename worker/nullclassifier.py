@@ -25,15 +25,25 @@ class NullClassifier:
         texts: Sequence[str],
         on_batch: Callable[[BatchReport], None] | None = None,
         on_predictions: Callable[[Sequence[int], list[Prediction]], None] | None = None,
+        more: Callable[[], Sequence[str]] | None = None,
     ) -> tuple[list[Prediction], list[BatchReport]]:
-        predictions = [self.reference(text) for text in texts]
-        lengths = [len(text) // 4 + 1 for text in texts]
-        report = BatchReport(rows=len(texts), width=max(lengths), real_tokens=sum(lengths), seconds=0.0)
-        if on_batch:
-            on_batch(report)
-        if on_predictions:  # one "forward batch" holding every text
-            on_predictions(range(len(texts)), predictions)
-        return predictions, [report]
+        """One "forward batch" of every text, then one of whatever `more()` brings, until it is empty."""
+        texts, predictions, reports = list(texts), [], []
+        start = 0
+        while start < len(texts):
+            batch = [self.reference(text) for text in texts[start:]]
+            lengths = [len(text) // 4 + 1 for text in texts[start:]]
+            report = BatchReport(rows=len(batch), width=max(lengths), real_tokens=sum(lengths), seconds=0.0)
+            predictions += batch
+            reports.append(report)
+            if on_batch:
+                on_batch(report)
+            if on_predictions:
+                on_predictions(range(start, len(texts)), batch)
+            start = len(texts)
+            if more:
+                texts += more()
+        return predictions, reports
 
     def reference(self, text: str) -> Prediction:
         label = self.labels[zlib.crc32(text.encode("utf-8", "surrogatepass")) % len(self.labels)]

@@ -9,10 +9,16 @@ Results stream out per forward batch: the engine hands each batch's predictions 
 the moment they are computed, and the service publishes them then (results stream, Celery
 backend, attempts keys) in pipelined round trips, instead of after the whole buffer. A packed
 message's backend result is written once its last ticket is done.
+
+Between two forwards the running job takes the requests that arrived meanwhile from its `Feed`
+(`worker.internals.Batches`): they are triaged and validated like the first ones and join the
+engine's plan, so every forward is chosen from everything waiting at its start. A message is
+acknowledged through the feed as soon as its result is out, not when the job ends.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import socket
@@ -42,6 +48,7 @@ class Classifier(Protocol):
         texts: Sequence[str],
         on_batch: Callable[[BatchReport], None] | None = None,
         on_predictions: Callable[[Sequence[int], list[Prediction]], None] | None = None,
+        more: Callable[[], Sequence[str]] | None = None,
     ) -> Any: ...
 
     def reference(self, text: str) -> Prediction: ...
@@ -55,12 +62,25 @@ class Backend(Protocol):
     ) -> Any: ...
 
 
+class Feed(Protocol):
+    """Where the running job finds more work, and tells that a message is finished."""
+
+    def more(self) -> list[Any]:
+        """Requests that arrived since the job started; from now on they are part of it."""
+        ...
+
+    def done(self, task_ids: Sequence[str]) -> None:
+        """These messages' results are out: acknowledge them."""
+        ...
+
+
 @dataclass
 class Slot:
     """One ticket's place in the buffer: which request, which position in a packed message."""
 
     request: Any
     index: int
+    joined: float  # unix time the ticket joined the run: its queue wait ends and its processing starts
     ticket: Ticket | None = None
     result: dict | None = None  # final per-ticket result once known
 
@@ -70,7 +90,8 @@ class Work:
     """The slots of one run, by message, and which messages are finished (backend result written)."""
 
     backend: Backend
-    started: float  # unix time the run began: processing_s and time to first result count from here
+    started: float  # unix time the run began: time to first result counts from here
+    feed: Feed | None = None
     slots: list[Slot] = field(default_factory=list)
     by_task: dict[str, list[Slot]] = field(default_factory=dict)
     packed: dict[str, bool] = field(default_factory=dict)  # task id -> message carried a list
@@ -107,34 +128,77 @@ class TicketService:
         self.worker_name = f"{socket.gethostname()}:{os.getpid()}"
         self.model_fields = _model_fields(classifier, settings)
         self.shadow = ShadowChecker(classifier, metrics, settings.shadow_rate) if settings.shadow_rate > 0 else None
+        # A classifier written before `more` (a classifier_factory of the user's) still works: its
+        # jobs take no requests between forwards, they wait for the next job as they used to.
+        self.takes_more = "more" in inspect.signature(classifier.classify).parameters
 
     # ----- the batch function --------------------------------------------------------------
 
-    def process(self, requests: Sequence[Any], backend: Backend) -> None:
-        """Classify and publish one buffer; never raises (see module docstring)."""
+    def process(self, requests: Sequence[Any], backend: Backend, feed: Feed | None = None) -> None:
+        """Classify and publish one buffer (and what `feed` adds while it runs); never raises (see
+        module docstring)."""
         self.metrics.flushes.inc()
         try:
             fresh, redelivered = self._triage(requests)
         except Exception as exc:  # Redis away for longer than worst_batch_s
             self._fail_batch(requests, backend, exc)
             return
-        self._run(fresh, backend)
+        self._run(fresh, backend, feed=feed, redelivered=redelivered)
         for request in redelivered:
-            self._run([request], backend, count_delivery=True)
+            self._run([request], backend, count_delivery=True, feed=feed)
 
-    def _run(self, requests: Sequence[Any], backend: Backend, count_delivery: bool = False) -> None:
-        """Classify `requests` as one batch, publishing per forward batch; fail what is left on an unexpected error."""
+    def _run(
+        self,
+        requests: Sequence[Any],
+        backend: Backend,
+        count_delivery: bool = False,
+        feed: Feed | None = None,
+        redelivered: list[Any] | None = None,
+    ) -> None:
+        """Classify `requests` as one batch, publishing per forward batch; fail what is left on an
+        unexpected error. With `redelivered` (a list to append to), requests that arrive through
+        `feed` between forwards join the batch; the redelivered among them are left for later."""
         started = time.time()
         work: Work | None = None
         try:
             if not requests or (count_delivery and self._too_many_deliveries(requests[0], backend)):
                 return
-            work = self._unpack(requests, backend, started)
-            self._expire(work)
-            self._deliver(work, [s for s in work.slots if s.result is not None])
-            self._classify(work, [s for s in work.slots if s.result is None])
+            work = Work(backend, started, feed)
+            slots = self._admit(work, requests)
+            absorbs = self.takes_more and feed is not None and redelivered is not None
+            more = self._more(work, slots, feed, redelivered) if absorbs else None
+            self._classify(work, slots, more)
         except Exception as exc:  # last line of defence: what is already published stays published
             self._fail_batch(requests if work is None else work.unfinished(), backend, exc)
+
+    def _admit(self, work: Work, requests: Sequence[Any]) -> list[Slot]:
+        """Unpack `requests` into `work`; refused and expired tickets are answered now. Returns the
+        slots to classify."""
+        slots = self._unpack(work, requests)
+        self._expire(slots)
+        self._deliver(work, [s for s in slots if s.result is not None])
+        return [s for s in slots if s.result is None]
+
+    def _more(self, work: Work, slots: list[Slot], feed: Feed, redelivered: list[Any]) -> Callable[[], list[str]]:
+        """The engine's `more`: requests that arrived during the last forward join `slots` (so the
+        engine's indices into its texts stay indices into `slots`); their texts are returned."""
+
+        def more() -> list[str]:
+            requests = feed.more()
+            if not requests:
+                return []
+            try:
+                fresh, again = self._triage(requests)
+            except Exception as exc:  # Redis away for longer than worst_batch_s: as in `process`
+                self._fail_batch(requests, work.backend, exc)
+                return []
+            redelivered.extend(again)
+            added = self._admit(work, fresh)
+            self._observe_wait(added)
+            slots.extend(added)
+            return [slot.ticket.text for slot in added]
+
+        return more
 
     def _fail_batch(self, requests: Sequence[Any], backend: Backend, exc: Exception) -> None:
         log.exception("batch of %d requests failed outside the engine", len(requests))
@@ -159,8 +223,8 @@ class TicketService:
             self.outbox.count_deliveries([request.id for request in fresh])
         return fresh, [request for _, request in redelivered]
 
-    def _unpack(self, requests: Sequence[Any], backend: Backend, started: float) -> Work:
-        work = Work(backend, started)
+    def _unpack(self, work: Work, requests: Sequence[Any]) -> list[Slot]:
+        joined, slots = time.time(), []
         for request in requests:
             # Not a list (a hand-built message): treat as no arguments; tuple() of it could raise
             # and fail the whole buffer instead of this one request.
@@ -173,7 +237,7 @@ class TicketService:
             if packed and not raws:
                 raws = [None]
             for index, raw in enumerate(raws):
-                slot = Slot(request, index)
+                slot = Slot(request, index, joined)
                 try:
                     if len(args) != 1:
                         detail = f"expected one argument (ticket or list), got {len(args)}"
@@ -182,16 +246,17 @@ class TicketService:
                 except TicketRejected as rejection:
                     slot.result = self._reject(request, index, raw, rejection)
                 work.add(slot)
-        return work
+                slots.append(slot)
+        return slots
 
-    def _expire(self, work: Work) -> None:
+    def _expire(self, slots: Sequence[Slot]) -> None:
         """Tickets of a message past its Celery `expires` get an `expired` result and are not computed.
 
         Celery's own strategy revokes expired messages, but celery-batches buffers them without
         looking; the deadline travels in the message headers (`request_dict["expires"]`, ISO 8601).
         """
-        now = work.started
-        for slot in work.slots:
+        for slot in slots:
+            now = slot.joined
             deadline = message_deadline(slot.request)
             if slot.result is None and deadline is not None and deadline <= now:
                 when = datetime.fromtimestamp(deadline, timezone.utc).isoformat()
@@ -211,17 +276,23 @@ class TicketService:
 
     # ----- classification with retries, results as each forward batch finishes ------------
 
-    def _classify(self, work: Work, slots: list[Slot]) -> None:
+    def _classify(self, work: Work, slots: list[Slot], more: Callable[[], list[str]] | None = None) -> None:
         if not slots:
             return
+        self._observe_wait(slots)
+        self._classify_resilient(work, slots, attempt=1, more=more)
+
+    def _observe_wait(self, slots: Sequence[Slot]) -> None:
         for slot in slots:
             if slot.ticket.submitted_at:
-                self.metrics.queue_wait.observe(max(0.0, work.started - slot.ticket.submitted_at))
-        self._classify_resilient(work, slots, attempt=1)
+                self.metrics.queue_wait.observe(max(0.0, slot.joined - slot.ticket.submitted_at))
 
-    def _classify_resilient(self, work: Work, slots: list[Slot], attempt: int) -> None:
-        """Classify, publishing each forward batch as it finishes; on an engine error retry what is
-        still open in halves, and single tickets up to max_retries."""
+    def _classify_resilient(
+        self, work: Work, slots: list[Slot], attempt: int, more: Callable[[], list[str]] | None = None
+    ) -> None:
+        """Classify, publishing each forward batch as it finishes (`more` may extend `slots` between
+        forwards); on an engine error retry what is still open in halves, and single tickets up to
+        max_retries."""
 
         def publish(indices: Sequence[int], predictions: list[Prediction]) -> None:
             try:
@@ -230,8 +301,9 @@ class TicketService:
                 raise PublishFailed(f"publishing {len(indices)} results failed: {exc!r}") from exc
 
         try:
+            extra = {"more": more} if more else {}
             predictions, _ = self.classifier.classify(
-                [s.ticket.text for s in slots], on_batch=self._observe, on_predictions=publish
+                [s.ticket.text for s in slots], on_batch=self._observe, on_predictions=publish, **extra
             )
         except PublishFailed:
             raise
@@ -260,7 +332,7 @@ class TicketService:
     def _on_predictions(self, work: Work, slots: list[Slot], predictions: list[Prediction]) -> None:
         """One forward batch is computed: its results go out now."""
         for slot, prediction in zip(slots, predictions, strict=True):
-            slot.result = self._success(slot, prediction, work.started)
+            slot.result = self._success(slot, prediction)
             if self.shadow:
                 self.shadow.offer(slot.ticket.text, prediction)
         self._deliver(work, slots)
@@ -270,8 +342,8 @@ class TicketService:
 
     # ----- results -------------------------------------------------------------------------
 
-    def _success(self, slot: Slot, prediction: Prediction, started: float) -> dict:
-        ticket = slot.ticket
+    def _success(self, slot: Slot, prediction: Prediction) -> dict:
+        ticket, started = slot.ticket, slot.joined
         return {
             "id": ticket.id or _slot_id(slot),
             "task_id": slot.request.id,
@@ -312,6 +384,8 @@ class TicketService:
         self._stream(slots, complete)
         self._store(work, complete)
         work.published.update(complete)
+        if work.feed is not None and complete:
+            work.feed.done(complete)
         self.metrics.publish.observe(time.perf_counter() - begun)
         self._count(slots)
         if not work.first_out:

@@ -1,12 +1,15 @@
 """The queue path's own ceiling: one null-classifier worker, N tickets, first send to last result.
 
     .venv/bin/python docs/bench/queue_ceiling.py --tickets 4000 --pack 1 --pack 100 [--prefill]
+    .venv/bin/python docs/bench/queue_ceiling.py --tickets 4000 --plain-celery [--prefill]
 
 One worker process (`TICKETQ_NULL_CLASSIFIER=1`: no model, labels are a hash) on a private queue
 of the local Redis; the producer sends every ticket (`pack` per message), then waits for every
 result through the Celery backend (`--prefill`: every ticket is queued before the worker starts,
 and the worker is timed alone, from ready to last result). Prints tickets/s per pack size, the
 worker's jobs and forwards and the machine, one run each: compare rows within a run.
+`--plain-celery` runs the yardstick instead: stock Celery with a no-op task (celery_noop.py), one
+message per ticket, the same Redis and the same timing.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -21,7 +26,9 @@ from pathlib import Path
 
 from producer.api import Producer
 from ticketq.config import ClientSettings
-from worker.procs import free_port, running_worker
+from worker.procs import free_port, running_worker, wait_for
+
+HERE = Path(__file__).resolve().parent
 
 
 def run(broker_url: str, tickets: int, pack: int, workdir: Path, prefill: bool = False) -> dict:
@@ -51,6 +58,51 @@ def run(broker_url: str, tickets: int, pack: int, workdir: Path, prefill: bool =
             "forwards": metrics.get("ticketq_batch_size_count{}", 0)}  # fmt: skip
 
 
+def run_plain_celery(broker_url: str, tickets: int, workdir: Path, prefill: bool = False) -> dict:
+    """Stock Celery, no-op task, one message per ticket: first send (or worker ready) to last result."""
+    import redis
+
+    os.environ.update(NOOP_BROKER_URL=broker_url, NOOP_QUEUE=f"noop-{uuid.uuid4().hex[:8]}")
+    sys.path.insert(0, str(HERE))
+    from celery_noop import app  # reads NOOP_* at import
+
+    client = redis.Redis.from_url(broker_url)
+    texts = [{"id": f"c-{i}", "text": f"ceiling ticket {i}: my invoice is wrong"} for i in range(tickets)]
+    log_path = workdir / "plain-celery.log"
+    command = [sys.executable, "-m", "celery", "-A", "celery_noop", "worker", "--pool=threads", "--concurrency=1",
+               f"--queues={os.environ['NOOP_QUEUE']}", "--without-gossip", "--without-mingle", "--without-heartbeat",
+               "--loglevel=INFO"]  # fmt: skip
+
+    def send() -> tuple[list[str], float]:
+        began = time.perf_counter()
+        ids = [app.send_task("noop", args=[text]).id for text in texts]
+        return ids, time.perf_counter() - began
+
+    def done(ids: list[str]) -> bool:
+        pipe = client.pipeline(transaction=False)
+        for task_id in ids:
+            pipe.exists(f"celery-task-meta-{task_id}")
+        return all(pipe.execute())
+
+    if prefill:
+        ids, sent_s = send()
+    with log_path.open("wb") as log:
+        worker = subprocess.Popen(command, cwd=HERE, env={**os.environ, "PYTHONPATH": str(HERE)}, stdout=log,
+                                  stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        wait_for(lambda: " ready." in log_path.read_text(errors="replace"), 60, "the plain Celery worker")
+        started = time.perf_counter()
+        if not prefill:
+            ids, sent_s = send()
+        wait_for(lambda: done(ids), 600, "every no-op result", interval=0.02)
+        total_s = time.perf_counter() - started
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
+    return {"pack": "plain Celery", "tickets": tickets, "ok": tickets, "send_s": sent_s, "total_s": total_s,
+            "tickets_per_s": tickets / total_s, "jobs": float("nan"), "forwards": float("nan")}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tickets", type=int, default=4000)
@@ -58,6 +110,8 @@ def main() -> None:
     parser.add_argument("--broker-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--prefill", action="store_true",
                         help="queue every ticket before the worker starts: time the worker alone")
+    parser.add_argument("--plain-celery", action="store_true",
+                        help="the yardstick: stock Celery with a no-op task, one message per ticket")
     args = parser.parse_args()
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
@@ -65,8 +119,11 @@ def main() -> None:
     print(f"| pack | tickets | ok | send s | {timed} | tickets/s | jobs | forwards |")
     print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
-        for pack in args.pack or [1, 100]:
-            r = run(args.broker_url, args.tickets, pack, Path(tmp), args.prefill)
+        runs = ([lambda: run_plain_celery(args.broker_url, args.tickets, Path(tmp), args.prefill)] if args.plain_celery
+                else [lambda pack=pack: run(args.broker_url, args.tickets, pack, Path(tmp), args.prefill)
+                      for pack in args.pack or [1, 100]])  # fmt: skip
+        for go in runs:
+            r = go()
             print(f"| {r['pack']} | {r['tickets']} | {r['ok']} | {r['send_s']:.2f} | {r['total_s']:.2f} | "
                   f"{r['tickets_per_s']:,.0f} | {r['jobs']:.0f} | {r['forwards']:.0f} |", flush=True)
 
