@@ -2,8 +2,9 @@
 
 Celery-free by design (requests only need `.id`, `.args` and optionally `.request_dict`): the
 glue in `worker.app` hands each buffer to `TicketService.process`, which never raises — every
-request ends marked done or failed by us, because celery-batches acks the whole buffer when the
-batch function returns, whatever happened (a raised exception would lose every result).
+request ends marked done or failed by us, because whatever a job has not acknowledged when the
+batch function returns is acked then, whatever happened (a raised exception would lose every
+result).
 
 Results stream out per forward batch: the engine hands each batch's predictions to the service
 the moment they are computed, and the service publishes them then (results stream, Celery
