@@ -275,13 +275,18 @@ def test_a_running_job_takes_held_requests_and_acks_each_once_its_result_is_out(
             batches.flush([request("b"), request("c")])  # arrive while the job runs: held
             assert [r.id for r in batches.more()] == ["b", "c"], "held requests join the running job"
             assert batches.more() == []
+            broken = request("e")
+            broken.acknowledge = lambda: 1 / 0
+            batches.flush([broken])
+            assert [r.id for r in batches.more()] == ["e"]
+            batches.done(["e"])  # an ack that fails is logged, never raised into the publishing path
             batches.flush([request("d")])  # held, never taken: it is the next job
             batches.done(["a", "b"])
             assert acked == ["a", "b"], "acked as soon as their results are out, not at the job's end"
 
     monkeypatch.setattr(celery_batches, "apply_batches_task", job)
     batches.flush([request("a")])
-    assert jobs == [["a"], ["d"]]
+    assert jobs == [["a"], ["d"]]  # "e" joined the first job
     assert sorted(acked) == ["a", "b", "c", "d"], "every request acked exactly once (c and d when their job returned)"
 
 

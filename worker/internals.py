@@ -142,12 +142,14 @@ class Batches(celery_batches.Batches):
         return [celery_batches.SimpleRequest.from_request(request) for request in held]
 
     def done(self, task_ids: Any) -> None:
-        """The results of these messages are out (stream and backend): acknowledge them now."""
+        """The results of these messages are out (stream and backend): acknowledge them now.
+
+        Never raises: a message whose ack fails (Celery logs a broker error itself) stays unacked
+        and comes back; its results are published once, so a redelivery only costs a recompute.
+        """
         with self._job_lock:
             requests = [request for task_id in task_ids for request in self._unacked.pop(task_id, ())]
-        for request in requests:
-            if request.task.acks_late:
-                request.acknowledge()
+        _acknowledge(requests)
 
     def _submit(self, requests: list[Any]) -> Any:
         """celery_batches.Batches.flush, with `_run_job` as the pool target so we learn when it ends."""
@@ -167,9 +169,7 @@ class Batches(celery_batches.Batches):
             with self._job_lock:
                 rest = [request for requests in job.values() for request in requests]
                 job.clear()
-            for request in rest:
-                if request.task.acks_late:
-                    request.acknowledge()
+            _acknowledge(rest)
 
         try:
             return self._pool.apply_async(self._run_job, (simple,), accept_callback=on_accepted, callback=on_return)
@@ -194,6 +194,16 @@ class Batches(celery_batches.Batches):
                 return
         log.debug("batch of %d requests held while the model was busy", len(held))
         self._submit(held)
+
+
+def _acknowledge(requests: list[Any]) -> None:
+    """Ack late-acked requests; one that fails (Celery logs broker errors itself) is logged and comes back."""
+    for request in requests:
+        if request.task.acks_late:
+            try:
+                request.acknowledge()
+            except Exception:
+                log.exception("could not acknowledge task %s; it will be redelivered", request.id)
 
 
 def rearm_flush_timer(task: Any, timer: Any) -> None:

@@ -71,7 +71,7 @@ class Feed(Protocol):
         ...
 
     def done(self, task_ids: Sequence[str]) -> None:
-        """These messages' results are out: acknowledge them."""
+        """These messages' results are out: acknowledge them (never raises)."""
         ...
 
 
