@@ -239,6 +239,36 @@ def test_worker_answers_an_expired_message_as_expired(client, tmp_path):
 # a real worker plans over everything that arrived while its model was busy
 
 
+class EndlessFeed:
+    """A feed under steady traffic: two new requests every time it is asked; records what is acked."""
+
+    def __init__(self) -> None:
+        self.given: list[SimpleRequest] = []
+        self.acked: list[str] = []
+
+    def more(self) -> list[SimpleRequest]:
+        arrived = [_request(_ticket(len(self.given) + i, "endless")) for i in range(2)]
+        self.given += arrived
+        return arrived
+
+    def done(self, task_ids: Sequence[str]) -> None:
+        self.acked += task_ids
+
+
+def test_requests_arriving_between_forwards_join_the_job_and_are_acked_as_answered(client, app):
+    """A job takes arrivals between forwards, answers each exactly once, acks each as it is answered,
+    and ends under steady traffic once it has taken `job_limit` tickets."""
+    service = _service(NullClassifier(("billing", "other")), client)
+    service.job_limit = 20
+    feed, first = EndlessFeed(), [_request(_ticket(i, "first")) for i in range(3)]
+    service.process(first, app.backend, feed)
+    ids = {r.id for r in first} | {r.id for r in feed.given}
+    assert 20 <= len(ids) <= 22, "the job stopped taking requests at its limit"
+    assert sorted(feed.acked) == sorted(ids), "every request taken in was acked once, as it was answered"
+    entries = _stream_for(client, ids)
+    assert sorted(e["task_id"] for e in entries) == sorted(ids) and all(e["status"] == "ok" for e in entries)
+
+
 def test_a_running_job_takes_held_requests_and_acks_each_once_its_result_is_out(monkeypatch):
     """The protocol between worker.internals.Batches and the service, with a pool that runs jobs inline."""
     from types import SimpleNamespace

@@ -132,6 +132,7 @@ class TicketService:
         # A classifier written before `more` (a classifier_factory of the user's) still works: its
         # jobs take no requests between forwards, they wait for the next job as they used to.
         self.takes_more = "more" in inspect.signature(classifier.classify).parameters
+        self.job_limit = 4 * settings.effective_prefetch  # tickets one job takes in before it ends
 
     # ----- the batch function --------------------------------------------------------------
 
@@ -185,6 +186,10 @@ class TicketService:
         engine's indices into its texts stay indices into `slots`); their texts are returned."""
 
         def more() -> list[str]:
+            # A job under steady traffic would never end: bound it, so redelivered messages (which
+            # run alone, after) do not wait for a lull and `work` does not grow without end.
+            if redelivered or len(work.slots) >= self.job_limit:
+                return []
             requests = feed.more()
             if not requests:
                 return []
