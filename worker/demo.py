@@ -8,6 +8,7 @@ label counts and the metrics URL.
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections import Counter
 from pathlib import Path
@@ -84,7 +85,10 @@ def report(console: Console, results: list[dict], seconds: float, metrics: dict,
     padded = metrics.get("ticketq_tokens_padded_total{}", 0.0)
     computed = metrics.get("ticketq_tokens_computed_total{}", 0.0)
     batches = metrics.get("ticketq_batch_size_count{}", 0.0)
-    table = Table(title=f"ticketq demo — {model}")
+    info = next((key for key in metrics if key.startswith("ticketq_model_info")), "")
+    ran = dict(re.findall(r'(device|dtype)="([^"]*)"', info))  # what TICKETQ_DTYPE=auto chose, and where
+    where = f" on {ran.get('device', '?')}/{ran.get('dtype', '?')}" if ran else ""
+    table = Table(title=f"ticketq demo — {model}{where}")
     for column in ("tickets", "ok", "failed", "items/s", "padding", "forward batches", "labels"):
         table.add_column(column)
     labels = Counter(r["label"] for r in ok)
