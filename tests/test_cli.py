@@ -259,13 +259,17 @@ def test_readme_python_examples_run_as_written(queue_service, tmp_path):
 
 def test_demo_report_names_the_dtype_the_worker_ran():
     """`TICKETQ_DTYPE=auto` chooses at start-up: the demo's table says what it chose."""
+    from prometheus_client import CollectorRegistry, Info, generate_latest
     from rich.console import Console
 
     from worker.demo import report
+    from worker.procs import parse_metrics
 
+    registry = CollectorRegistry()  # the worker's exposition, parsed as the demo parses /metrics
+    Info("ticketq_model", "", registry=registry).info({"model": "m", "standin": "true", "dtype": "bfloat16",
+                                                        "device": "cpu"})  # fmt: skip
+    metrics = parse_metrics(generate_latest(registry).decode())
     console = Console(record=True, width=200)
-    metrics = {'ticketq_model_info{device="cpu",dtype="bfloat16",model="m",standin="true"}': 1.0,
-               "ticketq_batch_size_count{}": 2.0, "ticketq_tokens_computed_total{}": 10.0}  # fmt: skip
     results = [{"status": "ok", "label": "billing", "standin": True}] * 3
     report(console, results, 1.5, metrics, "http://127.0.0.1:1/metrics", "m")
     assert "ticketq demo — m on cpu/bfloat16" in console.export_text()

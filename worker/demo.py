@@ -86,7 +86,7 @@ def report(console: Console, results: list[dict], seconds: float, metrics: dict,
     computed = metrics.get("ticketq_tokens_computed_total{}", 0.0)
     batches = metrics.get("ticketq_batch_size_count{}", 0.0)
     info = next((key for key in metrics if key.startswith("ticketq_model_info")), "")
-    ran = dict(re.findall(r'(device|dtype)="([^"]*)"', info))  # what TICKETQ_DTYPE=auto chose, and where
+    ran = dict(re.findall(r"[{,](device|dtype)=([^,}]*)", info))  # what TICKETQ_DTYPE=auto chose, and where
     where = f" on {ran.get('device', '?')}/{ran.get('dtype', '?')}" if ran else ""
     table = Table(title=f"ticketq demo — {model}{where}")
     for column in ("tickets", "ok", "failed", "items/s", "padding", "forward batches", "labels"):

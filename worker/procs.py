@@ -47,7 +47,11 @@ def free_port(preferred: int = 0) -> int:
 
 def scrape(url: str) -> dict[str, float]:
     """`/metrics` parsed with prometheus_client's own parser: 'name{k=v,...}' -> value."""
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return parse_metrics(urllib.request.urlopen(url, timeout=5).read().decode())
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text exposition -> {'name{k=v,...}': value}, labels sorted, values unquoted."""
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
