@@ -31,8 +31,9 @@ class NullClassifier:
         texts, predictions, reports = list(texts), [], []
         start = 0
         while start < len(texts):
-            batch = [self.reference(text) for text in texts[start:]]
-            lengths = [len(text) // 4 + 1 for text in texts[start:]]
+            new = texts[start:]
+            batch = [self.reference(text) for text in new]
+            lengths = [len(text) // 4 + 1 for text in new]
             report = BatchReport(rows=len(batch), width=max(lengths), real_tokens=sum(lengths), seconds=0.0)
             predictions += batch
             reports.append(report)

@@ -140,11 +140,10 @@ class TicketService:
         """Classify and publish one buffer (and what `feed` adds while it runs); never raises (see
         module docstring)."""
         self.metrics.flushes.inc()
-        try:
-            fresh, redelivered = self._triage(requests)
-        except Exception as exc:  # Redis away for longer than worst_batch_s
-            self._fail_batch(requests, backend, exc)
+        taken = self._take(requests, backend)
+        if taken is None:
             return
+        fresh, redelivered = taken
         self._run(fresh, backend, feed=feed, redelivered=redelivered)
         for request in redelivered:
             self._run([request], backend, count_delivery=True, feed=feed)
@@ -193,11 +192,10 @@ class TicketService:
             requests = feed.more()
             if not requests:
                 return []
-            try:
-                fresh, again = self._triage(requests)
-            except Exception as exc:  # Redis away for longer than worst_batch_s: as in `process`
-                self._fail_batch(requests, work.backend, exc)
+            taken = self._take(requests, work.backend)
+            if taken is None:
                 return []
+            fresh, again = taken
             redelivered.extend(again)
             added = self._admit(work, fresh)
             self._observe_wait(added)
@@ -205,6 +203,14 @@ class TicketService:
             return [slot.ticket.text for slot in added]
 
         return more
+
+    def _take(self, requests: Sequence[Any], backend: Backend) -> tuple[list[Any], list[Any]] | None:
+        """`_triage`, or None once every request is failed (Redis away for longer than worst_batch_s)."""
+        try:
+            return self._triage(requests)
+        except Exception as exc:
+            self._fail_batch(requests, backend, exc)
+            return None
 
     def _fail_batch(self, requests: Sequence[Any], backend: Backend, exc: Exception) -> None:
         log.exception("batch of %d requests failed outside the engine", len(requests))
