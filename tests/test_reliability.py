@@ -418,16 +418,16 @@ def test_message_fetched_just_before_redis_dies_is_requeued_on_reconnect(redis_s
 
     queue = Queue("pop-window")
     received: list[dict] = []
-    append = internals.QoS.append
+    record = internals.QoS.record
 
-    def redis_dies_before_the_record(qos, message, delivery_tag):
+    def redis_dies_before_the_record(qos, *args, **kwargs):
         redis_server.kill()
-        return append(qos, message, delivery_tag)
+        return record(qos, *args, **kwargs)
 
     with Connection(redis_server.url, transport=internals.Transport) as conn:
         conn.Producer().publish({"id": "t1", "text": "hello"}, routing_key=queue.name, declare=[queue],
                                 serializer="json")  # fmt: skip
-        monkeypatch.setattr(internals.QoS, "append", redis_dies_before_the_record)
+        monkeypatch.setattr(internals.QoS, "record", redis_dies_before_the_record)
         with pytest.raises(redis.ConnectionError), Consumer(conn, [queue], callbacks=[lambda b, m: received.append(b)]):
             conn.drain_events(timeout=10)
     monkeypatch.undo()
@@ -449,6 +449,38 @@ def test_message_fetched_just_before_redis_dies_is_requeued_on_reconnect(redis_s
                     conn.drain_events(timeout=1)
     assert received == [{"id": "t1", "text": "hello"}]
     assert client.llen(fetching[0]) == 0 and client.llen(queue.name) == 0 and client.hlen("unacked") == 0
+
+
+def test_one_fetch_takes_the_prefetch_room_and_records_it_before_delivering(redis_server):
+    """A fetch takes as many messages as the prefetch window has room for, in order, and records all
+    of them as unacked (one MULTI) before the first is handed over; without an event loop (a plain
+    kombu consumer) an ack removes its record at once."""
+    from kombu import Consumer, Queue
+
+    from worker import internals
+
+    queue = Queue("fetch-batch")
+    client = redis_server.client()
+    received: list[tuple[int, int, object]] = []  # (n, unacked records when it was delivered, message)
+    with Connection(redis_server.url, transport=internals.Transport) as conn:
+        producer = conn.Producer()
+        for n in range(10):
+            producer.publish({"n": n}, routing_key=queue.name, declare=[queue], serializer="json")
+        callback = lambda body, message: received.append((body["n"], client.hlen("unacked"), message))  # noqa: E731
+        with Consumer(conn, [queue], callbacks=[callback], prefetch_count=4):
+            conn.drain_events(timeout=10)
+            assert [(n, unacked) for n, unacked, _ in received] == [(0, 4), (1, 4), (2, 4), (3, 4)]
+            assert client.llen(queue.name) == 6
+            assert not client.keys(store.FETCHING_KEY.format(consumer="*", queue=queue.name)), "emptied by the MULTI"
+            owned = client.keys(store.OWNED_KEY.format(consumer="*"))
+            assert [client.scard(key) for key in owned] == [4]
+            for _, _, message in received[:3]:
+                message.ack()
+            assert client.hlen("unacked") == 1 and client.zcard("unacked_index") == 1
+            assert [client.scard(key) for key in owned] == [1]
+            conn.drain_events(timeout=10)  # room for 3 more
+            assert [n for n, _, _ in received] == list(range(7))
+    assert client.llen(queue.name) == 10 - 3, "closing the channel put the 4 unacked back"
 
 
 def test_kill9_at_random_moments_loses_nothing(redis_server, workers):

@@ -10,12 +10,14 @@ attribute they override is gone. Nothing else in ticketq touches a private name 
    command moves the message from the queue list into this consumer's own `fetching` list
    (BLMOVE, as Sidekiq's reliable fetch and RQ do), and one MULTI moves it from there into kombu's
    unacked record. A crash at any instant leaves the message in the queue, in a fetching list or
-   in the unacked record, never nowhere. Each consuming channel holds a lease (`alive` key, TTL
-   TICKETQ_LEASE_S) that a thread renews; any live worker hands the fetching list and the unacked
-   messages of a consumer whose lease ran out back to the queue within seconds, instead of after
-   the visibility timeout (which stays as a backstop). A channel lost to a broker outage is such a
-   consumer too: its leftovers come back once its lease has run out. Producers and plain Celery clients are
-   unchanged: same queue list, same message format. Keys: see worker.store (FETCHING_KEY,
+   in the unacked record, never nowhere. A fetch takes up to 64 messages (within the prefetch
+   window) in two round trips, and acks are written once per event-loop turn (see QoS). Each
+   consuming channel holds a lease (`alive` key, TTL TICKETQ_LEASE_S) that a thread renews; any
+   live worker hands the fetching list and the unacked messages of a consumer whose lease ran out
+   back to the queue within seconds, instead of after the visibility timeout (which stays as a
+   backstop). A channel lost to a broker outage is such a consumer too: its leftovers come back
+   once its lease has run out. Producers and plain Celery clients are unchanged: same queue list,
+   same message format. Keys: see worker.store (FETCHING_KEY,
    OWNED_KEY, ALIVE_KEY, CONSUMERS_KEY).
 2. `Batches`: celery-batches' task base, holding flushes while the model is busy and handing
    them to the running job between forwards, so the engine plans over everything that waits;
@@ -32,6 +34,8 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from importlib.metadata import version
 from queue import Empty
 from typing import Any
@@ -42,7 +46,7 @@ from celery.concurrency.thread import TaskPool as ThreadTaskPool
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
-from kombu.utils.json import dumps, loads
+from kombu.utils.json import dumps, loads, object_hook
 
 from ticketq.contract import Reason
 from ticketq.names import DEAD_LETTER_STREAM
@@ -62,12 +66,29 @@ REQUIRED = {
         "client",
         "_connparams",
         "_create_client",
+        "conn_or_acquire",
         "_do_restore_message",
     ),
-    kombu_redis.QoS: ("_remove_from_indices", "pipe_or_acquire"),
+    kombu_redis.QoS: ("_remove_from_indices", "pipe_or_acquire", "restore_unacked", "restore_by_tag", "ack"),
+    kombu_redis.Transport: ("register_with_event_loop",),
+    virtual.QoS: ("can_consume_max_estimate",),
     virtual.Transport: ("_deliver",),
 }
 REDIS_MIN = (6, 2)  # BLMOVE
+# kombu.utils.json.loads, without building a new decoder for every message (a tenth of the loop's time).
+_ENVELOPE = json.JSONDecoder(object_hook=object_hook)
+
+# Up to ARGV[1] more messages from the queue (KEYS[1]) into the fetching list (KEYS[2]), oldest
+# first, returned in that order: the rest of a batch after the blocking fetch of its first.
+FETCH_MORE = """
+local items = {}
+for i = 1, tonumber(ARGV[1]) do
+  local item = redis.call('LMOVE', KEYS[1], KEYS[2], 'RIGHT', 'LEFT')
+  if not item then break end
+  items[i] = item
+end
+return items
+"""
 
 
 class IncompatibleLibrary(RuntimeError):
@@ -228,22 +249,71 @@ def new_consumer_id() -> str:
 
 
 class QoS(kombu_redis.QoS):
-    """kombu's unacked record, written in the same MULTI that empties the fetching list."""
+    """kombu's unacked record, written in the same MULTI that empties the fetching list.
+
+    Per fetched batch, not per message: the channel records every message of a fetch as unacked
+    in one MULTI before it hands any of them to kombu (`record`). An ack updates kombu's
+    in-memory state at once; its Redis removal waits for the end of the event loop's turn
+    (`flush_acks`, on every tick), where every ack of that turn goes in one MULTI (without an
+    event loop, as in a plain kombu consumer, an ack is written at once). A worker killed before
+    a tick's flush has those messages redelivered; their results are published once (worker.store).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._acked: list[str] = []  # acked in memory; removed from Redis at the next tick
+        self.last_appended: str | None = None
 
     def append(self, message: Any, delivery_tag: str) -> None:
-        channel: Channel = self.channel
-        delivery = message.delivery_info
-        record = dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
-        with self.pipe_or_acquire() as pipe:  # redis-py pipelines are MULTI/EXEC transactions
-            pipe.zadd(self.unacked_index_key, {delivery_tag: time.time()})
-            pipe.hset(self.unacked_key, delivery_tag, record)
-            pipe.sadd(channel.owned_key, delivery_tag)
-            if channel._fetched is not None:
-                fetching_key, item = channel._fetched
-                pipe.lrem(fetching_key, 1, item)
-            pipe.execute()
-        channel._fetched = None
+        if not self.channel.recorded:  # not fetched by Channel's fetch (basic_get): record it now, as kombu does
+            delivery = message.delivery_info
+            self.record([(delivery_tag, dumps([message._raw, delivery["exchange"], delivery["routing_key"]]), None)])
         virtual.QoS.append(self, message, delivery_tag)  # the in-memory bookkeeping of kombu's QoS
+        self.last_appended = delivery_tag
+
+    def record(self, records: Sequence[tuple[str, str, bytes | None]], fetching_key: str = "") -> None:
+        """(delivery tag, kombu's record, fetched item) as unacked, owned by this consumer, and gone
+        from its fetching list: one MULTI (redis-py pipelines are MULTI/EXEC transactions)."""
+        if not records:
+            return
+        with self.pipe_or_acquire() as pipe:
+            now = time.time()
+            pipe.zadd(self.unacked_index_key, {tag: now for tag, _, _ in records})
+            pipe.hset(self.unacked_key, mapping={tag: record for tag, record, _ in records})
+            pipe.sadd(self.channel.owned_key, *(tag for tag, _, _ in records))
+            for _, _, item in records:
+                if item is not None:
+                    pipe.lrem(fetching_key, 1, item)
+            pipe.execute()
+
+    def ack(self, delivery_tag: str) -> None:
+        self._acked.append(delivery_tag)
+        virtual.QoS.ack(self, delivery_tag)
+        if not self.channel.connection.acks_per_tick:
+            self.flush_acks()
+
+    def flush_acks(self) -> None:
+        """Remove the records of every message acked since the last flush, in one MULTI."""
+        tags, self._acked = self._acked, []
+        if not tags:
+            return
+        try:
+            with self.pipe_or_acquire() as pipe:
+                pipe.zrem(self.unacked_index_key, *tags)
+                pipe.hdel(self.unacked_key, *tags)
+                pipe.srem(self.channel.owned_key, *tags)
+                pipe.execute()
+        except Exception:
+            self._acked[:0] = tags  # tried again at the next tick, and at close
+            raise
+
+    def restore_unacked(self, client: Any = None) -> Any:
+        try:  # acked messages must not be restored from records their flush has not removed yet
+            self.flush_acks()
+        except redis.RedisError as exc:
+            log.warning("could not remove the records of %d acked messages (%s); they may be redelivered",
+                        len(self._acked), exc)  # fmt: skip
+        return super().restore_unacked(client)
 
     def _remove_from_indices(self, delivery_tag: str, pipe: Any = None) -> Any:
         return super()._remove_from_indices(delivery_tag, pipe).srem(self.channel.owned_key, delivery_tag)
@@ -260,6 +330,7 @@ class Channel(kombu_redis.Channel):
     priority_steps = [0]  # noqa: RUF012  (kombu's own class attribute)
     ticketq_lease_s = 10.0
     ticketq_stream_maxlen = 100_000
+    ticketq_fetch_max = 64  # messages one fetch takes at most (and never more than the prefetch room)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -270,9 +341,10 @@ class Channel(kombu_redis.Channel):
             raise IncompatibleLibrary("TICKETQ_FETCH=atomic does not support kombu's global_keyprefix")
         self.consumer = new_consumer_id()
         self.owned_key = store.OWNED_KEY.format(consumer=self.consumer)
-        self._fetched: tuple[str, bytes] | None = None  # (fetching list, item) until recorded as unacked
+        self.recorded = False  # True while a fetched batch, recorded already, is handed to kombu
         self._fetch_queue: str | None = None
         self._lease: Lease | None = None
+        self._shared_client: redis.Redis | None = None
 
     def fetching_key(self, queue: str, consumer: str | None = None) -> str:
         return store.FETCHING_KEY.format(consumer=consumer or self.consumer, queue=queue)
@@ -309,7 +381,7 @@ class Channel(kombu_redis.Channel):
             self._queue_cycle.rotate(queue)
             if item is None:
                 raise Empty()
-            self._deliver_fetched(queue, item)
+            self._deliver_batch(queue, [item, *self._fetch_more(queue)])
             return True
         finally:
             self._in_poll = None
@@ -317,33 +389,93 @@ class Channel(kombu_redis.Channel):
             if flush_reauth is not None:
                 flush_reauth()
 
-    def _deliver_fetched(self, queue: str, item: bytes) -> None:
-        """Hand one fetched item to kombu; an item that is not a kombu message is dead-lettered."""
-        self._fetched = (self.fetching_key(queue), item)
-        try:
-            self.connection._deliver(loads(bytes_to_str(item)), queue)
-        except (redis.ConnectionError, redis.TimeoutError):
-            # Not recorded (Redis went away): the item waits in this channel's fetching list, and a
-            # live worker puts it back in the queue once this channel's lease has run out.
-            raise
-        except Exception as exc:
-            if self._fetched is None:  # recorded and handed to Celery: not ours to refuse
-                raise
-            self._refuse(queue, item, exc)
-        finally:
-            self._fetched = None
+    def _fetch_more(self, queue: str) -> list[bytes]:
+        """After a fetch, up to the prefetch window's free room more items at once (one round trip)."""
+        room = self.qos.can_consume_max_estimate()
+        extra = min(self.ticketq_fetch_max, self.ticketq_fetch_max if room is None else room) - 1
+        if extra <= 0:
+            return []
+        with self.conn_or_acquire() as client:
+            return client.eval(FETCH_MORE, 2, queue, self.fetching_key(queue), extra)
 
-    def _refuse(self, queue: str, item: bytes, exc: Exception) -> None:
+    @contextmanager
+    def conn_or_acquire(self, client: Any = None) -> Iterator[Any]:
+        """kombu builds a new redis-py client (a copy of ~200 response callbacks) for every
+        command it sends outside the poll: a sixth of the event loop's time. Reuse one per pool."""
+        if client is not None:
+            yield client
+            return
+        pool = self.pool
+        if self._shared_client is None or self._shared_client.connection_pool is not pool:
+            self._shared_client = self._create_client()
+        yield self._shared_client
+
+    def flush_acks(self) -> None:
+        if self._lease is not None:  # a consuming channel
+            self.qos.flush_acks()
+
+    def _deliver_batch(self, queue: str, items: list[bytes]) -> None:
+        """Record every readable fetched item as unacked (one MULTI), then hand each to kombu.
+
+        A message is handed over only once it is recorded. An item that is not a kombu message is
+        dead-lettered, never recorded; one kombu cannot turn into a message is dead-lettered and its
+        record removed. If handing one over raises, the recorded ones not handed over yet go back
+        to the queue at once (a live consumer's records are not recovered before its channel closes).
+        """
+        batch, records = [], []
+        for item in items:
+            try:
+                text = bytes_to_str(item)
+                payload = _ENVELOPE.decode(text)
+                properties = payload["properties"]
+                tag, info = properties["delivery_tag"], properties["delivery_info"]
+                route = dumps([info["exchange"], info["routing_key"]])[1:]  # kombu's record, message as fetched
+            except Exception as exc:
+                self._refuse(queue, item, exc)
+                continue
+            records.append((tag, f"[{text}, {route}", item))
+            batch.append((item, payload, tag))
+        self.qos.record(records, self.fetching_key(queue))
+        self.recorded = True
+        try:
+            while batch:
+                item, payload, tag = batch.pop(0)
+                try:
+                    self.connection._deliver(payload, queue)
+                except (redis.ConnectionError, redis.TimeoutError):
+                    raise
+                except Exception as exc:
+                    if self.qos.last_appended == tag:  # handed to Celery: not ours to refuse
+                        raise
+                    self._refuse(queue, item, exc, tag)
+        finally:
+            self.recorded = False
+            for _, _, tag in batch:
+                try:
+                    self.qos.restore_by_tag(tag)
+                except redis.RedisError as exc:  # its lease runs out once the channel closes: recovered then
+                    log.warning("could not put message %s back in %r (%s)", tag, queue, exc)
+
+    def _refuse(self, queue: str, item: bytes, exc: Exception, tag: str | None = None) -> None:
         log.error("refused an unreadable item on queue %r (not a kombu message): %r", queue, exc)
         entry = store.raw_entry(Reason.UNREADABLE_MESSAGE, exc, {}, "", item)
         with self.conn_or_acquire() as client:
             pipe = client.pipeline()  # dead letter and removal in one transaction: kept exactly once
             pipe.xadd(DEAD_LETTER_STREAM, entry, maxlen=self.ticketq_stream_maxlen)
-            pipe.lrem(self.fetching_key(queue), 1, item)
+            if tag is None:
+                pipe.lrem(self.fetching_key(queue), 1, item)
+            else:  # recorded with its batch
+                self.qos._remove_from_indices(tag, pipe)
             pipe.execute()
 
     def close(self) -> None:
         lease, self._lease = self._lease, None
+        if lease is not None:
+            try:  # kombu restores only what is not acked in memory: acked records must go first
+                self.qos.flush_acks()
+            except redis.RedisError as exc:
+                log.warning("could not remove the records of acked messages (%s); they may be redelivered", exc)
+        self._shared_client = None
         if lease is not None:
             lease.stop()
             client = self._create_client()  # kombu's close drops the channel's connection and pools
@@ -356,6 +488,16 @@ class Transport(kombu_redis.Transport):
     """kombu's Redis transport with the atomic fetch (`broker_transport = "worker.internals:Transport"`)."""
 
     Channel = Channel
+    acks_per_tick = False  # True once on an event loop (Celery's worker): acks are written once per turn
+
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        super().register_with_event_loop(connection, loop)
+        loop.on_tick.add(self._flush_acks)  # after the turn's ready callbacks (Celery's acks), before polling
+        self.acks_per_tick = True
+
+    def _flush_acks(self) -> None:
+        for channel in list(self.channels):
+            channel.flush_acks()
 
 
 def _check_redis_version(client: redis.Redis) -> None:

@@ -20,10 +20,12 @@ acknowledged through the feed as soon as its result is out, not when the job end
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import os
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -84,6 +86,7 @@ class Slot:
     joined: float  # unix time the ticket joined the run: its queue wait ends and its processing starts
     ticket: Ticket | None = None
     result: dict | None = None  # final per-ticket result once known
+    encoded: str = ""  # the result as JSON, serialised once for the stream and the backend
 
 
 @dataclass
@@ -392,6 +395,8 @@ class TicketService:
         if not slots:
             return
         begun = time.perf_counter()
+        for slot in slots:
+            slot.encoded = json.dumps(slot.result)
         complete = work.completed_by(slots)
         self._stream(slots, complete)
         self._store(work, complete)
@@ -406,7 +411,7 @@ class TicketService:
 
     def _stream(self, slots: list[Slot], complete: list[str]) -> None:
         """Stream the slots' results once each, closing the attempts of the messages they complete."""
-        added = self.outbox.publish([(slot.request.id, slot.index, slot.result) for slot in slots], complete)
+        added = self.outbox.publish([(slot.request.id, slot.index, slot.encoded) for slot in slots], complete)
         repeated = [slot for slot, new in zip(slots, added, strict=True) if not new]
         if repeated:
             self.metrics.duplicates.inc(len(repeated))
@@ -422,9 +427,9 @@ class TicketService:
             if getattr(request, "ignore_result", False):
                 continue
             if work.packed[task_id]:
-                successes.append((request, results))
+                successes.append((request, f"[{', '.join(slot.encoded for slot in slots)}]"))
             elif results[0]["status"] == "ok":
-                successes.append((request, results[0]))
+                successes.append((request, slots[0].encoded))
             else:
                 error = TicketRejected(results[0]["reason"], results[0]["error"].split(": ", 1)[-1])
                 self.outbox.mark_failed(work.backend, request, error)
@@ -432,13 +437,15 @@ class TicketService:
             self.outbox.store_successes(work.backend, successes)
 
     def _count(self, slots: list[Slot]) -> None:
-        now = time.time()
+        now, counts = time.time(), Counter()
         for slot in slots:
             result = slot.result
             outcome = _outcome(result)
-            self.metrics.tickets.labels(label=result.get("label", "none"), outcome=outcome).inc()
+            counts[result.get("label", "none"), outcome] += 1
             if slot.ticket and slot.ticket.submitted_at and outcome == "ok":
                 self.metrics.latency.observe(max(0.0, now - slot.ticket.submitted_at))
+        for (label, outcome), count in counts.items():
+            self.metrics.tickets.labels(label=label, outcome=outcome).inc(count)
 
     def _dead_letter(self, request: Any, index: int | None, raw: Any, rejection: TicketRejected) -> None:
         entry = ticket_entry(request.id, index, rejection.reason, str(rejection), raw, self.worker_name)

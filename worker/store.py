@@ -59,39 +59,60 @@ CONSUMERS_KEY = "ticketq:consumers"
 MAX_PAYLOAD_BYTES = 65536  # a dead letter keeps at most this much of a refused payload
 
 # Idempotent publish of one forward batch's results: the first final result for (task, slot) goes
-# to the stream, repeats do not. One call per forward batch, not one per ticket.
-# KEYS[1] results stream; KEYS[2..n+1] the done key of each result (DONE_KEY: task id, slot).
-# ARGV[1] stream MAXLEN (approximate), ARGV[2] done-key expiry in seconds, ARGV[3..n+2] result JSON.
+# to the stream, repeats do not; the attempts keys of the messages it finishes are dropped. One
+# call per forward batch, not one per ticket.
+# KEYS[1] results stream; KEYS[2..n+1] the done key of each result (DONE_KEY: task id, slot);
+# KEYS[n+2..] attempts keys to delete. ARGV[1] stream MAXLEN (approximate), ARGV[2] done-key expiry
+# in seconds, ARGV[3..n+2] result JSON (so n = #ARGV - 2).
 # Returns one flag per result: 1 published now, 0 published before (a re-execution).
 PUBLISH_ONCE = """
+local n = #ARGV - 2
 local added = {}
-for i = 2, #KEYS do
-  if redis.call('SET', KEYS[i], '1', 'NX', 'EX', ARGV[2]) then
-    redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'data', ARGV[i + 1])
-    added[i - 1] = 1
+for i = 1, n do
+  if redis.call('SET', KEYS[i + 1], '1', 'NX', 'EX', ARGV[2]) then
+    redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'data', ARGV[i + 2])
+    added[i] = 1
   else
-    added[i - 1] = 0
+    added[i] = 0
   end
+end
+for i = n + 2, #KEYS do
+  redis.call('DEL', KEYS[i])
 end
 return added
 """
 
-# Idempotent backend write, in Celery's own format (key `celery-task-meta-<id>`, the same value
+# Idempotent backend writes, in Celery's own format (key `celery-task-meta-<id>`, the same value
 # PUBLISHed on that key for pub/sub waiters, as RedisBackend.set does). SET NX keeps Celery's rule
 # "a stored result is never overwritten by a later execution" without its extra GET round trip.
-# KEYS[1] result key; ARGV[1] encoded meta, ARGV[2] expiry in seconds (0: none).
+# KEYS: result keys; ARGV[1] expiry in seconds (0: none), ARGV[2..] the encoded meta of each key.
+# Returns the number of results stored now.
 STORE_ONCE = """
-local stored
-if tonumber(ARGV[2]) > 0 then
-  stored = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
-else
-  stored = redis.call('SET', KEYS[1], ARGV[1], 'NX')
+local stored = 0
+for i = 1, #KEYS do
+  local set
+  if tonumber(ARGV[1]) > 0 then
+    set = redis.call('SET', KEYS[i], ARGV[i + 1], 'NX', 'EX', ARGV[1])
+  else
+    set = redis.call('SET', KEYS[i], ARGV[i + 1], 'NX')
+  end
+  if set then
+    redis.call('PUBLISH', KEYS[i], ARGV[i + 1])
+    stored = stored + 1
+  end
 end
-if stored then
-  redis.call('PUBLISH', KEYS[1], ARGV[1])
-  return 1
+return stored
+"""
+
+# One delivery more for each message (KEYS: attempts keys, ARGV[1] their expiry in seconds);
+# returns the new counts.
+COUNT_DELIVERIES = """
+local counts = {}
+for i = 1, #KEYS do
+  counts[i] = redis.call('INCR', KEYS[i])
+  redis.call('EXPIRE', KEYS[i], ARGV[1])
 end
-return 0
+return counts
 """
 
 
@@ -114,59 +135,50 @@ class Outbox:
         return [None if count is None else int(count) for count in self.retrying(lambda: self.redis.mget(keys))]
 
     def count_deliveries(self, task_ids: Sequence[str]) -> int:
-        """INCR each message's attempts key (with its expiry) in one pipeline; the first one's new count."""
-
-        def incr() -> int:
-            pipe = self.redis.pipeline()
-            for task_id in task_ids:
-                key = ATTEMPTS_KEY.format(task_id=task_id)
-                pipe.incr(key)
-                pipe.expire(key, self.result_expires_s)
-            return int(pipe.execute()[0])
-
-        return self.retrying(incr)
+        """INCR each message's attempts key (with its expiry) in one script call; the first one's new count."""
+        keys = [ATTEMPTS_KEY.format(task_id=task_id) for task_id in task_ids]
+        return int(self.retrying(lambda: self.redis.eval(COUNT_DELIVERIES, len(keys), *keys, self.result_expires_s))[0])
 
     # ----- results -------------------------------------------------------------------------
 
-    def publish(self, slots: Sequence[tuple[str, int, dict]], finished: Sequence[str]) -> list[bool]:
-        """Stream each (task id, slot, result) once, and drop the attempts keys of `finished` messages.
+    def publish(self, slots: Sequence[tuple[str, int, str]], finished: Sequence[str]) -> list[bool]:
+        """Stream each (task id, slot, result JSON) once, and drop the attempts keys of `finished` messages.
 
-        One pipelined round trip. EVAL, not a registered Script: redis-py checks SCRIPT EXISTS
-        before every pipeline that holds a Script (a second round trip per forward batch, a third of
-        the publish time in a profile); EVAL of a short body costs a few hundred bytes and Redis
-        caches the compiled script. Deleting an attempts key before the backend write is safe: a
-        crash in between only makes the redelivered message look fresh, and its results are
-        published once anyway. Returns, per result, whether it was published now (False: before).
+        One script call. EVAL, not a registered Script: redis-py checks SCRIPT EXISTS before
+        every pipeline that holds a Script (a second round trip per forward batch, a third of the
+        publish time in a profile); EVAL of a short body costs a few hundred bytes and Redis caches
+        the compiled script. Deleting an attempts key before the backend write is safe: a crash in
+        between only makes the redelivered message look fresh, and its results are published once
+        anyway. Returns, per result, whether it was published now (False: before).
         """
-        keys = [RESULTS_STREAM, *(DONE_KEY.format(task_id=task_id, slot=slot) for task_id, slot, _ in slots)]
-        args = [self.stream_maxlen, self.result_expires_s, *(json.dumps(result) for _, _, result in slots)]
+        keys = [
+            RESULTS_STREAM,
+            *(DONE_KEY.format(task_id=task_id, slot=slot) for task_id, slot, _ in slots),
+            *(ATTEMPTS_KEY.format(task_id=task_id) for task_id in finished),
+        ]
+        args = [self.stream_maxlen, self.result_expires_s, *(encoded for _, _, encoded in slots)]
+        flags = self.retrying(lambda: self.redis.eval(PUBLISH_ONCE, len(keys), *keys, *args))
+        return [bool(flag) for flag in flags]
 
-        def run() -> list[bool]:
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.eval(PUBLISH_ONCE, len(keys), *keys, *args)
-            for task_id in finished:
-                pipe.delete(ATTEMPTS_KEY.format(task_id=task_id))
-            return [bool(flag) for flag in pipe.execute()[0]]
+    def store_successes(self, backend: Any, successes: Sequence[tuple[Any, str]]) -> None:
+        """Celery SUCCESS results for (request, value as JSON) pairs: one STORE_ONCE call on a Redis backend.
 
-        return self.retrying(run)
-
-    def store_successes(self, backend: Any, successes: Sequence[tuple[Any, Any]]) -> None:
-        """Celery SUCCESS results for (request, value) pairs: one pipeline of STORE_ONCE on a Redis backend."""
+        The values come already serialised (each ticket's result JSON is the one streamed); with
+        Celery's JSON result serializer the meta is assembled around them, not serialised again.
+        """
         client = getattr(backend, "client", None)
         if not isinstance(client, redis.Redis):  # not a Redis backend: Celery's own write, one per task
             for request, value in successes:
-                self.retrying(lambda r=request, v=value: backend.mark_as_done(r.id, v, request=r))
+                self.retrying(lambda r=request, v=json.loads(value): backend.mark_as_done(r.id, v, request=r))
             return
         expires = int(backend.expires or 0)
-
-        def run() -> None:
-            pipe = client.pipeline(transaction=False)
-            for request, value in successes:
-                meta = success_meta(backend, request.id, value)
-                pipe.eval(STORE_ONCE, 1, backend.get_key_for_task(request.id), backend.encode(meta), expires)
-            pipe.execute()
-
-        self.retrying(run)
+        done = backend.app.now().isoformat()  # one date_done for the batch (Celery's now() is not cheap)
+        keys = [backend.get_key_for_task(request.id) for request, _ in successes]
+        if backend.serializer == "json":
+            metas = [success_meta_json(request.id, value, done) for request, value in successes]
+        else:
+            metas = [backend.encode(success_meta(request.id, json.loads(value), done)) for request, value in successes]
+        self.retrying(lambda: client.eval(STORE_ONCE, len(keys), *keys, expires, *metas))
 
     def mark_failed(self, backend: Any, request: Any, exc: BaseException) -> None:
         """Celery FAILURE result for one request.
@@ -206,20 +218,21 @@ class Outbox:
                 delay = min(delay * 2, 2.0)
 
 
-def success_meta(backend: Any, task_id: str, value: Any) -> dict:
+def success_meta(task_id: str, value: Any, date_done: str) -> dict:
     """Celery's result meta for a SUCCESS, as `BaseBackend._store_result` builds it (result_extended off).
 
-    Built from public API only (`app.now`, the backend's `encode` serialises it); ticketq tasks have
-    no children, group or parent, and the worker runs with `result_extended=False`.
+    Built from public API only (`date_done` from `app.now()`, the backend's `encode` serialises
+    it); ticketq tasks have no children, group or parent, and the worker runs with
+    `result_extended=False`.
     """
-    return {
-        "status": "SUCCESS",
-        "result": value,
-        "traceback": None,
-        "children": [],
-        "date_done": backend.app.now().isoformat(),
-        "task_id": task_id,
-    }
+    return {"status": "SUCCESS", "result": value, "traceback": None, "children": [], "date_done": date_done,
+            "task_id": task_id}  # fmt: skip
+
+
+def success_meta_json(task_id: str, value_json: str, date_done: str) -> str:
+    """`success_meta` as JSON, around a value that is JSON already (equal to json.dumps of the meta)."""
+    return (f'{{"status": "SUCCESS", "result": {value_json}, "traceback": null, "children": [], '
+            f'"date_done": {json.dumps(date_done)}, "task_id": {json.dumps(task_id)}}}')  # fmt: skip
 
 
 def ticket_entry(task_id: str, slot: int | None, reason: str, error: str, payload: Any, worker: str) -> dict[str, str]:
