@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 import kombu.exceptions
 import redis
 from celery import Celery, states
+from celery.backends.redis import RedisBackend
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult, ResultSet
 from tqdm import tqdm
@@ -44,6 +45,22 @@ _KOMBU_PRIORITY_SEP = "\x06\x16"
 _KOMBU_PRIORITY_STEPS = (0, 3, 6, 9)
 _CONNECTION_ERRORS = (kombu.exceptions.OperationalError, redis.exceptions.RedisError, OSError)
 PUBLISH_BATCH = 500  # messages per Redis pipeline in submit_many (kombu >= 5.7's Producer.batch)
+POLL_WINDOW = 200  # result keys read per MGET while waiting: the oldest pending first
+POLL_PAUSE_S = (0.005, 0.1)  # pause between reads: the shortest after a read that found results, the longest
+
+
+class BulkRedisBackend(RedisBackend):
+    """Celery's Redis result backend, without a pub/sub subscription for every message sent.
+
+    Celery subscribes to each task's result channel as it sends the task (`on_task_call`), and the
+    subscriber must then read every PUBLISH and unsubscribe task by task: for a bulk send, most of
+    the producer's time (py-spy: 47% waiting, 7% subscribing). `Producer.wait` reads result keys
+    with MGET instead (`Producer._poll_ready`). `AsyncResult.get()` still works: Celery subscribes
+    when it is called, then reads the key once.
+    """
+
+    def on_task_call(self, producer: object, task_id: str) -> None:
+        return None
 
 
 class BrokerUnavailable(RedisUnavailable):
@@ -322,7 +339,7 @@ class Producer:
 
         Otherwise `AsyncResult.__del__` unsubscribes at interpreter exit, over a dead connection.
         """
-        if not self.app.backend.supports_native_join:
+        if not self.app.backend.supports_native_join or isinstance(self.app.backend, BulkRedisBackend):
             return
         try:
             for result in results:
@@ -336,6 +353,9 @@ class Producer:
         """`(task_id, state, result_or_exception)` for each task as it finishes."""
         if not results:
             return
+        if isinstance(self.app.backend, BulkRedisBackend):
+            yield from self._poll_ready(results, timeout)
+            return
         if self.app.backend.supports_native_join:
             # Redis: results arrive over pub/sub as they are stored, in completion order.
             for task_id, meta in ResultSet(list(results), app=self.app).iter_native(timeout=timeout):
@@ -346,6 +366,36 @@ class Producer:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             value = result.get(timeout=remaining, propagate=False)
             yield result.id, result.state, value
+
+    def _poll_ready(self, results: Sequence[AsyncResult], timeout: float | None) -> Iterator[tuple[str, str, object]]:
+        """`_iter_ready` on a Redis backend: MGET the oldest POLL_WINDOW pending result keys, again
+        at once while results come, pausing (5 ms, doubling up to 100 ms) while none does. Results
+        mostly finish in send order, and one that never comes holds one place of the window only."""
+        backend = self.app.backend
+        keys = {result.id: backend.get_key_for_task(result.id) for result in results}
+        pending = list(keys)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = POLL_PAUSE_S[0]
+        while pending:
+            window = pending[:POLL_WINDOW]
+            done = set()
+            for task_id, raw in zip(window, backend.mget([keys[task_id] for task_id in window]), strict=True):
+                if raw is None:
+                    continue
+                meta = backend.decode_result(raw)
+                if meta["status"] in states.READY_STATES:
+                    done.add(task_id)
+                    yield task_id, meta["status"], meta["result"]
+            if done:
+                pending = [task_id for task_id in pending if task_id not in done]
+                pause = POLL_PAUSE_S[0]
+            else:
+                pause = min(2 * pause, POLL_PAUSE_S[1])
+            if not pending:
+                return
+            if deadline is not None and time.monotonic() >= deadline:
+                raise CeleryTimeoutError(f"{len(pending)} results not ready within {timeout:g} s")
+            time.sleep(pause if deadline is None else max(0.0, min(pause, deadline - time.monotonic())))
 
     # --- observing ---
 
@@ -388,8 +438,10 @@ class Producer:
 
 def _make_app(settings: ClientSettings, connect_timeout_s: float) -> Celery:
     """A Celery app that can only publish JSON and read JSON results, and gives up quickly."""
-    app = Celery("ticketq-producer", broker=settings.broker_url, backend=settings.backend_url,
-                 set_as_current=False)
+    backend = settings.backend_url
+    if urlsplit(backend).scheme in ("redis", "rediss"):  # Celery's `class+url` form: see BulkRedisBackend
+        backend = f"{__name__}:BulkRedisBackend+{backend}"
+    app = Celery("ticketq-producer", broker=settings.broker_url, backend=backend, set_as_current=False)
     few_retries = {"max_retries": 1, "interval_start": 0, "interval_step": 0.5, "interval_max": 0.5}
     app.conf.update(
         task_serializer="json",

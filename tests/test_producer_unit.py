@@ -321,6 +321,8 @@ def test_messages_on_the_wire(redis_db15):
         queue = producer.settings.queue
 
         assert producer.queue_depth() == redis_db15.llen(queue) == 4
+        keys = [producer.app.backend.get_key_for_task(r.id) for r in (single, failing, *packs)]
+        assert [count for _, count in redis_db15.pubsub_numsub(*keys)] == [0] * 4, "no subscription per message"
         messages = [decode_message(raw) for raw in redis_db15.lrange(queue, 0, -1)]
         assert {headers["task"] for headers, _ in messages} == {TASK_CLASSIFY}
         assert not any("invoice" in json.dumps(headers) for headers, _ in messages), "no ticket text in headers"
