@@ -483,6 +483,34 @@ def test_one_fetch_takes_the_prefetch_room_and_records_it_before_delivering(redi
     assert client.llen(queue.name) == 10 - 3, "closing the channel put the 4 unacked back"
 
 
+def test_an_unrecordable_message_in_a_fetched_batch_is_refused_alone(redis_server):
+    """A message whose delivery tag cannot key the unacked record (a hand-made one) is dead-lettered
+    with its raw bytes; the messages fetched with it are recorded and delivered."""
+    from kombu import Consumer, Queue
+
+    from worker import internals
+
+    queue = Queue("fetch-bad-tag")
+    client = redis_server.client()
+    received: list[int] = []
+    with Connection(redis_server.url, transport=internals.Transport) as conn:
+        producer = conn.Producer()
+        for n in range(3):
+            producer.publish({"n": n}, routing_key=queue.name, declare=[queue], serializer="json")
+        good = json.loads(client.lindex(queue.name, 0))
+        bad = {**good, "properties": {**good["properties"], "delivery_tag": {"not": "a tag"}}}
+        client.lpush(queue.name, json.dumps(bad))  # fetched last
+        callback = lambda body, message: (received.append(body["n"]), message.ack())  # noqa: E731
+        with Consumer(conn, [queue], callbacks=[callback], prefetch_count=10):
+            conn.drain_events(timeout=10)
+    assert received == [0, 1, 2]
+    (entry,) = [fields for _, fields in client.xrange(names.DEAD_LETTER_STREAM)]
+    assert entry[b"reason"] == b"unreadable_message" and b"delivery_tag" in entry[b"error"]
+    assert json.loads(base64.b64decode(entry[b"payload_b64"])) == bad
+    assert client.llen(queue.name) == 0 and client.hlen("unacked") == 0
+    assert not client.keys(store.FETCHING_KEY.format(consumer="*", queue=queue.name))
+
+
 def test_kill9_at_random_moments_loses_nothing(redis_server, workers):
     """kill -9 at random moments, idle or mid-batch, under steady traffic: no ticket lost, none
     published twice, and each dead worker's messages back in the queue within seconds (its lease)."""

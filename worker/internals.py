@@ -429,6 +429,8 @@ class Channel(kombu_redis.Channel):
                 payload = _ENVELOPE.decode(text)
                 properties = payload["properties"]
                 tag, info = properties["delivery_tag"], properties["delivery_info"]
+                if isinstance(tag, bool) or not isinstance(tag, str | int | float):  # keys the unacked record:
+                    raise TypeError(f"delivery_tag must be a string, got {type(tag).__name__}")  # fail alone
                 route = dumps([info["exchange"], info["routing_key"]])[1:]  # kombu's record, message as fetched
             except Exception as exc:
                 self._refuse(queue, item, exc)
