@@ -7,7 +7,9 @@ One worker process (`TICKETQ_NULL_CLASSIFIER=1`: no model, labels are a hash) on
 of the local Redis; the producer sends every ticket (`pack` per message), then waits for every
 result through the Celery backend (`--prefill`: every ticket is queued before the worker starts,
 and the worker is timed alone, from ready to last result). Prints tickets/s per pack size, the
-worker's jobs and forwards and the machine, one run each: compare rows within a run.
+worker's jobs and forwards, where the CPU time went (milliseconds of CPU per 1,000 tickets in the
+producer — this process, sending and waiting —, the worker process and the Redis server, over the
+timed span) and the machine, one run each: compare rows within a run.
 `--plain-celery` runs the yardstick instead: stock Celery with a no-op task (celery_noop.py), one
 message per ticket, the same Redis and the same timing.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -29,6 +32,28 @@ from ticketq.config import ClientSettings
 from worker.procs import free_port, running_worker, wait_for
 
 HERE = Path(__file__).resolve().parent
+
+
+class CpuClock:
+    """CPU seconds used so far by this process (the producer), one other process, and the Redis server."""
+
+    def __init__(self, broker_url: str, pid: int) -> None:
+        import redis
+
+        self.redis = redis.Redis.from_url(broker_url)
+        self.pid = pid
+        self.ticks = os.sysconf("SC_CLK_TCK")
+
+    def read(self) -> tuple[float, float, float]:
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        other = (int(fields[11]) + int(fields[12])) / self.ticks  # utime + stime
+        info = self.redis.info("cpu")
+        return own.ru_utime + own.ru_stime, other, info["used_cpu_user"] + info["used_cpu_sys"]
+
+    @staticmethod
+    def per_thousand(before: tuple, after: tuple, tickets: int) -> tuple[float, ...]:
+        return tuple(1e6 * (b - a) / tickets for a, b in zip(before, after, strict=True))
 
 
 def run(broker_url: str, tickets: int, pack: int, workdir: Path, prefill: bool = False) -> dict:
@@ -45,17 +70,19 @@ def run(broker_url: str, tickets: int, pack: int, workdir: Path, prefill: bool =
             sent = producer.submit_many(texts, pack=pack)
             sent_s = time.perf_counter() - started
         with running_worker(env, workdir / f"worker-{pack}.log", ready_timeout=120) as worker:
-            started = time.perf_counter()
+            clock = CpuClock(broker_url, worker.pid)
+            cpu_before, started = clock.read(), time.perf_counter()
             if not prefill:
                 sent = producer.submit_many(texts, pack=pack)
                 sent_s = time.perf_counter() - started
             results = producer.wait(sent, timeout=600)
             total_s = time.perf_counter() - started
+            cpu = clock.per_thousand(cpu_before, clock.read(), tickets)
             metrics = worker.metrics()
     ok = sum(r["status"] == "ok" for r in results)
     return {"pack": pack, "tickets": tickets, "ok": ok, "send_s": sent_s, "total_s": total_s,
             "tickets_per_s": tickets / total_s, "jobs": metrics.get("ticketq_flushes_total{}", 0),
-            "forwards": metrics.get("ticketq_batch_size_count{}", 0)}  # fmt: skip
+            "forwards": metrics.get("ticketq_batch_size_count{}", 0), "cpu_ms_per_1000": cpu}  # fmt: skip
 
 
 def run_plain_celery(broker_url: str, tickets: int, workdir: Path, prefill: bool = False) -> dict:
@@ -78,11 +105,17 @@ def run_plain_celery(broker_url: str, tickets: int, workdir: Path, prefill: bool
         ids = [app.send_task("noop", args=[text]).id for text in texts]
         return ids, time.perf_counter() - began
 
-    def done(ids: list[str]) -> bool:
-        pipe = client.pipeline(transaction=False)
-        for task_id in ids:
-            pipe.exists(f"celery-task-meta-{task_id}")
-        return all(pipe.execute())
+    def wait_all(ids: list[str]) -> None:
+        pending = list(ids)
+
+        def done() -> bool:  # the oldest 200 not yet done, as Producer.wait reads them
+            window = pending[:200]
+            found = client.mget([f"celery-task-meta-{task_id}" for task_id in window])
+            finished = {task_id for task_id, value in zip(window, found, strict=True) if value is not None}
+            pending[:] = [task_id for task_id in pending if task_id not in finished]
+            return not pending
+
+        wait_for(done, 600, "every no-op result", interval=0.005)
 
     if prefill:
         ids, sent_s = send()
@@ -91,16 +124,19 @@ def run_plain_celery(broker_url: str, tickets: int, workdir: Path, prefill: bool
                                   stderr=subprocess.STDOUT)  # fmt: skip
     try:
         wait_for(lambda: " ready." in log_path.read_text(errors="replace"), 60, "the plain Celery worker")
-        started = time.perf_counter()
+        clock = CpuClock(broker_url, worker.pid)
+        cpu_before, started = clock.read(), time.perf_counter()
         if not prefill:
             ids, sent_s = send()
-        wait_for(lambda: done(ids), 600, "every no-op result", interval=0.02)
+        wait_all(ids)
         total_s = time.perf_counter() - started
+        cpu = clock.per_thousand(cpu_before, clock.read(), tickets)
     finally:
         worker.terminate()
         worker.wait(timeout=30)
     return {"pack": "plain Celery", "tickets": tickets, "ok": tickets, "send_s": sent_s, "total_s": total_s,
-            "tickets_per_s": tickets / total_s, "jobs": float("nan"), "forwards": float("nan")}  # fmt: skip
+            "tickets_per_s": tickets / total_s, "jobs": float("nan"), "forwards": float("nan"),
+            "cpu_ms_per_1000": cpu}  # fmt: skip
 
 
 def main() -> None:
@@ -116,8 +152,9 @@ def main() -> None:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
     timed = "worker ready to last result s" if args.prefill else "first send to last result s"
-    print(f"| pack | tickets | ok | send s | {timed} | tickets/s | jobs | forwards |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"| pack | tickets | ok | send s | {timed} | tickets/s | jobs | forwards | "
+          "CPU ms per 1,000 tickets: producer / worker / Redis |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         runs = ([lambda: run_plain_celery(args.broker_url, args.tickets, Path(tmp), args.prefill)] if args.plain_celery
                 else [lambda pack=pack: run(args.broker_url, args.tickets, pack, Path(tmp), args.prefill)
@@ -125,7 +162,8 @@ def main() -> None:
         for go in runs:
             r = go()
             print(f"| {r['pack']} | {r['tickets']} | {r['ok']} | {r['send_s']:.2f} | {r['total_s']:.2f} | "
-                  f"{r['tickets_per_s']:,.0f} | {r['jobs']:.0f} | {r['forwards']:.0f} |", flush=True)
+                  f"{r['tickets_per_s']:,.0f} | {r['jobs']:.0f} | {r['forwards']:.0f} | "
+                  f"{' / '.join(f'{ms:.0f}' for ms in r['cpu_ms_per_1000'])} |", flush=True)
 
 
 if __name__ == "__main__":
