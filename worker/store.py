@@ -229,10 +229,14 @@ def success_meta(task_id: str, value: Any, date_done: str) -> dict:
             "task_id": task_id}  # fmt: skip
 
 
+_VALUE_MARK = "\x00ticketq-value\x00"  # stands for the value in `success_meta_json`; JSON-escaped, never a real value
+
+
 def success_meta_json(task_id: str, value_json: str, date_done: str) -> str:
-    """`success_meta` as JSON, around a value that is JSON already (equal to json.dumps of the meta)."""
-    return (f'{{"status": "SUCCESS", "result": {value_json}, "traceback": null, "children": [], '
-            f'"date_done": {json.dumps(date_done)}, "task_id": {json.dumps(task_id)}}}')  # fmt: skip
+    """`success_meta` as JSON, around a value that is JSON already (equal to json.dumps of the meta):
+    the meta's shape stays defined once, in `success_meta`."""
+    head, tail = json.dumps(success_meta(task_id, _VALUE_MARK, date_done)).split(json.dumps(_VALUE_MARK))
+    return head + value_json + tail
 
 
 def ticket_entry(task_id: str, slot: int | None, reason: str, error: str, payload: Any, worker: str) -> dict[str, str]:
