@@ -14,7 +14,6 @@ and a task with no result by the deadline `status: "timeout"`.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -30,6 +29,7 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult, ResultSet
 from tqdm import tqdm
 
+from ticketq import codec
 from ticketq.config import ClientSettings
 from ticketq.connections import SOCKET_TIMEOUT_S, RedisUnavailable, connect, redis_client
 from ticketq.contract import Failed, Reason, Status, TicketRejected, UniqueIds, validate_ticket
@@ -419,7 +419,7 @@ class Producer:
             for raw_id, fields in reply[0][1]:
                 last = raw_id.decode()
                 try:
-                    yield last, json.loads(fields[b"data"])
+                    yield last, codec.loads(fields[b"data"])
                 except (KeyError, ValueError):
                     log.warning("skipping results stream entry %s without a JSON 'data' field", last)
 
@@ -441,6 +441,7 @@ def _make_app(settings: ClientSettings, connect_timeout_s: float) -> Celery:
     backend = settings.backend_url
     if urlsplit(backend).scheme in ("redis", "rediss"):  # Celery's `class+url` form: see BulkRedisBackend
         backend = f"{__name__}:BulkRedisBackend+{backend}"
+    codec.install()  # results (packed: a hundred objects each) decoded in C
     app = Celery("ticketq-producer", broker=settings.broker_url, backend=backend, set_as_current=False)
     few_retries = {"max_retries": 1, "interval_start": 0, "interval_step": 0.5, "interval_max": 0.5}
     app.conf.update(

@@ -12,10 +12,11 @@ import urllib.request
 import pytest
 import redis
 from celery import Celery
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from workers import ROOT, free_port, null_classifier_service, wait_for
 
 from ticketq import names
-from worker.metrics import Metrics
+from worker.metrics import LATENCY_BUCKETS, ManyHistogram, Metrics
 
 
 def get(url: str) -> tuple[int, str]:
@@ -24,6 +25,27 @@ def get(url: str) -> tuple[int, str]:
             return reply.status, reply.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
+
+
+def test_many_histogram_exposes_what_a_histogram_would():
+    values = [0.0, 0.005, 0.0051, 0.3, 1, 2.5, 400.0]
+    one, many = CollectorRegistry(), CollectorRegistry()
+    histogram = Histogram("ticketq_x_seconds", "doc", buckets=LATENCY_BUCKETS, registry=one)
+    for value in values:
+        histogram.observe(value)
+    bulk = ManyHistogram("ticketq_x_seconds", "doc", LATENCY_BUCKETS, many)
+    bulk.observe_many(values[:3])
+    bulk.observe(values[3])
+    bulk.observe_many(values[4:])
+    bulk.observe_many([])
+    for name in ("ticketq_x_seconds_count", "ticketq_x_seconds_sum"):
+        assert many.get_sample_value(name) == pytest.approx(one.get_sample_value(name))
+    for bound in (*LATENCY_BUCKETS, "+Inf"):  # le: a value on a bound counts in that bucket
+        labels = {"le": bound if isinstance(bound, str) else str(float(bound))}
+        assert many.get_sample_value("ticketq_x_seconds_bucket", labels) == one.get_sample_value(
+            "ticketq_x_seconds_bucket", labels
+        ), labels
+    assert b"# TYPE ticketq_x_seconds histogram" in generate_latest(many)
 
 
 def test_healthz_readyz_and_metrics():

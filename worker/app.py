@@ -25,6 +25,7 @@ from celery.exceptions import InvalidTaskError
 from celery.worker.consumer import Consumer
 from celery_batches import Batches
 
+from ticketq import codec
 from ticketq.connections import RedisUnavailable, connect, redis_client
 from ticketq.contract import DEAD_LETTER_REASONS, Reason, TicketRejected
 from ticketq.names import TASK_CLASSIFY
@@ -106,6 +107,7 @@ def build_classifier(settings: Settings) -> Classifier:
 
 def create_app(settings: Settings, classifier_factory: ClassifierFactory | None = None) -> Celery:
     """The Celery app of one worker (or client) process; `classifier_factory` replaces the engine (tests)."""
+    codec.install()
     app = Celery("ticketq", broker=settings.broker_url, backend=settings.backend_url)
     app.ticketq_runtime = Runtime(settings, classifier_factory)
     if settings.fetch == "atomic":  # pop and record in one Redis step; see worker/internals.py

@@ -11,14 +11,18 @@ e.g. the consumer running), else 503 and the reasons (readiness: send it tickets
 
 from __future__ import annotations
 
+import math
 import socket
 import threading
+from bisect import bisect_left
+from collections import Counter as Tally
 from collections.abc import Callable, Iterable
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, make_wsgi_app
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from worker import constants as c
 
@@ -70,6 +74,49 @@ class QueueDepthCollector:
         yield family
 
 
+class ManyHistogram:
+    """A histogram that takes a whole forward batch's observations in one call (`observe_many`).
+
+    prometheus_client's `Histogram.observe` takes one value per call (a lock, a bucket search and
+    two increments each): with one latency and one queue-wait observation per ticket, that was a
+    tenth of the worker's CPU at tens of thousands of tickets a second. Exposed through the
+    custom-collector API, with the series a `Histogram` has (`_bucket`, `_count`, `_sum`).
+    """
+
+    def __init__(self, name: str, documentation: str, buckets: Iterable[float], registry: CollectorRegistry) -> None:
+        bounds = sorted(float(b) for b in buckets)
+        self._bounds = (*bounds, math.inf) if not bounds or bounds[-1] != math.inf else tuple(bounds)
+        self._name, self._documentation = name, documentation
+        self._counts = [0] * len(self._bounds)  # per bucket, not cumulative
+        self._sum = 0.0
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        self.observe_many((value,))
+
+    def observe_many(self, values: Iterable[float]) -> None:
+        values = list(values)
+        per_bucket = Tally(bisect_left(self._bounds, value) for value in values)  # first bound >= value: le
+        total = math.fsum(values)
+        with self._lock:
+            for index, count in per_bucket.items():
+                self._counts[index] += count
+            self._sum += total
+
+    def describe(self) -> list[HistogramMetricFamily]:
+        return [HistogramMetricFamily(self._name, self._documentation)]
+
+    def collect(self) -> Iterable[HistogramMetricFamily]:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        cumulative, buckets = 0, []
+        for bound, count in zip(self._bounds, counts, strict=True):
+            cumulative += count
+            buckets.append((floatToGoString(bound), cumulative))
+        yield HistogramMetricFamily(self._name, self._documentation, buckets=buckets, sum_value=total)
+
+
 class Metrics:
     """All of ticketq's series, registered in `registry`."""
 
@@ -85,13 +132,9 @@ class Metrics:
         self.batch_tokens = Histogram(
             c.M_BATCH_TOKENS, "Padded tokens per forward batch.", buckets=TOKEN_BUCKETS, registry=r
         )
-        self.queue_wait = Histogram(
-            c.M_QUEUE_WAIT, "Submit to batch start, seconds.", buckets=LATENCY_BUCKETS, registry=r
-        )
+        self.queue_wait = ManyHistogram(c.M_QUEUE_WAIT, "Submit to batch start, seconds.", LATENCY_BUCKETS, r)
         self.forward = Histogram(c.M_FORWARD, "One forward batch, seconds.", buckets=LATENCY_BUCKETS, registry=r)
-        self.latency = Histogram(
-            c.M_LATENCY, "Submit to result published, seconds.", buckets=LATENCY_BUCKETS, registry=r
-        )
+        self.latency = ManyHistogram(c.M_LATENCY, "Submit to result published, seconds.", LATENCY_BUCKETS, r)
         self.prefix_reuses = Counter(c.M_PREFIX_REUSES, "Forward batches that reused the prefix KV cache.", registry=r)
         self.dead_letters = Counter(c.M_DEAD_LETTERS, "Messages or tickets dead-lettered.", ["reason"], registry=r)
         self.shadow_checked = Counter(c.M_SHADOW_CHECKED, "Tickets re-run on the reference path.", registry=r)

@@ -20,7 +20,6 @@ acknowledged through the feed as soon as its result is out, not when the job end
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import os
 import socket
@@ -33,6 +32,7 @@ from typing import Any, Protocol
 
 import redis
 
+from ticketq import codec
 from ticketq.contract import Reason, Ticket, TicketRejected, validate_ticket
 from worker.metrics import Metrics
 from worker.results import BatchReport, Prediction
@@ -86,7 +86,7 @@ class Slot:
     joined: float  # unix time the ticket joined the run: its queue wait ends and its processing starts
     ticket: Ticket | None = None
     result: dict | None = None  # final per-ticket result once known
-    encoded: str = ""  # the result as JSON, serialised once for the stream and the backend
+    encoded: bytes = b""  # the result as JSON, serialised once for the stream and the backend
 
 
 @dataclass
@@ -298,9 +298,8 @@ class TicketService:
         self._classify_resilient(work, slots, attempt=1, more=more)
 
     def _observe_wait(self, slots: Sequence[Slot]) -> None:
-        for slot in slots:
-            if slot.ticket.submitted_at:
-                self.metrics.queue_wait.observe(max(0.0, slot.joined - slot.ticket.submitted_at))
+        waits = [s.joined - s.ticket.submitted_at for s in slots if s.ticket.submitted_at]
+        self.metrics.queue_wait.observe_many([max(0.0, wait) for wait in waits])
 
     def _classify_resilient(
         self, work: Work, slots: list[Slot], attempt: int, more: Callable[[], list[str]] | None = None
@@ -396,7 +395,7 @@ class TicketService:
             return
         begun = time.perf_counter()
         for slot in slots:
-            slot.encoded = json.dumps(slot.result)
+            slot.encoded = codec.dumps(slot.result)
         complete = work.completed_by(slots)
         self._stream(slots, complete)
         self._store(work, complete)
@@ -427,7 +426,7 @@ class TicketService:
             if getattr(request, "ignore_result", False):
                 continue
             if work.packed[task_id]:
-                successes.append((request, f"[{', '.join(slot.encoded for slot in slots)}]"))
+                successes.append((request, b"[" + b",".join(slot.encoded for slot in slots) + b"]"))
             elif results[0]["status"] == "ok":
                 successes.append((request, slots[0].encoded))
             else:
@@ -437,13 +436,14 @@ class TicketService:
             self.outbox.store_successes(work.backend, successes)
 
     def _count(self, slots: list[Slot]) -> None:
-        now, counts = time.time(), Counter()
+        now, counts, latencies = time.time(), Counter(), []
         for slot in slots:
             result = slot.result
             outcome = _outcome(result)
             counts[result.get("label", "none"), outcome] += 1
             if slot.ticket and slot.ticket.submitted_at and outcome == "ok":
-                self.metrics.latency.observe(max(0.0, now - slot.ticket.submitted_at))
+                latencies.append(max(0.0, now - slot.ticket.submitted_at))
+        self.metrics.latency.observe_many(latencies)
         for (label, outcome), count in counts.items():
             self.metrics.tickets.labels(label=label, outcome=outcome).inc(count)
 

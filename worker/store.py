@@ -141,7 +141,7 @@ class Outbox:
 
     # ----- results -------------------------------------------------------------------------
 
-    def publish(self, slots: Sequence[tuple[str, int, str]], finished: Sequence[str]) -> list[bool]:
+    def publish(self, slots: Sequence[tuple[str, int, bytes]], finished: Sequence[str]) -> list[bool]:
         """Stream each (task id, slot, result JSON) once, and drop the attempts keys of `finished` messages.
 
         One script call. EVAL, not a registered Script: redis-py checks SCRIPT EXISTS before
@@ -160,7 +160,7 @@ class Outbox:
         flags = self.retrying(lambda: self.redis.eval(PUBLISH_ONCE, len(keys), *keys, *args))
         return [bool(flag) for flag in flags]
 
-    def store_successes(self, backend: Any, successes: Sequence[tuple[Any, str]]) -> None:
+    def store_successes(self, backend: Any, successes: Sequence[tuple[Any, bytes]]) -> None:
         """Celery SUCCESS results for (request, value as JSON) pairs: one STORE_ONCE call on a Redis backend.
 
         The values come already serialised (each ticket's result JSON is the one streamed); with
@@ -232,11 +232,11 @@ def success_meta(task_id: str, value: Any, date_done: str) -> dict:
 _VALUE_MARK = "\x00ticketq-value\x00"  # stands for the value in `success_meta_json`; JSON-escaped, never a real value
 
 
-def success_meta_json(task_id: str, value_json: str, date_done: str) -> str:
+def success_meta_json(task_id: str, value_json: bytes, date_done: str) -> bytes:
     """`success_meta` as JSON, around a value that is JSON already (equal to json.dumps of the meta):
     the meta's shape stays defined once, in `success_meta`."""
     head, tail = json.dumps(success_meta(task_id, _VALUE_MARK, date_done)).split(json.dumps(_VALUE_MARK))
-    return head + value_json + tail
+    return head.encode() + value_json + tail.encode()
 
 
 def ticket_entry(task_id: str, slot: int | None, reason: str, error: str, payload: Any, worker: str) -> dict[str, str]:
