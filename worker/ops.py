@@ -99,8 +99,7 @@ class Ops:
         are cleared first, or the retry would be refused or its result not streamed.
         """
         args, task_id = self._resend_args(letter)
-        slots = len(args[0]) if isinstance(args[0], list) else 1
-        store.forget_message(self.redis, task_id, slots)
+        store.forget_message(self.redis, task_id)
         self.producer.app.send_task(names.TASK_CLASSIFY, args=args, queue=self.settings.queue, task_id=task_id)
         store.drop_dead_letter(self.redis, letter.entry_id)
         return task_id

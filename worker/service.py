@@ -410,11 +410,10 @@ class TicketService:
 
     def _stream(self, slots: list[Slot], complete: list[str]) -> None:
         """Stream the slots' results once each, closing the attempts of the messages they complete."""
-        added = self.outbox.publish([(slot.request.id, slot.index, slot.encoded) for slot in slots], complete)
-        repeated = [slot for slot, new in zip(slots, added, strict=True) if not new]
+        repeated = self.outbox.publish([(slot.request.id, slot.index, slot.encoded) for slot in slots], complete)
         if repeated:
             self.metrics.duplicates.inc(len(repeated))
-            tasks = sorted({slot.request.id for slot in repeated})
+            tasks = sorted({task_id for task_id, _ in repeated})
             log.info("re-executed: %d result(s) of %s already published, not repeated", len(repeated), tasks[:5])
 
     def _store(self, work: Work, complete: list[str]) -> None:
