@@ -21,6 +21,7 @@ REDIS_URL = "redis://127.0.0.1:6379/6"  # a database of its own: its stream entr
 def client() -> Iterator[redis.Redis]:
     client = redis_or_skip(REDIS_URL)
     yield client
+    client.delete(RESULTS_STREAM)
     client.close()
 
 

@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from enum import Enum
-from typing import Literal, TypedDict
+from typing import Literal, NamedTuple, TypedDict
 
 MAX_TICKET_BYTES = 65536  # default of TICKETQ_MAX_TICKET_BYTES
 
@@ -94,9 +93,11 @@ class TicketRejected(ValueError):
         return f"TicketRejected({self.reason!r}, {self.detail!r})"
 
 
-@dataclass(frozen=True)
-class Ticket:
-    """A ticket that passed `validate_ticket`. `id` is "" when none was given."""
+class Ticket(NamedTuple):
+    """A ticket that passed `validate_ticket`. `id` is "" when none was given.
+
+    A named tuple, not a frozen dataclass: built once per ticket on every path, and a frozen
+    dataclass takes twice as long to build (a fifth of the whole rule)."""
 
     id: str
     text: str
@@ -105,7 +106,8 @@ class Ticket:
 
 def validate_ticket(raw: object, max_bytes: int = MAX_TICKET_BYTES) -> Ticket:
     """The one ticket rule (module docstring) for one payload; raises `TicketRejected` with the reason."""
-    if not isinstance(raw, Mapping):
+    # `type(raw) is dict` first: tickets are dicts, and the ABC check alone cost a tenth of this rule
+    if type(raw) is not dict and not isinstance(raw, Mapping):
         raise TicketRejected(Reason.BAD_PAYLOAD, f"a ticket must be a JSON object, got {type(raw).__name__}")
     if "text" not in raw:
         raise TicketRejected(Reason.MISSING_FIELD, "ticket has no 'text' field")
@@ -117,8 +119,8 @@ def validate_ticket(raw: object, max_bytes: int = MAX_TICKET_BYTES) -> Ticket:
     _not_blank(text)
     submitted = raw.get("submitted_at")
     # optional and only informative (queue_wait_s): anything but a finite number is dropped, not refused
-    finite = isinstance(submitted, int | float) and math.isfinite(submitted)
-    return Ticket(id=ticket_id, text=text, submitted_at=float(submitted) if finite else None)
+    finite = isinstance(submitted, (int, float)) and math.isfinite(submitted)
+    return Ticket(ticket_id, text, float(submitted) if finite else None)
 
 
 def check_text(text: object) -> str:
@@ -139,6 +141,8 @@ def _valid_id(ticket_id: object) -> str:
     """The id as a string ("" when none was given)."""
     if ticket_id is None:
         return ""
+    if type(ticket_id) is str and ticket_id and not ticket_id.isspace():  # the usual case, checked once
+        return ticket_id
     if isinstance(ticket_id, bool) or not isinstance(ticket_id, str | int):
         raise TicketRejected(Reason.WRONG_TYPE, f"'id' must be a string or integer, got {type(ticket_id).__name__}")
     if isinstance(ticket_id, str) and not ticket_id.strip():
@@ -148,6 +152,8 @@ def _valid_id(ticket_id: object) -> str:
 
 
 def _utf8_size(text: str) -> int:
+    if text.isascii():  # O(1) in CPython, and ASCII is one byte per character with no surrogates
+        return len(text)
     try:
         return len(text.encode("utf-8"))
     except UnicodeEncodeError as exc:  # lone surrogates decoded from a JSON \udcxx escape
@@ -155,7 +161,7 @@ def _utf8_size(text: str) -> int:
 
 
 def _not_blank(text: str) -> None:
-    if not text.strip():
+    if not text or text.isspace():  # = `not text.strip()` (the same whitespace), without a copy
         raise TicketRejected(Reason.EMPTY_TEXT, "ticket text is empty or whitespace only")
 
 

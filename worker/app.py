@@ -11,6 +11,7 @@ is created from TICKETQ_* on first access, for `celery -A worker.app`. No model 
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -244,6 +245,9 @@ def _connect_signals(app: Celery) -> None:
         if getattr(sender, "app", None) is not app:
             return
         runtime.consumer_running = True
+        # Everything built so far (Celery, kombu, the model's Python objects) lives as long as the
+        # process: out of the cyclic collector's sight, its full collections stop rescanning it.
+        gc.freeze()
         settings = runtime.settings
         log.info("ticketq worker ready: queue %r, window %d, max wait %d ms", settings.queue, settings.batch_window,
                  settings.max_wait_ms)  # fmt: skip

@@ -77,7 +77,7 @@ class Feed(Protocol):
         ...
 
 
-@dataclass
+@dataclass(slots=True)
 class Slot:
     """One ticket's place in the buffer: which request, which position in a packed message."""
 
@@ -270,9 +270,12 @@ class TicketService:
         Celery's own strategy revokes expired messages, but celery-batches buffers them without
         looking; the deadline travels in the message headers (`request_dict["expires"]`, ISO 8601).
         """
+        deadlines: dict[str, float | None] = {}  # per message, not per ticket of a packed one
         for slot in slots:
-            now = slot.joined
-            deadline = message_deadline(slot.request)
+            now, task_id = slot.joined, slot.request.id
+            if task_id not in deadlines:
+                deadlines[task_id] = message_deadline(slot.request)
+            deadline = deadlines[task_id]
             if slot.result is None and deadline is not None and deadline <= now:
                 when = datetime.fromtimestamp(deadline, timezone.utc).isoformat()
                 late = f"deadline {when} passed {now - deadline:.3f}s before the batch started"
@@ -345,8 +348,9 @@ class TicketService:
 
     def _on_predictions(self, work: Work, slots: list[Slot], predictions: list[Prediction]) -> None:
         """One forward batch is computed: its results go out now."""
+        now = time.time()
         for slot, prediction in zip(slots, predictions, strict=True):
-            slot.result = self._success(slot, prediction)
+            slot.result = self._success(slot, prediction, now)
             if self.shadow:
                 self.shadow.offer(slot.ticket.text, prediction)
         self._deliver(work, slots)
@@ -356,7 +360,7 @@ class TicketService:
 
     # ----- results -------------------------------------------------------------------------
 
-    def _success(self, slot: Slot, prediction: Prediction) -> dict:
+    def _success(self, slot: Slot, prediction: Prediction, now: float) -> dict:
         ticket, started = slot.ticket, slot.joined
         return {
             "id": ticket.id or _slot_id(slot),
@@ -369,7 +373,7 @@ class TicketService:
             **self.model_fields,
             "worker": self.worker_name,
             "queue_wait_s": round(started - ticket.submitted_at, 6) if ticket.submitted_at else None,
-            "processing_s": round(time.time() - started, 6),
+            "processing_s": round(now - started, 6),
         }
 
     def _reject(self, request: Any, index: int, raw: Any, rejection: TicketRejected) -> dict:
