@@ -14,11 +14,12 @@ and a task with no result by the deadline `status: "timeout"`.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from urllib.parse import urlsplit
 
 import kombu.exceptions
@@ -287,7 +288,7 @@ class Producer:
         sent = {result.id: result for result in results}
         total = sum(len(_ticket_ids(result)) or 1 for result in results)
         deadline = None if timeout is None else time.monotonic() + timeout
-        with tqdm(total=total, unit="ticket", desc="results", disable=not progress) as bar:
+        with tqdm(total=total, unit="ticket", desc="results", disable=not progress) as bar, _collector_paused():
             try:
                 while len(by_task) < len(sent):
                     pending = [result for result in results if result.id not in by_task]
@@ -434,6 +435,24 @@ class Producer:
             return sum(pipe.execute())
         except (redis.exceptions.RedisError, OSError) as exc:
             raise BrokerUnavailable(self.settings.broker_url, exc) from None
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector (not reference counting) while results come in.
+
+    Decoded results are acyclic (JSON), so reference counting frees whatever is dropped; but the
+    tens of thousands of result objects a bulk wait holds made every automatic collection walk
+    them all again: a third of a bulk producer's CPU. Collection resumes when the wait returns
+    (unless the caller had disabled it); cycles made meanwhile, by any thread, wait until then.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _make_app(settings: ClientSettings, connect_timeout_s: float) -> Celery:

@@ -8,6 +8,7 @@ in the backend directly, so `wait()` is exercised end to end.
 from __future__ import annotations
 
 import base64
+import gc
 import json
 import time
 from collections import Counter
@@ -347,7 +348,16 @@ def test_messages_on_the_wire(redis_db15):
         pack_ids = packs[0].ticket_ids
         backend.store_result(packs[0].id, [{"id": i, "status": "ok", "label": "account"} for i in pack_ids],
                              states.SUCCESS)
-        results = producer.wait([single, failing, *packs], timeout=1.0)
+        collecting = []  # the cyclic collector is paused while results come in, restored after
+        results = producer.wait([single, failing, *packs], timeout=1.0,
+                                on_result=lambda tickets: collecting.append(gc.isenabled()))  # fmt: skip
+        assert collecting == [False, False, False] and gc.isenabled()
+        gc.disable()
+        try:
+            producer.wait([packs[1]], timeout=0.1)
+            assert not gc.isenabled(), "a caller's own gc.disable() is kept"
+        finally:
+            gc.enable()
 
         assert [(r["id"], r["status"]) for r in results] == [
             ("s1", "ok"), ("s2", "failed"), ("p1", "ok"), (pack_ids[1], "ok"), (packs[1].ticket_ids[0], "timeout"),

@@ -81,7 +81,7 @@ for i = 1, m do
     local old = redis.call('BITFIELD', KEYS[i + 1], unpack(fields, first, math.min(first + 3999, #fields)))
     for _, bit in ipairs(old) do
       if bit == 0 then
-        redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'data', ARGV[result])
+        redis.call('XADD', KEYS[1], '*', 'data', ARGV[result])
       else
         repeats[#repeats + 1] = position
       end
@@ -90,6 +90,7 @@ for i = 1, m do
   end
   redis.call('EXPIRE', KEYS[i + 1], ARGV[2])
 end
+redis.call('XTRIM', KEYS[1], 'MAXLEN', '~', ARGV[1])  -- once per call, not per entry
 for i = m + 2, #KEYS do
   redis.call('DEL', KEYS[i])
 end
