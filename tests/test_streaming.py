@@ -177,6 +177,49 @@ def test_engine_error_after_a_published_batch_retries_only_the_rest(client, app)
     assert all(AsyncResult(r.id, app=app).state == states.SUCCESS for r in requests)
 
 
+class RecordingFeed:
+    """A feed that brings nothing new and records which messages the service acknowledged."""
+
+    def __init__(self) -> None:
+        self.acked: list[str] = []
+
+    def more(self) -> list[SimpleRequest]:
+        return []
+
+    def done(self, task_ids: Sequence[str]) -> None:
+        self.acked += task_ids
+
+
+def test_a_failed_publish_leaves_no_message_unanswered_or_acked_early(client, app):
+    """The second forward batch's publish fails (Redis refusing, past its retries): the first batch
+    stays published and acked; every other message gets a FAILURE result (none is left PENDING)
+    and is acked as answered only if its results are out; a publish error is not retried."""
+    requests = [_request(_ticket(i, "pubfail")) for i in range(6)]
+    classifier = ScriptedClassifier(batch=2)
+    service = _service(classifier, client)
+    publish, calls = service.outbox.publish, []
+
+    def failing_publish(slots, finished):
+        calls.append(len(slots))
+        if len(calls) == 2:
+            raise redis.ResponseError("scripted: the publish script failed")
+        return publish(slots, finished)
+
+    service.outbox.publish = failing_publish
+    feed = RecordingFeed()
+    service.process(requests, app.backend, feed)
+    state = {r.id: AsyncResult(r.id, app=app).state for r in requests}
+    answered = {task_id for task_id, st in state.items() if st == states.SUCCESS}
+    failed = [r.id for r in requests[2:4]]  # the batch whose publish failed
+    assert {r.id for r in requests[:2]} <= answered, "what was published before the failure stays published"
+    assert [state[task_id] for task_id in failed] == [states.FAILURE] * 2 and "publish" in str(
+        AsyncResult(failed[0], app=app).result)  # fmt: skip
+    assert set(state.values()) <= {states.SUCCESS, states.FAILURE}, f"a message left unanswered: {state}"
+    assert sorted(feed.acked) == sorted(answered), "acked as answered exactly when its results are out"
+    assert {e["task_id"] for e in _stream_for(client, set(state))} == answered
+    assert calls == [2, 2] and len(classifier.computed) == 4, "a publish error stops the job, is not retried"
+
+
 def test_re_execution_publishes_nothing_twice(client, app):
     requests = [_request(_ticket(i, "twice")) for i in range(3)] + [_request([_ticket(9, "twice-pack")])]
     first = _service(ScriptedClassifier(batch=2), client)
