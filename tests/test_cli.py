@@ -257,19 +257,26 @@ def test_readme_python_examples_run_as_written(queue_service, tmp_path):
             assert streamed >= 3 and "T-1 ok" in result.stdout, result.stdout
 
 
-def test_demo_report_names_the_dtype_the_worker_ran():
-    """`TICKETQ_DTYPE=auto` chooses at start-up: the demo's table says what it chose."""
-    from prometheus_client import CollectorRegistry, Info, generate_latest
+def test_demo_report_names_the_dtype_and_the_time_to_first_result():
+    """`TICKETQ_DTYPE=auto` chooses at start-up: the demo's table says what it chose, and how long the
+    first result took against the mean forward pass."""
+    from prometheus_client import CollectorRegistry, generate_latest
     from rich.console import Console
 
     from worker.demo import report
+    from worker.metrics import Metrics
     from worker.procs import parse_metrics
 
     registry = CollectorRegistry()  # the worker's exposition, parsed as the demo parses /metrics
-    Info("ticketq_model", "", registry=registry).info({"model": "m", "standin": "true", "dtype": "bfloat16",
-                                                        "device": "cpu"})  # fmt: skip
+    worker_metrics = Metrics(registry)
+    worker_metrics.model.info({"model": "m", "standin": "true", "dtype": "bfloat16", "device": "cpu"})
+    for seconds in (0.5, 1.5):  # two forward batches, mean 1 s
+        worker_metrics.batch_size.observe(3)
+        worker_metrics.forward.observe(seconds)
     metrics = parse_metrics(generate_latest(registry).decode())
-    console = Console(record=True, width=200)
-    results = [{"status": "ok", "label": "billing", "standin": True}] * 3
-    report(console, results, 1.5, metrics, "http://127.0.0.1:1/metrics", "m")
-    assert "ticketq demo — m on cpu/bfloat16" in console.export_text()
+    console = Console(record=True, width=250)
+    results = [{"status": "ok", "label": "billing", "standin": True}] * 6
+    report(console, results, 1.5, metrics, "http://127.0.0.1:1/metrics", "m", first_result_s=1.25)
+    text = console.export_text()
+    assert "ticketq demo — m on cpu/bfloat16" in text
+    assert "2 (mean 3.0 tickets, 1.00 s)" in text and "1.25 s after the first send (1.2 mean forwards)" in text, text
