@@ -26,7 +26,9 @@ def tiny_settings(tiny_model_dir):
     from worker.settings import Settings
 
     # One torch thread: on a busy 2-core machine it is far faster than two for one-at-a-time calls.
-    return Settings(model=str(tiny_model_dir), dtype="float32", device="cpu", threads=1)
+    # torch's own GEMM, not `auto`: two engines built from these settings must run the same kernels
+    # (auto measures at each start-up); the oneDNN path has its own tests (test_engine.py).
+    return Settings(model=str(tiny_model_dir), dtype="float32", device="cpu", threads=1, matmul="torch")
 
 
 @pytest.fixture(scope="session")

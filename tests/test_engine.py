@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from producer.synthetic import awkward_texts, generate_tickets
 from worker import batching
-from worker.engine import Engine, ModelNotFound, _cache_tensors, load_model
+from worker.engine import Engine, ModelNotFound, PackedLinear, _cache_tensors, load_model
 from worker.prompt import InvalidTicket, system_text
 from worker.results import Prediction, padding_ratio
 from worker.settings import DEFAULT_SYSTEM_PROMPT
@@ -462,8 +462,10 @@ def test_int8_layout_per_channel_with_down_proj_in_float32(int8_engine):
     """The measured variant (docs/bench/int8-variants.md): per-channel int8, the MLP's down projection float32."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
 
+    from worker.engine import PackedLinear
+
     layers = int8_engine.decoder.layers
-    assert all(type(layer.mlp.down_proj) is torch.nn.Linear for layer in layers)
+    assert all(type(layer.mlp.down_proj) in (torch.nn.Linear, PackedLinear) for layer in layers)  # float32
     for layer in layers:
         for linear in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.self_attn.q_proj, layer.self_attn.o_proj):
             assert isinstance(linear, DynamicInt8Linear)
@@ -514,3 +516,90 @@ def test_int8_agreement_with_the_float32_reference(int8_engine, corpus, referenc
 def test_int8_is_refused_off_the_cpu(tiny_settings):
     with pytest.raises(ValueError, match="TICKETQ_DTYPE=int8"):
         Engine.from_settings(tiny_settings.model_copy(update={"dtype": "int8", "device": "cuda"}))
+
+
+# ----- float32 GEMMs through oneDNN (TICKETQ_MATMUL) --------------------------------------------
+
+needs_onednn = pytest.mark.skipif(not PackedLinear.available(), reason="this torch has no oneDNN linear ops")
+
+
+@pytest.fixture(scope="module")
+def onednn_engine(tiny_settings):
+    return Engine.from_settings(tiny_settings.model_copy(update={"matmul": "onednn"}))
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(5, 96), (3, 7, 96), (1, 1, 96)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_linear_is_float32_linear(shape, bias):
+    """Same float32 arithmetic as nn.Linear, summed in another order; unpacking gives the weight back."""
+    import copy
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 160, bias=bias).requires_grad_(False)
+    packed = PackedLinear(linear)
+    x = torch.randn(*shape)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+        wide = torch.randn(shape[-1], *shape[:-1]).movedim(0, -1)  # a non-contiguous input
+        torch.testing.assert_close(packed(wide), linear(wide), rtol=1e-5, atol=1e-5)
+    assert torch.equal(packed.to_linear().weight, linear.weight)
+    assert copy.deepcopy(packed) is packed, "an opaque oneDNN tensor cannot be copied: copies share it"
+
+
+@needs_onednn
+def test_onednn_engine_matches_its_reference_and_torchs_gemm(tiny_engine, onednn_engine, corpus, references):
+    """Every path of the engine runs through oneDNN, and it stays exact: the batched path against its
+    own reference, both against torch's GEMM (labels equal, probabilities within float32 noise)."""
+    assert onednn_engine.info.matmul == "onednn" and tiny_engine.info.matmul == "torch"
+    assert all(isinstance(layer.mlp.up_proj, PackedLinear) for layer in onednn_engine.decoder.layers)
+    texts = corpus[:60]
+    own = [onednn_engine.reference(text) for text in texts]
+    predictions, _ = onednn_engine.classify(texts)
+    assert_matches_reference(predictions, own)
+    assert_matches_reference(own, references[:60], tol=1e-5)
+
+
+@needs_onednn
+def test_int8_on_a_onednn_model_quantises_the_packed_linears(tiny_settings):
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
+
+    engine = Engine.from_settings(tiny_settings.model_copy(update={"dtype": "int8", "matmul": "onednn"}))
+    for layer in engine.decoder.layers:
+        assert isinstance(layer.mlp.down_proj, PackedLinear)  # kept float32, through oneDNN
+        assert isinstance(layer.mlp.up_proj, DynamicInt8Linear)
+        assert isinstance(layer.self_attn.q_proj, DynamicInt8Linear)
+    assert all(isinstance(layer.mlp.up_proj, PackedLinear) for layer in engine.model.get_decoder().layers)
+    assert engine.info.dtype == "int8" and engine.info.matmul == "onednn"
+
+
+def test_matmul_is_chosen_by_measurement_and_refused_where_it_cannot_apply(monkeypatch):
+    from worker import engine as engine_module
+
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="TICKETQ_MATMUL=onednn"):
+        engine_module.resolve_matmul("onednn", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="TICKETQ_MATMUL=onednn"):
+        engine_module.resolve_matmul("onednn", torch.device("cuda"), torch.float32)
+    monkeypatch.setattr(engine_module.PackedLinear, "available", staticmethod(lambda: True))
+    monkeypatch.setattr(engine_module, "onednn_linear_speedup", lambda: pytest.fail("no probe off float32/CPU"))
+    assert engine_module.resolve_matmul("auto", cpu, torch.bfloat16) == "torch"
+    assert engine_module.resolve_matmul("auto", torch.device("cuda"), torch.float32) == "torch"
+    assert engine_module.resolve_matmul("torch", cpu, torch.float32) == "torch"
+    for speedup, expected in ((2.3, "onednn"), (1.1, "torch"), (0.6, "torch")):
+        monkeypatch.setattr(engine_module, "onednn_linear_speedup", lambda s=speedup: s)
+        assert engine_module.resolve_matmul("auto", cpu, torch.float32) == expected, speedup
+    # bfloat16 must beat the faster float32 kernel: 2x torch's float32 GEMM, but oneDNN's is 2.3x
+    monkeypatch.setattr(engine_module, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(engine_module, "bf16_matmul_speedup", lambda: 2.0)
+    monkeypatch.setattr(engine_module, "onednn_linear_speedup", lambda: 2.3)
+    assert engine_module.resolve_dtype("auto", cpu, "auto") is torch.float32
+    assert engine_module.resolve_dtype("auto", cpu, "torch") is torch.bfloat16
+
+
+@needs_onednn
+def test_onednn_probe_measures_a_real_ratio():
+    from worker.engine import onednn_linear_speedup
+
+    speedup = onednn_linear_speedup(rows=16, reps=1)
+    assert math.isfinite(speedup) and speedup > 0

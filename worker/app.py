@@ -65,8 +65,9 @@ class Runtime:
         classifier = self.classifier_factory(settings)
         info = getattr(classifier, "info", None)
         metrics.model.info(
-            {"model": info.name, "standin": str(info.standin).lower(), "dtype": info.dtype, "device": info.device}
-            if info else {"model": "null-classifier", "standin": "false", "dtype": "-", "device": "-"}
+            {"model": info.name, "standin": str(info.standin).lower(), "dtype": info.dtype, "device": info.device,
+             "matmul": getattr(info, "matmul", "torch")}
+            if info else {"model": "null-classifier", "standin": "false", "dtype": "-", "device": "-", "matmul": "-"}
         )  # fmt: skip
         metrics.preinit(settings.label_names, tuple(str(reason) for reason in DEAD_LETTER_REASONS))
         metrics.watch_queue(lambda: client.llen(settings.queue))
@@ -99,8 +100,9 @@ def build_classifier(settings: Settings) -> Classifier:
         autotune(engine, budget_s=settings.autotune_s)
     info = engine.info
     log.info(
-        "model %s ready on %s/%s in %.1fs (prefix %d tokens cached)%s",
-        info.name, info.device, info.dtype, time.perf_counter() - started, engine.prefix_len,
+        "model %s ready on %s/%s%s in %.1fs (prefix %d tokens cached)%s",
+        info.name, info.device, info.dtype, " (oneDNN GEMMs)" if info.matmul == "onednn" else "",
+        time.perf_counter() - started, engine.prefix_len,
         " — STAND-IN: labels are meaningless" if info.standin else "",
     )  # fmt: skip
     return engine

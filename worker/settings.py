@@ -40,6 +40,12 @@ class Settings(ClientSettings):
         "path's decoder linear layers in dynamic int8 (per-channel weights, the MLP down projection kept "
         "float32, 8-bit activations on AVX512-VNNI); the reference and shadow checks stay float32.",
     )
+    matmul: Literal["auto", "torch", "onednn"] = Field(
+        "auto",
+        description="float32 on a CPU: the decoder's linear layers through torch's default GEMM (MKL) or "
+        "oneDNN's matmul on weights prepacked at start-up (exact float32, 2-3x MKL on some AMD CPUs); "
+        "auto: oneDNN where it measures >= 1.15x torch's at start-up.",
+    )
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice).")
     system_prompt: str = Field(
         DEFAULT_SYSTEM_PROMPT, description="System instructions before the label list."

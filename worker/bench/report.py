@@ -139,6 +139,7 @@ def make_header(bench: Bench, tickets: list[dict], rows: list[dict]) -> dict:
         "model": engine.info.name,
         "standin": engine.info.standin,
         "dtype": engine.info.dtype,
+        "matmul": engine.info.matmul,
         "device": engine.info.device,
         "tickets": len(tickets),
         "ticket_source": _ticket_source(options),
@@ -231,6 +232,12 @@ def _cpu_flags() -> list[str]:
     return [f for f in wanted if f in flags]
 
 
+def _precision(header: dict) -> str:
+    """"float32", or "float32 (oneDNN)" where the decoder's float32 GEMMs ran through oneDNN."""
+    onednn = header.get("matmul") == "onednn"  # absent in reports written before TICKETQ_MATMUL
+    return f"{header['dtype']} (oneDNN)" if onednn else header["dtype"]
+
+
 def load_average() -> tuple[float, float, float] | None:
     return os.getloadavg() if hasattr(os, "getloadavg") else None
 
@@ -241,7 +248,7 @@ def load_average() -> tuple[float, float, float] | None:
 def print_report(console: Console, header: dict, rows: list[dict]) -> None:
     """The rich table, the planner line and the notes."""
     title = (
-        f"ticketq bench — {header['model']} ({header['dtype']}, {header['device']}, "
+        f"ticketq bench — {header['model']} ({_precision(header)}, {header['device']}, "
         f"{header['torch_threads']} threads), {header['tickets']} tickets"
     )
     table = Table(
@@ -286,7 +293,7 @@ def _run_line(header: dict) -> str:
         else ""
     )
     return (
-        f"{header['tickets']} tickets ({header['ticket_source']}), {header['dtype']} on {header['device']} "
+        f"{header['tickets']} tickets ({header['ticket_source']}), {_precision(header)} on {header['device']} "
         f"({machine['cpu']}{flags}, {machine.get('usable_cores', machine['cores'])} cores, {header['torch_threads']} "
         f"torch threads{loads}), torch {header['torch']}, transformers {header['transformers']}, "
         f"{header['date'][:10]}; planner: {header['autotune']['description']}."

@@ -315,6 +315,7 @@ def _worker_env(bench: Bench, queue: str, port: int) -> dict[str, str]:
         **os.environ,
         "TICKETQ_MODEL": bench.settings.model,
         "TICKETQ_DTYPE": engine.info.dtype,
+        "TICKETQ_MATMUL": engine.info.matmul,
         "TICKETQ_DEVICE": engine.info.device.split(":")[0],
         "TICKETQ_THREADS": str(torch.get_num_threads()),
         "TICKETQ_QUEUE": queue,
