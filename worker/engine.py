@@ -28,6 +28,7 @@ softmax over the allowed next tokens (exactly what constrained decoding would ch
 from __future__ import annotations
 
 import copy
+import ctypes
 import functools
 import inspect
 import json
@@ -191,7 +192,23 @@ def pack_linears(decoder: torch.nn.Module) -> int:
         parent, _, attr = name.rpartition(".")
         owner = decoder.get_submodule(parent) if parent else decoder
         setattr(owner, attr, PackedLinear(getattr(owner, attr)))
+        _release_freed_memory()  # else glibc keeps every replaced weight: +1.4 GB RSS on the 0.5B model
     return len(names)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc
+    except (OSError, AttributeError):  # another C library: nothing to trim with
+        return None
+
+
+def _release_freed_memory() -> None:
+    """Hand memory freed by Python back to the OS (glibc keeps freed heap chunks of ~17 MB mapped)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def onednn_linear_speedup(rows: int = 256, reps: int = 3) -> float:
