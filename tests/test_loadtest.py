@@ -44,6 +44,21 @@ def test_loadtest_reports_every_field(tmp_path):
         assert rate["time_to_first_result_s"] > 0 and rate["items_per_s"] > 0 and rate["forwards"] > 0
     assert png.stat().st_size > 0
     assert "| 0.50× |" in done.stdout
+    assert report["machine"]["worker"] == {"dtype": "-", "device": "-", "matmul": "-"}, "what the worker ran"
+
+
+def test_model_info_reads_what_a_worker_runs():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from worker.metrics import Metrics
+    from worker.procs import model_info, parse_metrics
+
+    metrics = Metrics(CollectorRegistry())
+    metrics.model.info({"model": "m", "standin": "true", "dtype": "float32", "device": "cpu", "matmul": "onednn"})
+    parsed = parse_metrics(generate_latest(metrics.registry).decode())
+    assert model_info(parsed) == {"model": "m", "standin": "true", "dtype": "float32", "device": "cpu",
+                                  "matmul": "onednn"}  # fmt: skip
+    assert model_info({}) == {}
 
 
 def test_bad_options_exit_2_before_anything_starts():

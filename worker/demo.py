@@ -9,7 +9,6 @@ the first comes after about one), label counts and the metrics URL.
 from __future__ import annotations
 
 import os
-import re
 import time
 from collections import Counter
 from pathlib import Path
@@ -19,7 +18,7 @@ from rich.table import Table
 
 from producer.api import Producer
 from producer.synthetic import generate_tickets
-from worker.procs import WorkerProcess, free_port
+from worker.procs import WorkerProcess, free_port, model_info
 from worker.settings import DEFAULT_MODEL, Settings
 
 STANDIN_DIR = Path("models/qwen2.5-0.5b-standin")
@@ -99,9 +98,9 @@ def report(
     computed = metrics.get("ticketq_tokens_computed_total{}", 0.0)
     batches = metrics.get("ticketq_batch_size_count{}", 0.0)
     forward_s = metrics.get("ticketq_forward_seconds_sum{}", 0.0) / batches if batches else None
-    info = next((key for key in metrics if key.startswith("ticketq_model_info")), "")
-    ran = dict(re.findall(r"[{,](device|dtype)=([^,}]*)", info))  # what TICKETQ_DTYPE=auto chose, and where
-    where = f" on {ran.get('device', '?')}/{ran.get('dtype', '?')}" if ran else ""
+    ran = model_info(metrics)  # what TICKETQ_DTYPE=auto (and TICKETQ_MATMUL=auto) chose, and where
+    kernels = " (oneDNN GEMMs)" if ran.get("matmul") == "onednn" and ran.get("dtype") == "float32" else ""
+    where = f" on {ran.get('device', '?')}/{ran.get('dtype', '?')}{kernels}" if ran else ""
     table = Table(title=f"ticketq demo — {model}{where}", show_header=False)  # one row per figure: fits 80 columns
     table.add_column(style="bold")
     table.add_column()

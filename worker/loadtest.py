@@ -38,7 +38,7 @@ from producer.api import Producer
 from producer.clitools import CONTEXT_SETTINGS
 from producer.synthetic import generate_tickets
 from ticketq.names import RESULTS_STREAM
-from worker.procs import free_port, running_worker, scrape
+from worker.procs import free_port, model_info, running_worker, scrape
 from worker.settings import Settings
 
 DEFAULT_RATES = (0.5, 0.8, 1.0, 1.2)
@@ -259,7 +259,10 @@ def run(options: Options) -> Report:
     try:
         with running_worker(env, Path(tempfile.gettempdir(), f"{queue}-worker.log")) as worker:
             model = "null-classifier" if options.null else env["TICKETQ_MODEL"]
-            return run_rates(producer, worker.metrics_url, texts, model, options)
+            report = run_rates(producer, worker.metrics_url, texts, model, options)
+            ran = model_info(worker.metrics())  # what the worker's `auto` settings chose on this machine
+            report.machine["worker"] = {k: ran[k] for k in ("dtype", "device", "matmul") if k in ran}
+            return report
     finally:
         producer.redis.delete(queue)
         producer.close()
@@ -368,8 +371,10 @@ def loadtest(
 
 def write_report(report: Report, options: Options) -> None:
     """The summary line and the table on stdout; JSON, Markdown and the chart where asked."""
+    ran = report.machine.get("worker") or {}
+    runs = f" ({'/'.join(ran[k] for k in ('device', 'dtype', 'matmul') if k in ran)})" if ran else ""
     print(f"capacity {report.capacity_per_s:.2f} items/s ({'measured' if report.capacity_measured else 'given'}), "
-          f"model {report.model}, load average {report.machine.get('loadavg_at_end')}")  # fmt: skip
+          f"model {report.model}{runs}, load average {report.machine.get('loadavg_at_end')}")  # fmt: skip
     print(markdown(report))
     if options.json:
         options.json.write_text(json.dumps(asdict(report), indent=2) + "\n")

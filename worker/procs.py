@@ -60,6 +60,14 @@ def parse_metrics(text: str) -> dict[str, float]:
     return samples
 
 
+def model_info(metrics: dict[str, float]) -> dict[str, str]:
+    """The labels of a worker's `ticketq_model_info` series in `parse_metrics` output (what it runs:
+    model, dtype, device, matmul), {} when there is none."""
+    key = next((key for key in metrics if key.startswith("ticketq_model_info{")), "")
+    labels = key.removeprefix("ticketq_model_info{").removesuffix("}")
+    return dict(pair.split("=", 1) for pair in labels.split(",") if "=" in pair)
+
+
 def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
     """Poll `predicate` until truthy and return its value; TimeoutError naming `what` after `timeout` s."""
     deadline = time.monotonic() + timeout

@@ -2,11 +2,13 @@
 
     .venv/bin/python docs/bench/gemm_ceiling.py [threads]
 
-Times torch's float32 GEMMs on the shapes of one Qwen2.5-0.5B decoder layer (q, k, v, o, gate,
-up, down projections) for M token rows, best of 5, and a large square GEMM as the machine's
-practical peak. Prints GFLOPS per M and what one token of the whole model costs at that speed
-(2 x parameters FLOPs per token, attention left out), i.e. the most tokens/s any float32 path
-that computes every token could reach, to hold beside `ticketq bench`'s tokens/s column.
+Times float32 GEMMs on the shapes of one Qwen2.5-0.5B decoder layer (q, k, v, o, gate, up, down
+projections) for M token rows, best of 5, through torch's default `linear` (MKL) and through
+oneDNN on prepacked weights (`worker.engine.PackedLinear`, what `TICKETQ_MATMUL=onednn` runs), and
+a large square GEMM as the machine's practical peak for torch's default. Prints GFLOPS per M and
+what one token of the whole model costs at that speed (2 x parameters FLOPs per token, attention
+left out), i.e. the most tokens/s any float32 path that computes every token could reach, to hold
+beside `ticketq bench`'s tokens/s column.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from worker.engine import PackedLinear
 
 
 def best_seconds(fn, repeats: int = 5) -> float:
@@ -43,21 +47,28 @@ def main() -> None:
     print(f"machine: {platform.processor() or platform.machine()}, {' '.join(flags)}, {os.cpu_count()} cores, "
           f"{threads} torch threads, torch {torch.__version__}, load average {os.getloadavg()[0]:.2f}")  # fmt: skip
     print(f"decoder linear layers: {params / 1e6:.0f} M parameters = {2 * params / 1e9:.2f} GFLOP per token\n")
-    print("| token rows M | one layer's 7 GEMMs, ms | GFLOPS | tokens/s at that speed (linear layers only) |")
-    print("|---|---|---|---|")
-    for rows in (64, 128, 256, 512, 1024):
-        x = torch.randn(rows, hidden)
-        h = torch.randn(rows, inter)
+    linears = [torch.nn.Linear(inp, out, bias=False).requires_grad_(False) for out, inp in shapes]
+    for linear, weight in zip(linears, weights, strict=True):
+        linear.weight.copy_(weight)
+    kernels = {"torch (MKL)": linears}
+    if PackedLinear.available():
+        kernels["oneDNN, prepacked"] = [PackedLinear(linear) for linear in linears]
+    print("| kernel | token rows M | one layer's 7 GEMMs, ms | GFLOPS | tokens/s at that speed (linear layers only) |")
+    print("|---|---|---|---|---|")
+    for name, modules in kernels.items():
+        for rows in (64, 128, 256, 512, 1024):
+            x = torch.randn(rows, hidden)
+            h = torch.randn(rows, inter)
 
-        def layer(x=x, h=h) -> None:
-            with torch.inference_mode():
-                for w in weights[:-1]:
-                    torch.nn.functional.linear(x, w)
-                torch.nn.functional.linear(h, weights[-1])
+            def layer(x=x, h=h, modules=modules) -> None:
+                with torch.inference_mode():
+                    for module in modules[:-1]:
+                        module(x)
+                    modules[-1](h)
 
-        seconds = best_seconds(layer)
-        gflops = 2 * rows * params / layers / seconds / 1e9
-        print(f"| {rows} | {seconds * 1e3:.2f} | {gflops:.0f} | {gflops * 1e9 / (2 * params):.0f} |")
+            seconds = best_seconds(layer)
+            gflops = 2 * rows * params / layers / seconds / 1e9
+            print(f"| {name} | {rows} | {seconds * 1e3:.2f} | {gflops:.0f} | {gflops * 1e9 / (2 * params):.0f} |")
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     seconds = best_seconds(lambda: torch.mm(a, b))
     print(f"\nsquare 2048 x 2048 x 2048 GEMM: {2 * 2048**3 / seconds / 1e9:.0f} GFLOPS")
