@@ -148,7 +148,7 @@ class PackedLinear(torch.nn.Module):
     """An `nn.Linear` whose float32 weight is prepacked for oneDNN's matmul (`mkldnn::_linear_pointwise`).
 
     torch's float32 `linear` goes to MKL's GEMM, which on some AMD CPUs runs well below the
-    machine's AVX-512 peak (measured on a Zen 5 EPYC: 150-210 GFLOPS against oneDNN's 360-480 on
+    machine's AVX-512 peak (measured on a Zen 5 EPYC: 160-210 GFLOPS against oneDNN's 400-480 on
     the decoder's shapes); oneDNN picks its kernels by CPU features. The same float32 arithmetic,
     summed in another order (|difference| ~1e-6 relative). The packed weight is an opaque oneDNN
     tensor that replaces the dense one (no second copy); `to_linear` unpacks it.
