@@ -359,12 +359,16 @@ def test_batch_reports_padding_as_computed_from_the_plan(tiny_engine, corpus, cl
 
 
 def test_tickets_arriving_between_forwards_join_the_plan(tiny_engine, corpus, references):
-    """`more()` after each forward: what arrived is planned with what waits, every answer exact."""
+    """`more()` before the first forward and after each one: what arrived is planned with what
+    waits, every answer exact."""
     first, later = corpus[:20], corpus[20:]
-    arrivals = [later[:7], [], later[7:30], later[30:]]  # one arrival list per forward, then nothing
+    arrivals = [later[:7], [], later[7:30], later[30:]]  # one arrival list per call, then nothing
     streamed: dict[int, Prediction] = {}
+    computed_at_first_call: list[int] = []
 
     def more() -> list[str]:
+        if not computed_at_first_call:
+            computed_at_first_call.append(len(streamed))
         return arrivals.pop(0) if arrivals else []
 
     def on_predictions(indices, predictions) -> None:
@@ -373,6 +377,7 @@ def test_tickets_arriving_between_forwards_join_the_plan(tiny_engine, corpus, re
 
     predictions, reports = tiny_engine.classify(first, on_predictions=on_predictions, more=more)
     assert not arrivals, "more() was asked after every forward"
+    assert computed_at_first_call == [0], "what waits when the job starts joins the first forward's plan"
     assert len(predictions) == len(corpus) and sorted(streamed) == list(range(len(corpus)))
     assert all(streamed[i] is p for i, p in enumerate(predictions))
     assert sum(r.rows for r in reports) == len(corpus)

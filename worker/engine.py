@@ -527,9 +527,9 @@ class Engine:
 
         `on_predictions(indices, predictions)` gets each forward batch's answers as soon as that
         batch is computed (indices into `texts`), so a server can publish them without waiting
-        for the rest of the plan. `more()`, asked after every forward, returns tickets that
-        arrived meanwhile: they join the ones not yet computed and the rest is planned again, so
-        every forward is chosen from everything waiting at its start. Their indices follow
+        for the rest of the plan. `more()`, asked before the first forward and after every one,
+        returns tickets that arrived meanwhile: they join the ones not yet computed and the rest is
+        planned again, so every forward is chosen from everything waiting at its start. Their indices follow
         `texts` (the first one returned is `len(texts)`), and so do their predictions.
         """
         encoded = self.encode(texts)
@@ -547,7 +547,14 @@ class Engine:
         batches = list((plan or self.plan(encoded)).batches)
         results: list[Prediction | None] = [None] * len(encoded)
         reports = []
-        while batches:
+        arrived = more() if more else ()  # what came while the caller set up: the first forward sees it too
+        while True:
+            if arrived:
+                encoded.extend(self.encode(arrived))
+                results.extend([None] * len(arrived))
+                batches = self._replan(encoded, batches, range(len(encoded) - len(arrived), len(encoded)))
+            if not batches:
+                break
             batch = batches.pop(0)
             start = time.perf_counter()
             predictions = self.forward_batch([encoded[i] for i in batch.indices], width=batch.width)
@@ -560,10 +567,6 @@ class Engine:
             if on_predictions:
                 on_predictions(batch.indices, predictions)
             arrived = more() if more else ()
-            if arrived:
-                encoded.extend(self.encode(arrived))
-                results.extend([None] * len(arrived))
-                batches = self._replan(encoded, batches, range(len(encoded) - len(arrived), len(encoded)))
         assert all(r is not None for r in results), "the plan must cover every ticket"
         return results, reports  # type: ignore[return-value]
 
