@@ -22,7 +22,7 @@ from worker.results import BatchReport, Prediction
 
 POISON_MARKER_ENV = "TICKETQ_TEST_POISON_MARKER"
 DELAY_ENV = "TICKETQ_TEST_DELAY_S"
-COMMAND = [os.path.abspath(__file__)]  # run with sys.executable instead of `-m worker.cli worker`
+COMMAND = [os.path.abspath(__file__)]  # run with sys.executable instead of `-m worker.tools.cli worker`
 
 log = logging.getLogger("worker.faults")
 

@@ -1,4 +1,4 @@
-"""Unit tests for worker.batching: planners, padding arithmetic, cost model fit. No torch."""
+"""Unit tests for worker.engine.batching: planners, padding arithmetic, cost model fit. No torch."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from worker.batching import (
+from worker.engine.batching import (
     Batch,
     CostModel,
     Plan,

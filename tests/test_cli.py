@@ -24,8 +24,8 @@ from workers import ROOT, null_classifier_service
 
 from producer.cli import app as produce_app
 from producer.clitools import EXIT_FAILED, EXIT_NOTHING, EXIT_USAGE, command
-from worker.cli import cli as ticketq_app
 from worker.settings import Settings
+from worker.tools.cli import cli as ticketq_app
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 
@@ -35,7 +35,7 @@ def run(args: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT, ti
     clean = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
     clean.update({"PYTHONUNBUFFERED": "1", "COLUMNS": "80", **(env or {})})
     program, *rest = args
-    module = {"ticketq": "worker.cli", "ticketq-produce": "producer.cli"}[program]
+    module = {"ticketq": "worker.tools.cli", "ticketq-produce": "producer.cli"}[program]
     return subprocess.run([sys.executable, "-m", module, *rest], env=clean, cwd=cwd, capture_output=True,
                           text=True, timeout=timeout)  # fmt: skip
 
@@ -263,9 +263,9 @@ def test_demo_report_names_the_dtype_and_the_time_to_first_result():
     from prometheus_client import CollectorRegistry, generate_latest
     from rich.console import Console
 
-    from worker.demo import report
     from worker.metrics import Metrics
-    from worker.procs import parse_metrics
+    from worker.tools.demo import report
+    from worker.tools.procs import parse_metrics
 
     registry = CollectorRegistry()  # the worker's exposition, parsed as the demo parses /metrics
     worker_metrics = Metrics(registry)

@@ -133,7 +133,7 @@ def test_reasons_are_the_stored_strings():
 
 @pytest.mark.parametrize("text", [None, 42, b"bytes", "", "  \n", "lone \ud800"])
 def test_the_engine_refuses_exactly_what_the_contract_refuses(text):
-    from worker.prompt import InvalidTicket, canonical_text  # plain Python: no torch
+    from worker.engine.prompt import InvalidTicket, canonical_text  # plain Python: no torch
 
     with pytest.raises(TicketRejected) as expected:
         check_text(text)
@@ -144,7 +144,7 @@ def test_the_engine_refuses_exactly_what_the_contract_refuses(text):
 
 
 def test_the_engine_strips_what_the_contract_keeps():
-    from worker.prompt import canonical_text
+    from worker.engine.prompt import canonical_text
 
     assert canonical_text("  refund please \n") == "refund please"
 
@@ -220,7 +220,8 @@ def test_offline_classify_refuses_an_oversize_ticket_like_the_queue(tmp_path):
     """A 100,000-character ticket used to be truncated and classified offline; now it is `oversize` everywhere."""
     (tmp_path / "t.jsonl").write_text(json.dumps({"id": "long", "text": "refund " * 14_286}) + "\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
-    done = subprocess.run([sys.executable, "-m", "worker.cli", "classify", "t.jsonl", "-o", "r.jsonl", "--no-progress"],
+    done = subprocess.run([sys.executable, "-m", "worker.tools.cli", "classify", "t.jsonl", "-o", "r.jsonl",
+                           "--no-progress"],
                           cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]

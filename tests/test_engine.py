@@ -16,9 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from producer.synthetic import awkward_texts, generate_tickets
-from worker import batching
-from worker.engine import Engine, ModelNotFound, PackedLinear, _cache_tensors, load_model
-from worker.prompt import InvalidTicket, system_text
+from worker.engine import Engine, ModelNotFound, batching
+from worker.engine.kernels import PackedLinear
+from worker.engine.loading import cache_tensors, load_model
+from worker.engine.prompt import InvalidTicket, system_text
 from worker.results import Prediction, padding_ratio
 from worker.settings import DEFAULT_SYSTEM_PROMPT
 
@@ -176,7 +177,7 @@ def test_prefix_cache_matches_a_fresh_prefix_run(tiny_engine):
     ids = torch.tensor([engine.prompt.prefix_ids])
     with torch.inference_mode():
         out = engine.decoder(input_ids=ids, use_cache=True)
-    fresh = _cache_tensors(out.past_key_values)
+    fresh = cache_tensors(out.past_key_values)
     assert len(fresh) == len(engine._prefix_kv)
     for (k, v), (k0, v0) in zip(fresh, engine._prefix_kv, strict=True):
         torch.testing.assert_close(k, k0, rtol=0, atol=1e-6)
@@ -420,7 +421,7 @@ def test_directory_without_a_model_raises_model_not_found(offline, tmp_path):
 
 
 def test_auto_dtype_takes_bfloat16_only_where_it_measures_faster(monkeypatch):
-    from worker import engine as engine_module
+    from worker.engine import kernels as engine_module
 
     cpu = torch.device("cpu")
     assert engine_module.resolve_dtype("float32", cpu) is torch.float32
@@ -435,7 +436,7 @@ def test_auto_dtype_takes_bfloat16_only_where_it_measures_faster(monkeypatch):
 
 
 def test_bf16_probe_measures_a_real_ratio():
-    from worker.engine import bf16_matmul_speedup
+    from worker.engine.kernels import bf16_matmul_speedup
 
     speedup = bf16_matmul_speedup(rows=16, reps=1)
     assert math.isfinite(speedup) and speedup > 0
@@ -467,7 +468,7 @@ def test_int8_layout_per_channel_with_down_proj_in_float32(int8_engine):
     """The measured variant (docs/bench/int8-variants.md): per-channel int8, the MLP's down projection float32."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
 
-    from worker.engine import PackedLinear
+    from worker.engine.kernels import PackedLinear
 
     layers = int8_engine.decoder.layers
     assert all(type(layer.mlp.down_proj) in (torch.nn.Linear, PackedLinear) for layer in layers)  # float32
@@ -479,7 +480,7 @@ def test_int8_layout_per_channel_with_down_proj_in_float32(int8_engine):
 
 def test_int8_full_range_activations_round_finer():
     """8-bit activations must run with this torch and, where the engine uses them (AVX512-VNNI), round finer."""
-    from worker.engine import int8_full_range, quantize_linears_int8
+    from worker.engine.int8 import int8_full_range, quantize_linears_int8
 
     torch.manual_seed(0)
     decoder = torch.nn.Sequential(torch.nn.Linear(256, 256))
@@ -579,7 +580,7 @@ def test_int8_on_a_onednn_model_quantises_the_packed_linears(tiny_settings):
 
 
 def test_matmul_is_chosen_by_measurement_and_refused_where_it_cannot_apply(monkeypatch):
-    from worker import engine as engine_module
+    from worker.engine import kernels as engine_module
 
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="TICKETQ_MATMUL=onednn"):
@@ -604,7 +605,7 @@ def test_matmul_is_chosen_by_measurement_and_refused_where_it_cannot_apply(monke
 
 @needs_onednn
 def test_onednn_probe_measures_a_real_ratio():
-    from worker.engine import onednn_linear_speedup
+    from worker.engine.kernels import onednn_linear_speedup
 
     speedup = onednn_linear_speedup(rows=16, reps=1)
     assert math.isfinite(speedup) and speedup > 0

@@ -1,9 +1,13 @@
-"""The import direction of the redesign: the service's core never imports the tools above it.
+"""The layers, by folder: each imports only the layers below it.
 
-`worker.cli`, `demo`, `offline`, `bench`, `loadtest`, `ops` and `peers` sit above the core and
-the producer; the core (Celery glue, service, engine, transport, store, metrics) must not pull
-them in, nor the producer package: a worker image could then drop them. Checked in a fresh
-interpreter, so nothing imported by another test hides a violation.
+    ticketq/            the contract: names, ticket rules, client settings, codec (no worker, no producer)
+    producer/           the client side: imports the contract only
+    worker/engine/      tensors: imports no Celery glue, no transport, no tools
+    worker/transport/   private names of Celery, kombu, celery-batches, redis-py: no engine, no tools
+    worker/*.py         the service core (Celery glue, service, store, metrics, settings)
+    worker/tools/       CLI, demo, bench, load test, ops, stand-in: above everything, imported by nothing below
+
+Checked in a fresh interpreter per layer, so nothing imported by another test hides a violation.
 """
 
 from __future__ import annotations
@@ -11,10 +15,32 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
-CORE = ["worker.app", "worker.service", "worker.engine", "worker.internals", "worker.store", "worker.metrics"]
-TOOLS = ("worker.cli", "worker.demo", "worker.offline", "worker.bench", "worker.loadtest", "worker.ops",
-         "worker.peers", "worker.procs", "producer")  # fmt: skip
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _modules(folder: str, *, recursive: bool = True) -> list[str]:
+    base = ROOT / folder
+    paths = base.rglob("*.py") if recursive else base.glob("*.py")
+    names = []
+    for path in sorted(paths):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+LAYERS = {
+    "ticketq": (_modules("ticketq"), ("worker", "producer")),
+    "producer": (_modules("producer"), ("worker",)),
+    "worker/engine": (_modules("worker/engine"), ("worker.transport", "worker.tools", "worker.app", "worker.service",
+                                                   "worker.store", "producer", "celery", "kombu")),
+    "worker/transport": (_modules("worker/transport"), ("worker.engine", "worker.tools", "worker.app",
+                                                         "worker.service", "producer", "torch")),
+    "worker (core)": (_modules("worker", recursive=False), ("worker.tools", "producer")),
+}  # fmt: skip
 
 
 def _loaded_after_importing(modules: list[str]) -> set[str]:
@@ -22,19 +48,28 @@ def _loaded_after_importing(modules: list[str]) -> set[str]:
         f"import importlib, json, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
         "print(json.dumps(sorted(sys.modules)))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
     return set(json.loads(out))
 
 
-def test_the_core_imports_no_tool_and_no_producer():
-    loaded = _loaded_after_importing(CORE)
-    offenders = sorted(name for name in loaded if name.startswith(TOOLS))
-    assert offenders == [], f"core modules pulled in tools: {offenders}"
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_each_layer_imports_only_the_layers_below_it(layer):
+    modules, forbidden = LAYERS[layer]
+    assert modules, f"no modules found for {layer}"
+    loaded = _loaded_after_importing(modules)
+    offenders = sorted(name for name in loaded if any(name == f or name.startswith(f + ".") for f in forbidden))
+    assert offenders == [], f"{layer} pulled in {offenders}"
+
+
+def test_every_worker_module_sits_in_a_layer_folder():
+    """The service core is worker/*.py; everything else lives in engine/, transport/ or tools/."""
+    folders = {path.name for path in (ROOT / "worker").iterdir() if path.is_dir() and path.name != "__pycache__"}
+    assert folders == {"engine", "transport", "tools"}, folders
 
 
 def test_importing_worker_app_builds_nothing():
     """No settings read, no app built at import: `celery -A worker.app` builds it on first access."""
     code = "import worker.app as m; print('_default_app' in vars(m) and m._default_app is None)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
                          env={"PATH": "/usr/bin:/bin", "TICKETQ_BATCH_WINDOW": "not-a-number"}).stdout  # fmt: skip
     assert out.strip() == "True", "importing worker.app with invalid settings must not fail: nothing is read"

@@ -102,7 +102,7 @@ def service(tmp_path_factory):
 def ticketq(args: list[str], url: str, queue: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
     env.update(TICKETQ_BROKER_URL=url, TICKETQ_QUEUE=queue)
-    return subprocess.run([sys.executable, "-m", "worker.cli", *args], env=env, cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "worker.tools.cli", *args], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=60)  # fmt: skip
 
 

@@ -44,8 +44,8 @@ from producer.api import Producer
 from producer.synthetic import generate_tickets
 from ticketq import names
 from worker import store
-from worker.procs import WORKER_COMMAND
 from worker.settings import Settings
+from worker.tools.procs import WORKER_COMMAND
 
 pytestmark = pytest.mark.integration
 
@@ -414,7 +414,7 @@ def test_message_fetched_just_before_redis_dies_is_requeued_on_reconnect(redis_s
     queue before it fetches, and it is delivered. Stock kombu dropped it."""
     from kombu import Consumer, Queue
 
-    from worker import internals
+    from worker.transport import fetch as internals
 
     queue = Queue("pop-window")
     received: list[dict] = []
@@ -457,7 +457,7 @@ def test_one_fetch_takes_the_prefetch_room_and_records_it_before_delivering(redi
     kombu consumer) an ack removes its record at once."""
     from kombu import Consumer, Queue
 
-    from worker import internals
+    from worker.transport import fetch as internals
 
     queue = Queue("fetch-batch")
     client = redis_server.client()
@@ -488,7 +488,7 @@ def test_an_unrecordable_message_in_a_fetched_batch_is_refused_alone(redis_serve
     with its raw bytes; the messages fetched with it are recorded and delivered."""
     from kombu import Consumer, Queue
 
-    from worker import internals
+    from worker.transport import fetch as internals
 
     queue = Queue("fetch-bad-tag")
     client = redis_server.client()
@@ -966,7 +966,7 @@ def test_password_in_url_works_and_wrong_password_fails_fast(tmp_path, workers):
                             (server.url.replace(":s3cret-pw@", ""), "refused the credentials")):  # fmt: skip
             env = {**null_env(server), "TICKETQ_BROKER_URL": url}
             started = time.monotonic()
-            done = subprocess.run([sys.executable, "-m", "worker.cli", "worker"], env=env, cwd=ROOT,
+            done = subprocess.run([sys.executable, "-m", "worker.tools.cli", "worker"], env=env, cwd=ROOT,
                                   capture_output=True, text=True, timeout=60)  # fmt: skip
             elapsed = time.monotonic() - started
             output = done.stdout + done.stderr
@@ -1044,7 +1044,7 @@ def test_worker_refuses_unsafe_queue_settings(extra, names):
     # No Redis needed: the settings are rejected before anything connects.
     env = worker_env(None, "redis://127.0.0.1:1/0", QUEUE, TICKETQ_NULL_CLASSIFIER="1", **extra)
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "worker.cli", "worker"], env=env, cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "worker.tools.cli", "worker"], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     elapsed = time.monotonic() - started
     output = done.stdout + done.stderr

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from producer.synthetic import generate_tickets
 from worker.engine import Engine
-from worker.prompt import PromptTemplate
+from worker.engine.prompt import PromptTemplate
 
 TRAIN_SEED, HELDOUT_SEED = 101, 202
 STEPS, BATCH, MAX_LR = 150, 16, 5e-3

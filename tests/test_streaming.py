@@ -313,13 +313,13 @@ def test_requests_arriving_between_forwards_join_the_job_and_are_acked_as_answer
 
 
 def test_a_running_job_takes_held_requests_and_acks_each_once_its_result_is_out(monkeypatch):
-    """The protocol between worker.internals.Batches and the service, with a pool that runs jobs inline."""
+    """The protocol between worker.transport.batches.Batches and the service, with a pool that runs jobs inline."""
     from types import SimpleNamespace
 
     import celery_batches
     from celery.concurrency.thread import TaskPool
 
-    from worker import internals
+    from worker.transport import batches as transport_batches
 
     acked: list[str] = []
 
@@ -338,7 +338,7 @@ def test_a_running_job_takes_held_requests_and_acks_each_once_its_result_is_out(
             accept_callback(0, 0.0)
             callback(target(*args))
 
-    batches = internals.Batches()
+    batches = transport_batches.Batches()
     batches._pool = InlinePool()
     jobs: list[list[str]] = []
 
@@ -378,7 +378,7 @@ def test_flushes_held_while_the_model_is_busy_become_one_job(client, tmp_path):
     from workers import worker_env
 
     from producer.api import Producer
-    from worker.procs import WorkerProcess
+    from worker.tools.procs import WorkerProcess
 
     queue = f"stream-held-{uuid.uuid4().hex[:8]}"
     env = worker_env(None, REDIS_URL, queue, TICKETQ_BATCH_WINDOW="4", TICKETQ_MAX_WAIT_MS="20",

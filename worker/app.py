@@ -30,12 +30,12 @@ from ticketq import codec
 from ticketq.connections import RedisUnavailable, connect, redis_client
 from ticketq.contract import DEAD_LETTER_REASONS, Reason, TicketRejected
 from ticketq.names import TASK_CLASSIFY
-from worker import internals
 from worker.metrics import Metrics
 from worker.nullclassifier import NullClassifier
 from worker.service import Classifier, TicketService
 from worker.settings import Settings, load_settings
 from worker.store import Outbox, raw_entry
+from worker.transport import batches, guards
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class Runtime:
     def start(self) -> TicketService:
         """Check the libraries and Redis, build the classifier, serve metrics: the worker's start-up."""
         settings = self.settings
-        internals.check_versions()
+        guards.check_versions()
         client = preflight(settings)
         metrics = Metrics()
         classifier = self.classifier_factory(settings)
@@ -95,7 +95,7 @@ def build_classifier(settings: Settings) -> Classifier:
     except ModelNotFound as exc:
         raise ModelNotReady(str(exc)) from None
     if settings.autotune:
-        from worker.autotune import autotune
+        from worker.engine.autotune import autotune
 
         autotune(engine, budget_s=settings.autotune_s)
     info = engine.info
@@ -113,8 +113,8 @@ def create_app(settings: Settings, classifier_factory: ClassifierFactory | None 
     codec.install()
     app = Celery("ticketq", broker=settings.broker_url, backend=settings.backend_url)
     app.ticketq_runtime = Runtime(settings, classifier_factory)
-    if settings.fetch == "atomic":  # pop and record in one Redis step; see worker/internals.py
-        app.conf.broker_transport = "worker.internals:Transport"
+    if settings.fetch == "atomic":  # pop and record in one Redis step; see worker/transport/fetch.py
+        app.conf.broker_transport = "worker.transport:Transport"
     transport = {"visibility_timeout": settings.visibility_timeout_s}
     broker_transport = {
         **transport,
@@ -151,7 +151,7 @@ def create_app(settings: Settings, classifier_factory: ClassifierFactory | None 
     )
     app.task(
         name=TASK_CLASSIFY,
-        base=internals.Batches,
+        base=batches.Batches,
         bind=True,
         flush_every=settings.batch_window,
         flush_interval=settings.max_wait_ms / 1000,
@@ -192,7 +192,7 @@ def classify_batch(task, requests: list) -> None:
     runtime = runtime_of(task.app)
     if runtime.service is None:  # a worker started without worker_init (e.g. eager tests)
         runtime.start()
-    feed = task if isinstance(task, internals.Batches) else None  # requests between forwards; acks per result
+    feed = task if isinstance(task, batches.Batches) else None  # requests between forwards; acks per result
     runtime.service.process(requests, task.backend, feed)
 
 
@@ -278,7 +278,7 @@ class DeadLetterConsumer(Consumer):
         # event heartbeat publishes from the consumer's event loop every 2 s and retries until the
         # broker answers, so a Redis outage that began just before it held the loop: the consumer
         # never saw the outage, never reconnected, and fetched nothing until Redis was back (a CI
-        # run caught it). A worker's liveness is its lease (worker.internals) and its /metrics.
+        # run caught it). A worker's liveness is its lease (worker.transport.lease) and its /metrics.
         default_steps = [s for s in Consumer.Blueprint.default_steps if not s.endswith(":Heart")]  # noqa: RUF012
 
     def on_ready(self) -> None:
@@ -286,7 +286,7 @@ class DeadLetterConsumer(Consumer):
         # asynloop calls on_ready after every (re)connect; the flush timer did not survive it.
         task = self.app.tasks.get(TASK_CLASSIFY)
         if isinstance(task, Batches):
-            internals.rearm_flush_timer(task, self.timer)
+            batches.rearm_flush_timer(task, self.timer)
 
     def create_task_handler(self, *args, **kwargs):
         on_task_received = super().create_task_handler(*args, **kwargs)

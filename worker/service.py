@@ -12,7 +12,7 @@ backend, attempts keys) in pipelined round trips, instead of after the whole buf
 message's backend result is written once its last ticket is done.
 
 Between two forwards the running job takes the requests that arrived meanwhile from its `Feed`
-(`worker.internals.Batches`): they are triaged and validated like the first ones and join the
+(`worker.transport.batches.Batches`): they are triaged and validated like the first ones and join the
 engine's plan, so every forward is chosen from everything waiting at its start. A message is
 acknowledged through the feed as soon as its result is out, not when the job ends.
 """

@@ -17,18 +17,18 @@ consuming channel, host:pid:random):
 - `celery-task-meta-<task>` (string, also PUBLISHed) — Celery's result in Celery's own format:
   what `AsyncResult.get()` waits on. `Outbox.store_successes`, `Outbox.mark_failed`.
 - `ticketq:fetching:<consumer>:<queue>` (list) — a message between its pop and its unacked
-  record. worker.internals (fetch, recovery).
-- `ticketq:owned:<consumer>` (set) — delivery tags one consumer holds unacked. worker.internals
+  record. worker.transport.fetch (fetch), .lease (recovery).
+- `ticketq:owned:<consumer>` (set) — delivery tags one consumer holds unacked. worker.transport.fetch
   (fetch, ack, recovery).
 - `ticketq:alive:<consumer>` (string, TTL = TICKETQ_LEASE_S) — exists while the consumer beats:
-  its lease. worker.internals (lease thread).
+  its lease. worker.transport.lease.
 - `ticketq:consumers` (hash) — consumer -> {host, pid, queues, since}: whom recovery checks.
-  worker.internals (lease thread, recovery).
+  worker.transport.lease.
 - `unacked`, `unacked_index` (hash, zset) — kombu's own record of delivered, unacknowledged
-  messages. kombu, through worker.internals.QoS.
+  messages. kombu, through worker.transport.fetch.QoS.
 
 The fetch keys are written inside kombu's channel and QoS objects (their MULTI blocks must share
-kombu's pipelines), so that code stays in worker.internals; their names live here with the rest.
+kombu's pipelines), so that code stays in worker.transport; their names live here with the rest.
 
 Every write here is idempotent or counted, so a re-executed message never publishes twice, and
 goes through `Outbox.retrying`, which rides out a Redis restart for up to TICKETQ_WORST_BATCH_S.

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from worker.engine import PackedLinear
+from worker.engine.kernels import PackedLinear
 
 
 def best_seconds(fn, repeats: int = 5) -> float:

@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 
 from producer.synthetic import generate_tickets
-from worker.engine import Engine, _full_range_dynamic_linear, quantize_linears_int8
+from worker.engine import Engine
+from worker.engine.int8 import _full_range_dynamic_linear, quantize_linears_int8
 from worker.results import Prediction
 from worker.settings import Settings
 

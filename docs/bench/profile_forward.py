@@ -81,7 +81,7 @@ def breakdown(engine: Engine, rows, width: int, reps: int = 3) -> dict[str, floa
 
 def llama_cpp_rate(engine: Engine, width: int) -> float | None:
     try:
-        from worker.peers import LlamaCppScorer, PeerUnavailable, gguf_model
+        from worker.tools.peers import LlamaCppScorer, PeerUnavailable, gguf_model
     except ImportError:
         return None
     from pathlib import Path
@@ -119,7 +119,7 @@ def main() -> None:
             print(f"  {key:<20} {seconds * 1e3:7.1f} ms  {seconds / wall:6.1%}")
     print("\nsingle sequence after the cached prefix, tokens/s (best of 3):")
     token = engine.prompt.encode("hello").ids[0]
-    from worker.prompt import EncodedTicket
+    from worker.engine.prompt import EncodedTicket
 
     for w in (32, 74, 128):
         row = EncodedTicket(ids=(token,) * w, ticket_tokens=w, truncated=False)

@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from worker.prompt import EncodedTicket, PromptTemplate
+from worker.engine.prompt import EncodedTicket, PromptTemplate
 from worker.results import BatchReport, Prediction
 
 GGUF_TYPES = ("f32", "q8_0")

@@ -1,6 +1,6 @@
 """`ticketq bench` on the command line (typer): the options and their help, and the exit status.
 
-`worker/cli.py` forwards `ticketq bench ARGS` to `main(ARGS)`, so that `ticketq` itself starts
+`worker/tools/cli.py` forwards `ticketq bench ARGS` to `main(ARGS)`, so that `ticketq` itself starts
 without loading the benchmark; nothing here imports torch (`--help` stays instant).
 """
 
@@ -18,9 +18,9 @@ from rich.console import Console
 from rich.markup import escape
 
 from producer.clitools import CONTEXT_SETTINGS, EXIT_FAILED, EXIT_OK, EXIT_USAGE
-from worker.bench.records import DEFAULT_MODES, DEFAULTS, MODES, QUICK, Options
-from worker.bench.report import make_header, print_report, strict_failure, summarise, write_outputs
-from worker.bench.runner import load_tickets, run_modes, setup
+from worker.tools.bench.records import DEFAULT_MODES, DEFAULTS, MODES, QUICK, Options
+from worker.tools.bench.report import make_header, print_report, strict_failure, summarise, write_outputs
+from worker.tools.bench.runner import load_tickets, run_modes, setup
 
 PROG = "ticketq bench"
 DESCRIPTION = (

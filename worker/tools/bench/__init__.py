@@ -15,7 +15,7 @@ this process (warm-up first, torch threads set once):
 - `ticketq-queue` the same end to end: Redis, a real worker process, the producer API.
 - `llama-cpp`     the CPU peer: llama.cpp (llama-cpp-python) on the same model in GGUF f32,
                   prompt cache, one ticket at a time, label from the answer-position logits.
-- `llama-cpp-q8`  the same in GGUF q8_0 (llama.cpp's 8-bit weights). Both opt-in, `worker.peers`.
+- `llama-cpp-q8`  the same in GGUF q8_0 (llama.cpp's 8-bit weights). Both opt-in, `worker.tools.peers`.
 
 Per mode: items/s, speedup over `sequential`, padding ratio (pad / tokens actually computed, so
 the full-prompt modes count the prefix they re-run), agreement with `sequential`, max |Δprob|,
@@ -27,7 +27,7 @@ Modules, each one job:
 - `cli`        the typer command: options and help, `Options` built, the exit status.
 - `records`    plain records shared by the others: mode names, `Options`, `Answer`, `ModeResult`.
 - `runner`     set-up (tickets, settings, engine, autotune) and how each mode runs and is timed,
-               the queue mode's worker process included (`worker.procs`).
+               the queue mode's worker process included (`worker.tools.procs`).
 - `baselines`  sequential, full-prompt batches and generate: calls into the engine's scoring
                (`Engine.reference`, `Engine.full_prompt_batch`, `Engine.generate`), no tensors.
 - `report`     statistics per mode, the run's header, the table, Markdown, JSON and the chart.

@@ -20,7 +20,7 @@ DEFAULTS = {"tickets": 600, "batch_size": 16, "warmup": 4, "autotune_s": 20.0}
 
 @dataclass(frozen=True)
 class Options:
-    """One run as the command line asked for it, every default resolved (`worker.bench.cli` builds it)."""
+    """One run as the command line asked for it, every default resolved (`worker.tools.bench.cli` builds it)."""
 
     model: str | None = None  # None: the TICKETQ_* settings decide
     dtype: str | None = None

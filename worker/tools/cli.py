@@ -87,7 +87,7 @@ def standin(
     seed: Annotated[int, typer.Option(help="Weight seed: same seed, same bytes.")] = 0,
 ) -> None:
     """Build a Qwen2.5-0.5B-Instruct stand-in: real tokenizer and architecture, random weights (labels meaningless)."""
-    from worker.standin import STANDIN_NOTE, build
+    from worker.tools.standin import STANDIN_NOTE, build
 
     if size not in ("full", "tiny"):
         raise typer.BadParameter("size must be 'full' or 'tiny'")
@@ -129,7 +129,7 @@ def classify(
 
 def _classify(settings, source, progress: bool):
     """Load the model (only when there is something to classify) and classify the file."""
-    from worker.offline import Summary, classify_file
+    from worker.tools.offline import Summary, classify_file
 
     if not source.tickets:
         return Summary(rows=source.results_in_order([]))
@@ -166,7 +166,7 @@ def demo(
     seed: Annotated[int, typer.Option(help="Synthetic ticket seed.")] = 0,
 ) -> None:
     """End to end: model (or the full stand-in), a worker on local Redis, N tickets, figures."""
-    from worker.demo import run_demo
+    from worker.tools.demo import run_demo
 
     _logging()
     raise typer.Exit(run_demo(tickets, seed, console))
@@ -205,7 +205,7 @@ def config(markdown: Annotated[bool, typer.Option(help="Print a Markdown table (
 )
 def bench(ctx: typer.Context) -> None:
     """The benchmark table: every mode side by side on the same tickets (`ticketq bench --help`)."""
-    from worker.bench.cli import main as bench_main  # its own typer command: options and help live there
+    from worker.tools.bench.cli import main as bench_main  # its own typer command: options and help live there
 
     raise typer.Exit(bench_main(ctx.args))
 
@@ -215,7 +215,7 @@ def bench(ctx: typer.Context) -> None:
 )
 def loadtest(ctx: typer.Context) -> None:
     """Open-loop load test: Poisson arrivals at fractions of capacity, latency vs load (`ticketq loadtest --help`)."""
-    from worker.loadtest import main as loadtest_main
+    from worker.tools.loadtest import main as loadtest_main
 
     raise typer.Exit(loadtest_main(ctx.args))
 
@@ -229,7 +229,7 @@ cli.add_typer(dead, name="dead")
 def _ops():
     """The operator commands' Ops on a broker that answers (else one line naming it), closed after."""
     from producer.api import BrokerUnavailable
-    from worker.ops import Ops
+    from worker.tools.ops import Ops
 
     ops = Ops(_settings())
     try:
@@ -287,7 +287,7 @@ def dead_requeue(
     reason: Annotated[str | None, typer.Option(help="Every dead letter with this reason.")] = None,
 ) -> None:
     """Re-send dead letters with their original task id (a ticket of a pack: <task id>:<slot>)."""
-    from worker.ops import NotRequeueable
+    from worker.tools.ops import NotRequeueable
 
     if not keys and not reason:
         _fail("name dead letters to requeue (entry or task ids) or pass --reason")

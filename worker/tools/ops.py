@@ -71,7 +71,7 @@ class Ops:
         }
 
     def leases(self) -> dict[str, int]:
-        """Consumers of the atomic fetch (worker.internals): holding a lease, or expired and awaiting
+        """Consumers of the atomic fetch (worker.transport): holding a lease, or expired and awaiting
         recovery by a live worker (their messages go back to the queue within a lease period)."""
         names = self.redis.hkeys(store.CONSUMERS_KEY)
         pipe = self.redis.pipeline(transaction=False)

@@ -1,14 +1,12 @@
-"""The classification engine: the only module that touches tensors.
-
-One model replica, a prompt whose prefix KV cache is computed once, and two ways to classify:
+"""`Engine`: one model replica, a prompt whose prefix KV cache is computed once, and two ways to classify:
 
 - `classify` — the optimised path: tickets planned into length-sorted batches under a token
-  budget (`worker.batching`), each batch's rows right-padded after the cached prefix, and only
+  budget (`worker.engine.batching`), each batch's rows right-padded after the cached prefix, and only
   the label rows of the LM head evaluated at each row's last real token.
 - `reference` — the obvious path every optimisation is judged against: one ticket at a time,
   the full prompt, no cache, full-vocabulary logits.
 
-Two more exist only as the benchmark's baselines (`worker.bench.baselines`), so that its tensor
+Two more exist only as the benchmark's baselines (`worker.tools.bench.baselines`), so that its tensor
 code lives here too: `full_prompt_batch` (`reference` a padded batch at a time) and `generate`
 (the chat template and `model.generate`, what a newcomer writes).
 
@@ -27,39 +25,31 @@ softmax over the allowed next tokens (exactly what constrained decoding would ch
 
 from __future__ import annotations
 
-import copy
-import ctypes
-import functools
 import inspect
 import json
 import logging
-import os
-import socket
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import torch
 
-from worker import batching
-from worker.prompt import EncodedTicket, PromptTemplate, canonical_text, system_text
+from worker.engine import batching
+from worker.engine.int8 import INT8, quantize_linears_int8
+from worker.engine.kernels import pack_linears, resolve_device, resolve_dtype, resolve_matmul
+from worker.engine.loading import STANDIN_MARKER, cache_class, cache_tensors, load_model
+from worker.engine.prompt import EncodedTicket, PromptTemplate, canonical_text, system_text
 from worker.results import BatchReport, Prediction
 from worker.settings import Settings
-from worker.standin import STANDIN_MARKER
 
 log = logging.getLogger(__name__)
+
 
 
 # on_predictions(indices into the caller's texts, their predictions): one call per forward batch
 PredictionsCallback = Callable[[Sequence[int], list[Prediction]], None]
 MoreCallback = Callable[[], Sequence[object]]  # tickets that arrived since the last call (or the start)
-
-
-class ModelNotFound(RuntimeError):
-    """The model could not be loaded; the message names the stand-in command."""
 
 
 @dataclass(frozen=True)
@@ -69,306 +59,6 @@ class ModelInfo:
     device: str
     dtype: str
     matmul: str = "torch"  # who runs the decoder's float32 linear layers: "torch" (its GEMM) or "onednn"
-
-
-def resolve_device(name: str) -> torch.device:
-    if name != "auto":
-        return torch.device(name)
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
-
-
-def cpu_flags() -> set[str]:
-    """The first CPU's feature flags from /proc/cpuinfo (empty where there is none: not Linux)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return set()
-    return next((set(line.partition(":")[2].split()) for line in lines if line.startswith("flags")), set())
-
-
-def cpu_has_native_bf16() -> bool:
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
-
-
-# bfloat16 must beat float32 by this much on the probe to be worth its rounding on a CPU.
-BF16_MIN_SPEEDUP = 1.25
-
-
-def bf16_matmul_speedup(rows: int = 256, reps: int = 3) -> float:
-    """float32 time / bfloat16 time of one decoder-sized GEMM (Qwen2.5-0.5B's MLP) on this CPU.
-
-    "Native bf16" in /proc/cpuinfo is not enough: some CPUs with AVX-512 BF16 run the model about
-    twice as fast in bfloat16, others (measured here) about twice as slow. A tenth of a second of
-    timing settles it.
-    """
-    timings = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        a = torch.randn(rows, 896).to(dtype)
-        b = torch.randn(896, 4864).to(dtype)
-        a @ b  # warm-up: kernel selection, packing
-        best = float("inf")
-        for _ in range(reps):
-            start = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - start)
-        timings[dtype] = best
-    return timings[torch.float32] / timings[torch.bfloat16]
-
-
-def resolve_dtype(name: str, device: torch.device, matmul: str = "torch") -> torch.dtype:
-    """`auto`: bfloat16 on CUDA; on a CPU, bfloat16 only where it has native bf16 AND measures faster
-    than float32 (through oneDNN too, unless `matmul` is "torch")."""
-    if name != "auto":
-        return getattr(torch, name)
-    if device.type == "cuda":
-        return torch.bfloat16
-    if device.type == "cpu" and cpu_has_native_bf16():
-        speedup = bf16_matmul_speedup()
-        if matmul != "torch" and PackedLinear.available():  # bf16 must beat float32's faster kernel
-            speedup /= max(1.0, onednn_linear_speedup())
-        dtype = torch.bfloat16 if speedup >= BF16_MIN_SPEEDUP else torch.float32
-        log.info(
-            "dtype auto: a bfloat16 GEMM runs %.2fx float32's speed on this CPU -> %s",
-            speedup,
-            str(dtype).removeprefix("torch."),
-        )
-        return dtype
-    return torch.float32
-
-
-# oneDNN must beat torch's float32 GEMM by this much on the probe to be worth packing the weights.
-ONEDNN_MIN_SPEEDUP = 1.15
-
-
-class PackedLinear(torch.nn.Module):
-    """An `nn.Linear` whose float32 weight is prepacked for oneDNN's matmul (`mkldnn::_linear_pointwise`).
-
-    torch's float32 `linear` goes to MKL's GEMM, which on some AMD CPUs runs well below the
-    machine's AVX-512 peak (measured on a Zen 5 EPYC: 160-210 GFLOPS against oneDNN's 400-480 on
-    the decoder's shapes); oneDNN picks its kernels by CPU features. The same float32 arithmetic,
-    summed in another order (|difference| ~1e-6 relative). The packed weight is an opaque oneDNN
-    tensor that replaces the dense one (no second copy); `to_linear` unpacks it.
-    """
-
-    def __init__(self, linear: torch.nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)  # (out, in), blocked
-        self.bias = linear.bias
-
-    @staticmethod
-    def available() -> bool:
-        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-    def to_linear(self) -> torch.nn.Linear:
-        linear = torch.nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
-        linear.weight = torch.nn.Parameter(self.packed.to_dense(), requires_grad=False)
-        if self.bias is not None:
-            linear.bias = self.bias
-        return linear
-
-    def __deepcopy__(self, memo: dict) -> PackedLinear:
-        return self  # read-only, and an opaque tensor cannot be copied: copies of a decoder share it
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
-
-
-def pack_linears(decoder: torch.nn.Module) -> int:
-    """Replace every float32 `nn.Linear` in `decoder` by a `PackedLinear`, in place; how many."""
-    names = [
-        name
-        for name, module in decoder.named_modules()
-        if type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
-    ]
-    for name in names:
-        _replace_module(decoder, name, PackedLinear(decoder.get_submodule(name)))
-        _release_freed_memory()  # else glibc keeps every replaced weight: +1.4 GB RSS on the 0.5B model
-    return len(names)
-
-
-def _replace_module(root: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
-    """Put `module` where `root.get_submodule(name)` was."""
-    parent, _, attr = name.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, attr, module)
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL(None).malloc_trim  # glibc
-    except (OSError, AttributeError):  # another C library: nothing to trim with
-        return None
-
-
-def _release_freed_memory() -> None:
-    """Hand memory freed by Python back to the OS (glibc keeps freed heap chunks of ~17 MB mapped)."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache  # measured once per process: resolve_dtype and resolve_matmul both ask
-def onednn_linear_speedup(rows: int = 256, reps: int = 3) -> float:
-    """torch's float32 `linear` time / oneDNN's on prepacked weights, one decoder-sized GEMM (the MLP's)."""
-    x = torch.randn(rows, 896)
-    linear = torch.nn.Linear(896, 4864, bias=False).requires_grad_(False)
-    packed = PackedLinear(linear)
-    timings = []
-    for layer in (linear, packed):
-        layer(x)  # warm-up: kernel selection
-        best = float("inf")
-        for _ in range(reps):
-            start = time.perf_counter()
-            layer(x)
-            best = min(best, time.perf_counter() - start)
-        timings.append(best)
-    return timings[0] / timings[1]
-
-
-def resolve_matmul(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """Who runs the decoder's float32 linear layers: "torch" or "onednn" (`auto`: measured here)."""
-    applies = device.type == "cpu" and dtype == torch.float32
-    if name == "onednn" and not (applies and PackedLinear.available()):
-        raise ValueError(f"TICKETQ_MATMUL=onednn needs float32 on a CPU with oneDNN, got {dtype} on {device}")
-    if name != "auto" or not applies or not PackedLinear.available():
-        return name if name != "auto" else "torch"
-    speedup = onednn_linear_speedup()
-    choice = "onednn" if speedup >= ONEDNN_MIN_SPEEDUP else "torch"
-    log.info("matmul auto: oneDNN's float32 GEMM runs %.2fx torch's on this CPU -> %s", speedup, choice)
-    return choice
-
-
-INT8 = "int8"  # TICKETQ_DTYPE value: float32 model, int8 decoder linears on the batched path
-# Decoder linears the int8 path keeps in float32: the MLP's down projection reads silu(gate) * up,
-# whose heavy tail makes one per-batch activation scale too coarse (most of the int8 error, measured).
-INT8_FLOAT_LINEARS = ("mlp.down_proj",)
-
-
-def int8_full_range() -> bool:
-    """Whether int8 activations may use all 8 bits: only where the CPU has AVX512-VNNI.
-
-    Without VNNI, fbgemm sums pairs of u8 x s8 products in saturating int16 (vpmaddubsw), which
-    is why torch.ao's dynamic linear quantises activations on 7 bits (`reduce_range=True`); VNNI
-    accumulates in int32, so the 8th bit is free and halves the activation rounding.
-    """
-    return "avx512_vnni" in cpu_flags()
-
-
-@functools.cache
-def _full_range_dynamic_linear() -> type[torch.nn.Module]:
-    """torch.ao's dynamic int8 `Linear` with its activations quantised on 8 bits (`reduce_range=False`)."""
-    from torch.ao.nn.quantized.dynamic import Linear
-
-    class FullRangeDynamicLinear(Linear):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            # the packed weight `Linear.forward` passes too (a private name: tests/test_engine.py runs this)
-            packed = self._packed_params._packed_params
-            return torch.ops.quantized.linear_dynamic(x, packed, reduce_range=False).to(x.dtype)
-
-    return FullRangeDynamicLinear
-
-
-def quantize_linears_int8(decoder: torch.nn.Module, full_range: bool | None = None) -> torch.nn.Module:
-    """A copy of `decoder` whose linear layers but `INT8_FLOAT_LINEARS` run dynamic int8.
-
-    int8 weights with one scale per output channel; activations quantised per batch, on 8 bits
-    where `full_range` (default: `int8_full_range()`), else on torch's 7. Chosen by measurement
-    (docs/bench/int8-variants.md: 2 x 200 tickets, the full-size stand-in, one thread, a 2-core
-    Intel Xeon with AVX512-VNNI; agreement with the float32 reference off the near-ties): every
-    linear with one scale per matrix, the first version, 94.3% at 1.75-2.0x float32; per-channel
-    scales alone 95.8%, with 8-bit activations 98.2%; down_proj in float32 as well, 99.2% with
-    7-bit activations (what a CPU without VNNI runs) and 99.5% with 8 (this), at ~1.5x float32
-    (1.49x and 1.59x, best of 3 and of 2 rounds). Most of the error was down_proj's input,
-    silu(gate) * up, heavy-tailed under one per-batch scale.
-
-    Speed, measured on a 2-core AVX2 EPYC against float32 on the decoder's GEMM shapes: torch's
-    `quantize_dynamic` (fbgemm/x86 int8 kernels) 1.6-3x faster; the int8 weight-only and int8 x
-    int8 ops that torchao's CPU configs call (`_weight_int8pack_mm`, `_int_mm`) 20-40x slower
-    (on the AVX512-VNNI Xeon, `_int_mm` is on par with fbgemm; `_weight_int8pack_mm` still ~60x).
-    The copy shares every float parameter (embeddings, norms, down_proj) with `decoder`, which is
-    left untouched for the float32 reference.
-    """
-    try:
-        from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
-        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-    except ImportError as exc:  # torch.ao.quantization is deprecated in favour of torchao
-        raise RuntimeError(
-            f"TICKETQ_DTYPE=int8 needs torch.ao.quantization.quantize_dynamic, absent in torch {torch.__version__}"
-        ) from exc
-    full_range = int8_full_range() if full_range is None else full_range
-    shared = {id(t): t for t in (*decoder.parameters(), *decoder.buffers())}
-    quantized = copy.deepcopy(decoder, memo=shared)  # new module tree, the same tensors
-    for name, module in list(quantized.named_modules()):  # oneDNN-packed linears to quantise: dense again
-        if isinstance(module, PackedLinear) and not name.endswith(INT8_FLOAT_LINEARS):
-            _replace_module(quantized, name, module.to_linear())
-    spec = {  # by module name: the linears to convert, each with per-channel weight scales
-        name: per_channel_dynamic_qconfig
-        for name, module in quantized.named_modules()
-        if isinstance(module, torch.nn.Linear) and not name.endswith(INT8_FLOAT_LINEARS)
-    }
-    mapping = {torch.nn.Linear: _full_range_dynamic_linear() if full_range else DynamicLinear}
-    with warnings.catch_warnings():  # its deprecation notice, once per start-up, says nothing actionable here
-        warnings.simplefilter("ignore")
-        quantize_dynamic(quantized, spec, dtype=torch.qint8, mapping=mapping, inplace=True)
-    log.info(
-        "int8: %d decoder linears in int8 (per-channel weights, %d-bit activations), %s in float32",
-        len(spec),
-        8 if full_range else 7,
-        ", ".join(INT8_FLOAT_LINEARS),
-    )
-    return quantized
-
-
-def hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether the model hub answers at all (machines may have no internet)."""
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        return False
-    host = urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
-    try:
-        socket.create_connection((host, 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
-def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype):
-    """`from_pretrained` for a hub id or a local directory; a clear error when neither works."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    # Without a reachable hub, look only in the local cache: fail in a second, not after a minute of retries.
-    local_only = not Path(name_or_path).is_dir() and not hub_reachable()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=local_only)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, local_files_only=local_only)
-    except (OSError, ValueError) as exc:  # ValueError: a directory without a (complete) model
-        raise ModelNotFound(
-            f"cannot load model {name_or_path!r} ({exc.__class__.__name__}: {str(exc).splitlines()[0]}). "
-            "Without model hub access, build the stand-in and point TICKETQ_MODEL at it:\n"
-            "    ticketq standin --out models/qwen2.5-0.5b-standin\n"
-            "    export TICKETQ_MODEL=models/qwen2.5-0.5b-standin"
-        ) from exc
-    model.to(device).eval().requires_grad_(False)
-    return model, tokenizer
-
-
-def _cache_class():
-    from transformers import DynamicCache
-
-    return DynamicCache
-
-
-def _cache_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    if hasattr(cache, "layers"):  # transformers >= 4.56
-        return [(layer.keys, layer.values) for layer in cache.layers]
-    return list(zip(cache.key_cache, cache.value_cache, strict=True))
 
 
 class Engine:
@@ -483,7 +173,7 @@ class Engine:
         out = self.float_decoder(input_ids=ids, use_cache=True)
         cache = getattr(out, "cache", None) or out.past_key_values
         # (1, kv_heads, P, head_dim) per layer, owned by the engine and never written again
-        return [(k.detach().clone(), v.detach().clone()) for k, v in _cache_tensors(cache)]
+        return [(k.detach().clone(), v.detach().clone()) for k, v in cache_tensors(cache)]
 
     @property
     def prefix_len(self) -> int:
@@ -495,7 +185,7 @@ class Engine:
 
     def _batch_cache(self, rows: int):
         """A fresh cache for one batch holding the prefix, expanded to `rows` (the base is untouched)."""
-        cache_cls = _cache_class()
+        cache_cls = cache_class()
         try:
             cache = cache_cls(config=self.model.config)
         except TypeError:  # older transformers
@@ -750,3 +440,4 @@ def _make_prediction(logprobs: dict[str, float], encoded: EncodedTicket) -> Pred
         truncated=encoded.truncated,
         tokens=encoded.ticket_tokens,
     )
+

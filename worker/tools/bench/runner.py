@@ -2,9 +2,9 @@
 
 `setup` builds the settings, the engine and (unless told not to) the autotuned cost model;
 `run_modes` runs each mode after a warm-up on the shortest tickets, timing it and reading its
-peak RSS. The modes: the baselines (`worker.bench.baselines`), the engine as served (`ticketq`,
-`ticketq-int8`), the llama.cpp peer (`worker.peers`), and `ticketq-queue`, which sends the
-tickets through Redis to a real worker process (`worker.procs`) started with the bench's own
+peak RSS. The modes: the baselines (`worker.tools.bench.baselines`), the engine as served (`ticketq`,
+`ticketq-int8`), the llama.cpp peer (`worker.tools.peers`), and `ticketq-queue`, which sends the
+tickets through Redis to a real worker process (`worker.tools.procs`) started with the bench's own
 model, precision, threads and cost model.
 """
 
@@ -24,11 +24,11 @@ from pathlib import Path
 from rich.console import Console
 from tqdm import tqdm
 
-from worker.bench import baselines
-from worker.bench.records import Answer, ModeResult, Options
-from worker.bench.report import describe_cost, load_average
-from worker.procs import ROOT, free_port, running_worker
 from worker.results import BatchReport
+from worker.tools.bench import baselines
+from worker.tools.bench.records import Answer, ModeResult, Options
+from worker.tools.bench.report import describe_cost, load_average
+from worker.tools.procs import ROOT, free_port, running_worker
 
 LLAMA_CPP_MODES = {"llama-cpp": "f32", "llama-cpp-q8": "q8_0"}  # mode -> GGUF type
 
@@ -40,7 +40,7 @@ class Bench:
     engine: object  # worker.engine.Engine (imported lazily: `--help` must not import torch)
     settings: object  # worker.settings.Settings
     options: Options
-    tuning: object | None = None  # worker.autotune.Tuning
+    tuning: object | None = None  # worker.engine.autotune.Tuning
     int8_engine: object | None = None  # built on first use by ticketq-int8, sharing the model
     int8_tuning: object | None = None
     load_before: tuple[float, float, float] | None = None  # os.getloadavg() when the modes start
@@ -93,7 +93,7 @@ def setup(options: Options, console: Console) -> Bench | None:
         reason = "--max-batch-tokens given" if options.max_batch_tokens else "--no-autotune"
         console.print(f"autotune skipped ({reason}): {describe_cost(engine)}")
         return bench
-    from worker.autotune import autotune
+    from worker.engine.autotune import autotune
 
     with console.status(f"autotuning the cost model ({options.autotune_s:.0f} s budget)…"):
         bench.tuning = autotune(engine, budget_s=options.autotune_s)
@@ -203,7 +203,7 @@ def prepare_int8(bench: Bench, console: Console) -> str | None:
     except (ValueError, RuntimeError) as exc:
         return f"ticketq-int8 skipped: {exc}"
     if bench.tuning is not None:  # int8 changes the cost per token: plan with its own measurements
-        from worker.autotune import autotune
+        from worker.engine.autotune import autotune
 
         with console.status(f"autotuning the int8 cost model ({bench.options.autotune_s:.0f} s budget)…"):
             bench.int8_tuning = autotune(bench.int8_engine, budget_s=bench.options.autotune_s)
@@ -218,7 +218,7 @@ def run_llama_cpp_mode(bench: Bench, mode: str, texts: list[str], warm: list[str
     """llama.cpp on the same tickets, the same token ids; skipped with a one-line reason where it cannot run."""
     import torch
 
-    from worker.peers import LlamaCppScorer, PeerUnavailable, gguf_model, llama_cpp_version
+    from worker.tools.peers import LlamaCppScorer, PeerUnavailable, gguf_model, llama_cpp_version
 
     outtype = LLAMA_CPP_MODES[mode]
     engine = bench.engine

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
-from worker.bench.records import REFERENCE, Answer, ModeResult, Options
+from worker.tools.bench.records import REFERENCE, Answer, ModeResult, Options
 
 if TYPE_CHECKING:  # the runner imports this module; its types are only read here
-    from worker.bench.runner import Bench
+    from worker.tools.bench.runner import Bench
 
 # Per-mode figures in the JSON rows (None where a mode was skipped).
 FIGURES = (
@@ -179,7 +179,7 @@ def _autotune(bench: Bench) -> dict:
 
 def describe_cost(engine) -> str:
     """The planner's cost model and budget as the engine holds them (autotuned or configured)."""
-    from worker.autotune import Tuning
+    from worker.engine.autotune import Tuning
 
     return Tuning(engine.cost, engine.max_batch_tokens, ()).describe()
 

@@ -15,8 +15,8 @@ import logging
 import time
 from dataclasses import dataclass
 
-from worker.batching import CostModel
-from worker.prompt import EncodedTicket
+from worker.engine.batching import CostModel
+from worker.engine.prompt import EncodedTicket
 
 log = logging.getLogger(__name__)
 

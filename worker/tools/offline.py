@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from producer.tickets import TicketFile
-from worker.prompt import InvalidTicket
+from worker.engine.prompt import InvalidTicket
 from worker.results import BatchReport, padding_ratio
 
 

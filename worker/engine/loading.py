@@ -1,0 +1,62 @@
+"""Loading a model: `from_pretrained` for a hub id or a local directory, and the transformers
+cache API across the versions ticketq supports."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import torch
+
+# A file in a stand-in's directory: its presence marks the model as one (labels mean nothing).
+STANDIN_MARKER = "ticketq_standin.json"
+
+
+class ModelNotFound(RuntimeError):
+    """The model could not be loaded; the message names the stand-in command."""
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the model hub answers at all (machines may have no internet)."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    host = urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype):
+    """`from_pretrained` for a hub id or a local directory; a clear error when neither works."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # Without a reachable hub, look only in the local cache: fail in a second, not after a minute of retries.
+    local_only = not Path(name_or_path).is_dir() and not hub_reachable()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=local_only)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, local_files_only=local_only)
+    except (OSError, ValueError) as exc:  # ValueError: a directory without a (complete) model
+        raise ModelNotFound(
+            f"cannot load model {name_or_path!r} ({exc.__class__.__name__}: {str(exc).splitlines()[0]}). "
+            "Without model hub access, build the stand-in and point TICKETQ_MODEL at it:\n"
+            "    ticketq standin --out models/qwen2.5-0.5b-standin\n"
+            "    export TICKETQ_MODEL=models/qwen2.5-0.5b-standin"
+        ) from exc
+    model.to(device).eval().requires_grad_(False)
+    return model, tokenizer
+
+
+def cache_class():
+    from transformers import DynamicCache
+
+    return DynamicCache
+
+
+def cache_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if hasattr(cache, "layers"):  # transformers >= 4.56
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache, strict=True))

@@ -1,0 +1,15 @@
+"""Everything ticketq builds on a private part of Celery, kombu, celery-batches or redis-py.
+
+- `guards` — the tested version ranges and every private name relied on, checked at start-up.
+- `fetch` — the atomic fetch: kombu's Redis transport (`Transport`, `Channel`, `QoS`).
+- `lease` — each consumer's lease and the recovery of consumers whose lease ran out.
+- `batches` — celery-batches' task base, feeding the running job between forwards.
+- `lua/` — the Redis scripts.
+
+Nothing outside this package (and `worker.engine.kernels` for torch) touches a private name.
+`broker_transport = "worker.transport:Transport"` selects the atomic fetch.
+"""
+
+from worker.transport.fetch import Transport
+
+__all__ = ["Transport"]

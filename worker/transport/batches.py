@@ -1,0 +1,136 @@
+"""celery-batches, extended: the running job takes what arrives while it runs, and the flush
+timer survives a broker reconnect."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import celery_batches
+from celery.concurrency.thread import TaskPool as ThreadTaskPool
+
+log = logging.getLogger(__name__)
+
+
+
+class Batches(celery_batches.Batches):
+    """celery-batches' Batches, feeding the running job with everything that arrives while it runs.
+
+    Stock, every flush (each `flush_every` messages, or the `flush_interval` timer) becomes its own
+    pool job; with the one model thread busy they queue behind the running forward and each is
+    planned alone, so under load the engine ran many 1-3-ticket jobs (the demo: 238 forwards,
+    2.5 tickets each) and latency grew with the queue of tiny jobs. Here a flush that comes while
+    a job runs is held; the running job takes what is held between two forwards (`more`), so the
+    engine plans every forward over everything waiting at its start, and a message is acked the
+    moment its result is out (`done`), which frees its prefetch slot while the job goes on.
+    Whatever is still held when the job returns goes as the next job.
+
+    Only for the threads pool (ticketq's worker runs one model thread); any other pool gets the
+    stock behaviour. Held requests are unacknowledged (acks_late), like the buffer's: a worker
+    that dies holding them has them redelivered.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._job_lock = threading.Lock()
+        self._job_running = False
+        self._held: list[Any] = []
+        self._unacked: dict[str, list[Any]] = {}  # task id -> requests of the running job, until acked
+
+    def flush(self, requests: Any) -> Any:
+        if not isinstance(self._pool, ThreadTaskPool):
+            return super().flush(requests)
+        with self._job_lock:
+            if self._job_running:
+                self._held.extend(requests)
+                return None
+            self._job_running = True
+        return self._submit(list(requests))
+
+    def more(self) -> list[Any]:
+        """For the running job, between two forwards: the requests held since it started (as
+        celery-batches' SimpleRequests), now part of it; acked by `done` or when it returns."""
+        with self._job_lock:
+            held, self._held = self._held, []
+            for request in held:
+                self._unacked.setdefault(request.id, []).append(request)
+        return [celery_batches.SimpleRequest.from_request(request) for request in held]
+
+    def done(self, task_ids: Any) -> None:
+        """The results of these messages are out (stream and backend): acknowledge them now.
+
+        Never raises: a message whose ack fails (Celery logs a broker error itself) stays unacked
+        and comes back; its results are published once, so a redelivery only costs a recompute.
+        """
+        with self._job_lock:
+            requests = [request for task_id in task_ids for request in self._unacked.pop(task_id, ())]
+        _acknowledge(requests)
+
+    def _submit(self, requests: list[Any]) -> Any:
+        """celery_batches.Batches.flush, with `_run_job` as the pool target so we learn when it ends."""
+        acks_early = [request for request in requests if not request.task.acks_late]
+        simple = ([celery_batches.SimpleRequest.from_request(request) for request in requests],)
+        job: dict[str, list[Any]] = {}  # this job's own: the next one may start before its on_return runs
+        for request in requests:
+            job.setdefault(request.id, []).append(request)
+        with self._job_lock:
+            self._unacked = job
+
+        def on_accepted(pid: int, time_accepted: float) -> None:
+            for request in acks_early:
+                request.acknowledge()
+
+        def on_return(result: Any) -> None:  # what `done` did not ack: failures, ignored results
+            with self._job_lock:
+                rest = [request for requests in job.values() for request in requests]
+                job.clear()
+            _acknowledge(rest)
+
+        try:
+            return self._pool.apply_async(self._run_job, (simple,), accept_callback=on_accepted, callback=on_return)
+        except RuntimeError as exc:  # the pool is shutting down: the requests stay unacked and come back
+            log.warning("could not start a batch of %d requests (%s); they will be redelivered", len(requests), exc)
+            with self._job_lock:
+                self._job_running = False
+            return None
+
+    def _run_job(self, simple: tuple[list[Any]]) -> Any:
+        try:
+            return celery_batches.apply_batches_task(self, simple, 0, None)
+        finally:
+            self._next_job()
+
+    def _next_job(self) -> None:
+        """The running job ended: send everything still held as one job, or go idle."""
+        with self._job_lock:
+            held, self._held = self._held, []
+            if not held:
+                self._job_running = False
+                return
+        log.debug("batch of %d requests held while the model was busy", len(held))
+        self._submit(held)
+
+
+def _acknowledge(requests: list[Any]) -> None:
+    """Ack late-acked requests; one that fails (Celery logs broker errors itself) is logged and comes back."""
+    for request in requests:
+        if request.task.acks_late:
+            try:
+                request.acknowledge()
+            except Exception:
+                log.exception("could not acknowledge task %s; it will be redelivered", request.id)
+
+
+def rearm_flush_timer(task: Any, timer: Any) -> None:
+    """Re-arm a celery-batches task's flush timer after a broker (re)connect.
+
+    On a lost connection Celery's event loop clears every hub timer, celery-batches' flush_interval
+    timer included, but the task keeps its stale `_tref` and never arms a new one: after the
+    reconnect a buffer below flush_every waited for more traffic, forever at the tail of a burst.
+    """
+    if getattr(task, "_tref", None) is not None:
+        task._tref.cancel()
+        task._tref = timer.call_repeatedly(task.flush_interval, task._do_flush)
+
+

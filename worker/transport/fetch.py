@@ -1,0 +1,312 @@
+"""The atomic fetch: kombu's Redis transport whose fetch never leaves a message nowhere.
+
+Stock kombu pops a message (BRPOP) and records it as unacked in a second step; a worker killed
+in between loses the message (celery/kombu#305, celery#7950). Here one Redis command moves the
+message from the queue list into this consumer's own `fetching` list (BLMOVE, as Sidekiq's
+reliable fetch and RQ do), and one MULTI moves it from there into kombu's unacked record. A crash
+at any instant leaves the message in the queue, in a fetching list or in the unacked record,
+never nowhere. A fetch takes up to 64 messages (within the prefetch window) in two round trips,
+and acks are written once per event-loop turn (see QoS). Each consuming channel holds a lease
+(`worker.transport.lease`). Producers and plain Celery clients are unchanged: same queue list,
+same message format. Keys: see worker.store (FETCHING_KEY, OWNED_KEY, ALIVE_KEY, CONSUMERS_KEY).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from queue import Empty
+from typing import Any
+
+import redis
+from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import dumps
+
+from ticketq import codec
+from ticketq.contract import Reason
+from ticketq.names import DEAD_LETTER_STREAM
+from worker import store
+from worker.transport.guards import REDIS_MIN, IncompatibleLibrary
+from worker.transport.lease import Lease
+from worker.transport.lua import script
+
+log = logging.getLogger(__name__)
+
+FETCH_MORE = script("fetch_more")
+
+
+def new_consumer_id() -> str:
+    """host:pid:random, one per consuming channel (Celery opens a new channel on every reconnect)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+class QoS(kombu_redis.QoS):
+    """kombu's unacked record, written in the same MULTI that empties the fetching list.
+
+    Per fetched batch, not per message: the channel records every message of a fetch as unacked
+    in one MULTI before it hands any of them to kombu (`record`). An ack updates kombu's
+    in-memory state at once; its Redis removal waits for the end of the event loop's turn
+    (`flush_acks`, on every tick), where every ack of that turn goes in one MULTI (without an
+    event loop, as in a plain kombu consumer, an ack is written at once). A worker killed before
+    a tick's flush has those messages redelivered; their results are published once (worker.store).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._acked: list[str] = []  # acked in memory; removed from Redis at the next tick
+        self.last_appended: str | None = None
+
+    def append(self, message: Any, delivery_tag: str) -> None:
+        if not self.channel.recorded:  # not fetched by Channel's fetch (basic_get): record it now, as kombu does
+            delivery = message.delivery_info
+            self.record([(delivery_tag, dumps([message._raw, delivery["exchange"], delivery["routing_key"]]), None)])
+        virtual.QoS.append(self, message, delivery_tag)  # the in-memory bookkeeping of kombu's QoS
+        self.last_appended = delivery_tag
+
+    def record(self, records: Sequence[tuple[str, str, bytes | None]], fetching_key: str = "") -> None:
+        """(delivery tag, kombu's record, fetched item) as unacked, owned by this consumer, and gone
+        from its fetching list: one MULTI (redis-py pipelines are MULTI/EXEC transactions)."""
+        if not records:
+            return
+        with self.pipe_or_acquire() as pipe:
+            now = time.time()
+            pipe.zadd(self.unacked_index_key, {tag: now for tag, _, _ in records})
+            pipe.hset(self.unacked_key, mapping={tag: record for tag, record, _ in records})
+            pipe.sadd(self.channel.owned_key, *(tag for tag, _, _ in records))
+            for _, _, item in records:
+                if item is not None:
+                    pipe.lrem(fetching_key, 1, item)
+            pipe.execute()
+
+    def ack(self, delivery_tag: str) -> None:
+        self._acked.append(delivery_tag)
+        virtual.QoS.ack(self, delivery_tag)
+        if not self.channel.connection.acks_per_tick:
+            self.flush_acks()
+
+    def flush_acks(self) -> None:
+        """Remove the records of every message acked since the last flush, in one MULTI."""
+        tags, self._acked = self._acked, []
+        if not tags:
+            return
+        try:
+            with self.pipe_or_acquire() as pipe:
+                pipe.zrem(self.unacked_index_key, *tags)
+                pipe.hdel(self.unacked_key, *tags)
+                pipe.srem(self.channel.owned_key, *tags)
+                pipe.execute()
+        except Exception:
+            self._acked[:0] = tags  # tried again at the next tick, and at close
+            raise
+
+    def restore_unacked(self, client: Any = None) -> Any:
+        try:  # acked messages must not be restored from records their flush has not removed yet
+            self.flush_acks()
+        except redis.RedisError as exc:
+            log.warning("could not remove the records of %d acked messages (%s); they may be redelivered",
+                        len(self._acked), exc)  # fmt: skip
+        return super().restore_unacked(client)
+
+    def _remove_from_indices(self, delivery_tag: str, pipe: Any = None) -> Any:
+        return super()._remove_from_indices(delivery_tag, pipe).srem(self.channel.owned_key, delivery_tag)
+
+
+class Channel(kombu_redis.Channel):
+    """kombu's Redis channel with BLMOVE into a per-consumer fetching list instead of BRPOP."""
+
+    QoS = QoS
+    from_transport_options = (*kombu_redis.Channel.from_transport_options, "ticketq_lease_s", "ticketq_stream_maxlen")
+    # One list per queue: a restored or re-sent message always goes back where BLMOVE reads.
+    # Messages a plain Celery client sent with a priority land in kombu's priority lists; the lease
+    # thread moves them into the queue list (see Lease.collect_priority_lists).
+    priority_steps = [0]  # noqa: RUF012  (kombu's own class attribute)
+    ticketq_lease_s = 10.0
+    ticketq_stream_maxlen = 100_000
+    ticketq_fetch_max = 64  # messages one fetch takes at most (and never more than the prefetch room)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not hasattr(self, "_queue_cycle") or self.handlers.get("BRPOP") != self._brpop_read:
+            raise IncompatibleLibrary("kombu's Redis channel changed (_queue_cycle/handlers): see worker/transport/")
+        if self.global_keyprefix:
+            self._disconnect_pools()
+            raise IncompatibleLibrary("TICKETQ_FETCH=atomic does not support kombu's global_keyprefix")
+        self.consumer = new_consumer_id()
+        self.owned_key = store.OWNED_KEY.format(consumer=self.consumer)
+        self.recorded = False  # True while a fetched batch, recorded already, is handed to kombu
+        self._fetch_queue: str | None = None
+        self._lease: Lease | None = None
+        self._shared_client: redis.Redis | None = None
+
+    def fetching_key(self, queue: str, consumer: str | None = None) -> str:
+        return store.FETCHING_KEY.format(consumer=consumer or self.consumer, queue=queue)
+
+    def basic_consume(self, queue: str, *args: Any, **kwargs: Any) -> Any:
+        result = super().basic_consume(queue, *args, **kwargs)
+        if self._lease is None and queue in self.active_queues:  # fetches with BLMOVE (not a fanout queue)
+            _check_redis_version(self.client)
+            self._lease = Lease(self)
+            with self.conn_or_acquire() as client:  # registered before its first fetch, or nobody would look
+                self._lease.beat(client)
+            self._lease.start()
+        return result
+
+    def _brpop_start(self, timeout: float | None = None) -> None:
+        # BLMOVE reads one list; with several queues the cycle watches each in turn (1 s each).
+        queues = self._queue_cycle.consume(len(self.active_queues))
+        if not queues:
+            return
+        queue = self._fetch_queue = queues[0]
+        self._in_poll = self.client.connection
+        self._brpop_sent_at = time.monotonic()
+        command = ("BLMOVE", queue, self.fetching_key(queue), "RIGHT", "LEFT", timeout or self.brpop_timeout or 0)
+        self.client.connection.send_command(*command)
+
+    def _brpop_read(self, **options: Any) -> bool:
+        queue = self._fetch_queue
+        try:
+            try:
+                item = self.client.parse_response(self.client.connection, "BLMOVE", **options)
+            except self.connection_errors:
+                self.client.connection.disconnect()  # the next poll reconnects, as kombu's BRPOP does
+                raise
+            self._queue_cycle.rotate(queue)
+            if item is None:
+                raise Empty()
+            self._deliver_batch(queue, [item, *self._fetch_more(queue)])
+            return True
+        finally:
+            self._in_poll = None
+            flush_reauth = getattr(self, "_flush_brpop_reauth", None)  # kombu >= 5.7
+            if flush_reauth is not None:
+                flush_reauth()
+
+    def _fetch_more(self, queue: str) -> list[bytes]:
+        """After a fetch, up to the prefetch window's free room more items at once (one round trip)."""
+        room = self.qos.can_consume_max_estimate()
+        extra = min(self.ticketq_fetch_max, self.ticketq_fetch_max if room is None else room) - 1
+        if extra <= 0:
+            return []
+        with self.conn_or_acquire() as client:
+            return client.eval(FETCH_MORE, 2, queue, self.fetching_key(queue), extra)
+
+    @contextmanager
+    def conn_or_acquire(self, client: Any = None) -> Iterator[Any]:
+        """kombu builds a new redis-py client (a copy of ~200 response callbacks) for every
+        command it sends outside the poll: a sixth of the event loop's time. Reuse one per pool."""
+        if client is not None:
+            yield client
+            return
+        pool = self.pool
+        if self._shared_client is None or self._shared_client.connection_pool is not pool:
+            self._shared_client = self._create_client()
+        yield self._shared_client
+
+    def flush_acks(self) -> None:
+        if self._lease is not None:  # a consuming channel
+            self.qos.flush_acks()
+
+    def _deliver_batch(self, queue: str, items: list[bytes]) -> None:
+        """Record every readable fetched item as unacked (one MULTI), then hand each to kombu.
+
+        A message is handed over only once it is recorded. An item that is not a kombu message is
+        dead-lettered, never recorded; one kombu cannot turn into a message is dead-lettered and its
+        record removed. If handing one over raises, the recorded ones not handed over yet go back
+        to the queue at once (a live consumer's records are not recovered before its channel closes).
+        """
+        batch, records = [], []
+        for item in items:
+            try:
+                text = bytes_to_str(item)
+                payload = codec.kombu_loads(item)  # the bytes: orjson parses them without a copy
+                properties = payload["properties"]
+                tag, info = properties["delivery_tag"], properties["delivery_info"]
+                if isinstance(tag, bool) or not isinstance(tag, str | int | float):  # keys the unacked record:
+                    raise TypeError(f"delivery_tag must be a string, got {type(tag).__name__}")  # fail alone
+                route = dumps([info["exchange"], info["routing_key"]])[1:]  # kombu's record, message as fetched
+            except Exception as exc:
+                self._refuse(queue, item, exc)
+                continue
+            records.append((tag, f"[{text}, {route}", item))
+            batch.append((item, payload, tag))
+        self.qos.record(records, self.fetching_key(queue))
+        self.recorded = True
+        try:
+            while batch:
+                item, payload, tag = batch.pop(0)
+                try:
+                    self.connection._deliver(payload, queue)
+                except (redis.ConnectionError, redis.TimeoutError):
+                    raise
+                except Exception as exc:
+                    if self.qos.last_appended == tag:  # handed to Celery: not ours to refuse
+                        raise
+                    self._refuse(queue, item, exc, tag)
+        finally:
+            self.recorded = False
+            for _, _, tag in batch:
+                try:
+                    self.qos.restore_by_tag(tag)
+                except redis.RedisError as exc:  # its lease runs out once the channel closes: recovered then
+                    log.warning("could not put message %s back in %r (%s)", tag, queue, exc)
+
+    def _refuse(self, queue: str, item: bytes, exc: Exception, tag: str | None = None) -> None:
+        log.error("refused an unreadable item on queue %r (not a kombu message): %r", queue, exc)
+        entry = store.raw_entry(Reason.UNREADABLE_MESSAGE, exc, {}, "", item)
+        with self.conn_or_acquire() as client:
+            pipe = client.pipeline()  # dead letter and removal in one transaction: kept exactly once
+            pipe.xadd(DEAD_LETTER_STREAM, entry, maxlen=self.ticketq_stream_maxlen)
+            if tag is None:
+                pipe.lrem(self.fetching_key(queue), 1, item)
+            else:  # recorded with its batch
+                self.qos._remove_from_indices(tag, pipe)
+            pipe.execute()
+
+    def close(self) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            try:  # kombu restores only what is not acked in memory: acked records must go first
+                self.qos.flush_acks()
+            except redis.RedisError as exc:
+                log.warning("could not remove the records of acked messages (%s); they may be redelivered", exc)
+        self._shared_client = None
+        if lease is not None:
+            lease.stop()
+            client = self._create_client()  # kombu's close drops the channel's connection and pools
+        super().close()  # kombu puts this channel's unacked messages back in the queue
+        if lease is not None:
+            lease.release(client)
+
+
+class Transport(kombu_redis.Transport):
+    """kombu's Redis transport with the atomic fetch (`broker_transport = "worker.transport:Transport"`)."""
+
+    Channel = Channel
+    acks_per_tick = False  # True once on an event loop (Celery's worker): acks are written once per turn
+
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        super().register_with_event_loop(connection, loop)
+        loop.on_tick.add(self._flush_acks)  # after the turn's ready callbacks (Celery's acks), before polling
+        self.acks_per_tick = True
+
+    def _flush_acks(self) -> None:
+        for channel in list(self.channels):
+            channel.flush_acks()
+
+
+def _check_redis_version(client: redis.Redis) -> None:
+    found = client.info("server").get("redis_version", "0")
+    parts = tuple(int(p) for p in str(found).split(".")[:2])
+    if parts < REDIS_MIN:
+        raise IncompatibleLibrary(
+            f"TICKETQ_FETCH=atomic needs Redis >= {'.'.join(map(str, REDIS_MIN))} (BLMOVE); this server is "
+            f"{found}. Upgrade Redis, or set TICKETQ_FETCH=kombu (stock fetch, can lose a message on kill -9)"
+        )
+
