@@ -34,16 +34,13 @@ from ticketq import codec
 from ticketq.config import ClientSettings
 from ticketq.connections import SOCKET_TIMEOUT_S, RedisUnavailable, connect, redis_client
 from ticketq.contract import Failed, Reason, Status, TicketRejected, UniqueIds, validate_ticket
-from ticketq.names import RESULTS_STREAM, TASK_CLASSIFY
+from ticketq.names import RESULTS_STREAM, TASK_CLASSIFY, queue_lists
 
 log = logging.getLogger(__name__)
 
 Ticket = str | Mapping[str, object]
 ResultCallback = Callable[[list[dict]], None]
 
-# kombu's Redis transport keeps one list per priority step: `queue`, `queue\x06\x163`, ...
-_KOMBU_PRIORITY_SEP = "\x06\x16"
-_KOMBU_PRIORITY_STEPS = (0, 3, 6, 9)
 _CONNECTION_ERRORS = (kombu.exceptions.OperationalError, redis.exceptions.RedisError, OSError)
 PUBLISH_BATCH = 500  # messages per Redis pipeline in submit_many (kombu >= 5.7's Producer.batch)
 POLL_WINDOW = 200  # result keys read per MGET while waiting: the oldest pending first
@@ -60,8 +57,21 @@ class BulkRedisBackend(RedisBackend):
     when it is called, then reads the key once.
     """
 
+    stopped = False
+
     def on_task_call(self, producer: object, task_id: str) -> None:
         return None
+
+    def stop_consumer(self) -> None:
+        """Close the result pub/sub for good. Every AsyncResult unsubscribes in `__del__` (through
+        `on_result_fulfilled`), reconnecting if needed; after close, and at interpreter exit, that
+        would fail noisily: once stopped it does nothing."""
+        self.stopped = True
+        self.result_consumer.stop()
+
+    def on_result_fulfilled(self, result: object) -> None:
+        if not self.stopped:
+            super().on_result_fulfilled(result)
 
 
 class BrokerUnavailable(RedisUnavailable):
@@ -117,12 +127,8 @@ class Producer:
         if self._redis is not None:
             self._redis.close()
             self._redis = None
-        consumer = getattr(self.app.backend, "result_consumer", None)
-        if consumer is not None and getattr(consumer, "_pubsub", None) is not None:
-            # Every AsyncResult unsubscribes in __del__ through this pub/sub, reconnecting if
-            # needed; at interpreter exit that fails noisily. Without a pub/sub it is a no-op.
-            consumer.stop()
-            consumer._pubsub = None
+        if isinstance(self.app.backend, BulkRedisBackend):
+            self.app.backend.stop_consumer()
         self.app.close()
 
     @property
@@ -426,8 +432,7 @@ class Producer:
 
     def queue_depth(self) -> int:
         """Messages waiting in the queue (not yet taken by a worker), over kombu's priority lists."""
-        queue = self.settings.queue
-        keys = [queue] + [f"{queue}{_KOMBU_PRIORITY_SEP}{step}" for step in _KOMBU_PRIORITY_STEPS[1:]]
+        keys = queue_lists(self.settings.queue)
         try:
             pipe = self.redis.pipeline(transaction=False)
             for key in keys:

@@ -17,3 +17,12 @@ DEAD_LETTER_STREAM = "ticketq:dead"
 
 # Default labels of the closed set (TICKETQ_LABELS).
 DEFAULT_LABELS = ("billing", "technical", "account")
+
+
+def queue_lists(queue: str) -> list[str]:
+    """The Redis lists that hold `queue`'s waiting messages: the queue list, then the lists kombu's
+    Redis transport keeps per priority step for messages sent with a priority (`<queue>\\x06\\x16<n>`),
+    named with kombu's own (public) separator and steps."""
+    from kombu.transport.redis import Channel
+
+    return [queue] + [f"{queue}{Channel.sep}{step}" for step in Channel.priority_steps[1:]]

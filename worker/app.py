@@ -22,9 +22,6 @@ from typing import Any
 
 import redis
 from celery import Celery, signals
-from celery.exceptions import InvalidTaskError
-from celery.worker.consumer import Consumer
-from celery_batches import Batches
 
 from ticketq import codec
 from ticketq.connections import RedisUnavailable, connect, redis_client
@@ -36,6 +33,7 @@ from worker.service import Classifier, TicketService
 from worker.settings import Settings, load_settings
 from worker.store import Outbox, raw_entry
 from worker.transport import batches, guards
+from worker.transport.consumer import GuardedConsumer
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +177,7 @@ def run_worker(
         f"--hostname={name or f'ticketq-{os.getpid()}@%h'}",
         "--without-gossip",
         "--without-mingle",
-        "--without-heartbeat",  # see DeadLetterConsumer.Blueprint
+        "--without-heartbeat",  # see worker.transport.consumer.GuardedConsumer
     ])  # fmt: skip
 
 
@@ -235,6 +233,7 @@ def _connect_signals(app: Celery) -> None:
         # Celery logs and swallows exceptions from signal handlers; a worker without a model must stop.
         try:
             with _startup_logging():
+                guards.check_result_meta(app.backend)
                 runtime.start()
         except Exception as exc:
             log.critical("ticketq worker cannot start: %s", exc, exc_info=not isinstance(exc, ModelNotReady))
@@ -262,60 +261,14 @@ def _connect_signals(app: Celery) -> None:
     signals.worker_shutting_down.connect(on_worker_shutting_down, weak=False, dispatch_uid=f"{uid}-down")
 
 
-class DeadLetterConsumer(Consumer):
-    """Celery's consumer, plus a dead-letter entry for every message Celery itself refuses.
+class DeadLetterConsumer(GuardedConsumer):
+    """The worker's consumer (`worker.transport.consumer`), plus a dead-letter entry for every
+    message Celery itself refuses.
 
     Celery logs and drops undecodable messages (pickle/yaml content, bad UTF-8) and unknown or
-    invalid tasks; each of those now leaves its raw payload and reason in the dead-letter stream,
-    and a message malformed in a way Celery does not expect is refused instead of stopping the
-    worker (see `create_task_handler`). A refused message with a task id also gets a FAILURE result,
-    so its client learns at once. It re-arms the batch flush timer after a broker reconnect, and it
-    runs without Celery's event heartbeat (see Blueprint).
+    invalid tasks; each of those leaves its raw payload and reason in the dead-letter stream. A
+    refused message with a task id also gets a FAILURE result, so its client learns at once.
     """
-
-    class Blueprint(Consumer.Blueprint):
-        # No Heart step, whatever the command line (`celery -A worker.app worker` too): Celery's
-        # event heartbeat publishes from the consumer's event loop every 2 s and retries until the
-        # broker answers, so a Redis outage that began just before it held the loop: the consumer
-        # never saw the outage, never reconnected, and fetched nothing until Redis was back (a CI
-        # run caught it). A worker's liveness is its lease (worker.transport.lease) and its /metrics.
-        default_steps = [s for s in Consumer.Blueprint.default_steps if not s.endswith(":Heart")]  # noqa: RUF012
-
-    def on_ready(self) -> None:
-        super().on_ready()
-        # asynloop calls on_ready after every (re)connect; the flush timer did not survive it.
-        task = self.app.tasks.get(TASK_CLASSIFY)
-        if isinstance(task, Batches):
-            batches.rearm_flush_timer(task, self.timer)
-
-    def create_task_handler(self, *args, **kwargs):
-        on_task_received = super().create_task_handler(*args, **kwargs)
-        # kombu's Redis transport counts KeyError as a connection error; from a message it is not
-        # one, and re-raising it made the consumer reconnect, restore the message and loop on it.
-        connection_errors = tuple(error for error in self.connection_errors if error is not KeyError)
-
-        def on_task_received_guarded(message) -> None:
-            # Celery turns only decode and content errors into on_decode_error/on_invalid_task. A
-            # JSON message with our task name but headers or body that are not Celery's (no 'id'
-            # header, a body that is not [args, kwargs, embed]) raised KeyError/ValueError out of
-            # the event loop: "Unrecoverable error", the worker stopped, and the message, restored
-            # at shutdown, stopped the next worker too. Refuse it like any invalid task instead.
-            headers = message.headers
-            task_id = headers.get("id") if isinstance(headers, dict) and "task" in headers else ""
-            if not isinstance(task_id, str):  # a dict/int id got as far as the batch and failed it all
-                self.on_invalid_task(None, message, InvalidTaskError(f"task id must be a string, got {task_id!r:.80}"))
-                return
-            try:
-                on_task_received(message)
-            except connection_errors:
-                raise
-            except Exception as exc:
-                if message.acknowledged:  # already rejected and dead-lettered on the way
-                    log.exception("error after refusing message %r", (message.headers or {}).get("id"))
-                else:
-                    self.on_invalid_task(None, message, exc)
-
-        return on_task_received_guarded
 
     def on_decode_error(self, message, exc) -> None:
         _dead_letter_raw(self.app, Reason.DECODE_ERROR, exc, message)

@@ -46,6 +46,7 @@ from typing import Any
 import redis
 
 from ticketq.names import DEAD_LETTER_STREAM, RESULTS_STREAM
+from worker.transport.lua import script
 
 log = logging.getLogger(__name__)
 
@@ -58,77 +59,10 @@ CONSUMERS_KEY = "ticketq:consumers"
 
 MAX_PAYLOAD_BYTES = 65536  # a dead letter keeps at most this much of a refused payload
 
-# Idempotent publish of one forward batch's results: the first final result for (task, slot) goes
-# to the stream, repeats do not; the attempts keys of the messages it finishes are dropped. One
-# call per forward batch, one BITFIELD per message in it (not a key per ticket: per-ticket SET NX
-# was a third of Redis's time at 10k tickets/s).
-# KEYS[1] results stream; KEYS[2..m+1] the done key of each message (DONE_KEY, bit <slot> set once
-# that slot is published); KEYS[m+2..] attempts keys to delete.
-# ARGV[1] stream MAXLEN (approximate), ARGV[2] key expiry in seconds, ARGV[3] m, ARGV[4..m+3] each
-# message's slots in this call, comma-separated; ARGV[m+4..] the result JSON of each of those
-# slots, message by message, in the same order.
-# Returns the positions (1-based, in that order) of results published before (re-executions).
-PUBLISH_ONCE = """
-local m = tonumber(ARGV[3])
-local result, position, repeats = m + 4, 1, {}
-for i = 1, m do
-  local fields = {}
-  for slot in string.gmatch(ARGV[i + 3], '%d+') do
-    local n = #fields
-    fields[n + 1], fields[n + 2], fields[n + 3], fields[n + 4] = 'SET', 'u1', '#' .. slot, 1
-  end
-  for first = 1, #fields, 4000 do  -- unpack() has a limit on values
-    local old = redis.call('BITFIELD', KEYS[i + 1], unpack(fields, first, math.min(first + 3999, #fields)))
-    for _, bit in ipairs(old) do
-      if bit == 0 then
-        redis.call('XADD', KEYS[1], '*', 'data', ARGV[result])
-      else
-        repeats[#repeats + 1] = position
-      end
-      result, position = result + 1, position + 1
-    end
-  end
-  redis.call('EXPIRE', KEYS[i + 1], ARGV[2])
-end
-redis.call('XTRIM', KEYS[1], 'MAXLEN', '~', ARGV[1])  -- once per call, not per entry
-for i = m + 2, #KEYS do
-  redis.call('DEL', KEYS[i])
-end
-return repeats
-"""
-
-# Idempotent backend writes, in Celery's own format (key `celery-task-meta-<id>`, the same value
-# PUBLISHed on that key for pub/sub waiters, as RedisBackend.set does). SET NX keeps Celery's rule
-# "a stored result is never overwritten by a later execution" without its extra GET round trip.
-# KEYS: result keys; ARGV[1] expiry in seconds (0: none), ARGV[2..] the encoded meta of each key.
-# Returns the number of results stored now.
-STORE_ONCE = """
-local stored = 0
-for i = 1, #KEYS do
-  local set
-  if tonumber(ARGV[1]) > 0 then
-    set = redis.call('SET', KEYS[i], ARGV[i + 1], 'NX', 'EX', ARGV[1])
-  else
-    set = redis.call('SET', KEYS[i], ARGV[i + 1], 'NX')
-  end
-  if set then
-    redis.call('PUBLISH', KEYS[i], ARGV[i + 1])
-    stored = stored + 1
-  end
-end
-return stored
-"""
-
-# One delivery more for each message (KEYS: attempts keys, ARGV[1] their expiry in seconds);
-# returns the new counts.
-COUNT_DELIVERIES = """
-local counts = {}
-for i = 1, #KEYS do
-  counts[i] = redis.call('INCR', KEYS[i])
-  redis.call('EXPIRE', KEYS[i], ARGV[1])
-end
-return counts
-"""
+# The outbox's Redis scripts (worker/transport/lua/: each file's header lists its keys and arguments).
+PUBLISH_ONCE = script("publish_once")  # one forward batch's results, each (task, slot) streamed once
+STORE_ONCE = script("store_once")  # Celery backend results, SET NX + PUBLISH
+COUNT_DELIVERIES = script("count_deliveries")  # INCR + EXPIRE of each message's attempts key
 
 
 class Outbox:
@@ -249,9 +183,9 @@ class Outbox:
 def success_meta(task_id: str, value: Any, date_done: str) -> dict:
     """Celery's result meta for a SUCCESS, as `BaseBackend._store_result` builds it (result_extended off).
 
-    Built from public API only (`date_done` from `app.now()`, the backend's `encode` serialises
-    it); ticketq tasks have no children, group or parent, and the worker runs with
-    `result_extended=False`.
+    ticketq tasks have no children, group or parent, and the worker runs with
+    `result_extended=False`; `worker.transport.guards.check_result_meta` checks at start-up that
+    this equals what the installed Celery stores.
     """
     return {"status": "SUCCESS", "result": value, "traceback": None, "children": [], "date_done": date_done,
             "task_id": task_id}  # fmt: skip

@@ -37,7 +37,8 @@ import torch
 
 from producer.synthetic import generate_tickets
 from worker.engine import Engine
-from worker.engine.int8 import _full_range_dynamic_linear, quantize_linears_int8
+from worker.engine.int8 import quantize_linears_int8
+from worker.engine.kernels import full_range_dynamic_linear
 from worker.results import Prediction
 from worker.settings import Settings
 
@@ -57,7 +58,7 @@ def quantized(
 
     qconfig = per_channel_dynamic_qconfig if per_channel else default_dynamic_qconfig
     names = {n: qconfig for n, m in decoder.named_modules() if isinstance(m, torch.nn.Linear) and not keep(n)}
-    mapping = {torch.nn.Linear: _full_range_dynamic_linear() if full_range else DynamicLinear}
+    mapping = {torch.nn.Linear: full_range_dynamic_linear() if full_range else DynamicLinear}
     shared = {id(t): t for t in (*decoder.parameters(), *decoder.buffers())}
     copied = copy.deepcopy(decoder, memo=shared)
     return quantize_dynamic(copied, names, dtype=torch.qint8, mapping=mapping, inplace=True)

@@ -6,13 +6,12 @@ int8 answer is still judged against float32.
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 import warnings
 
 import torch
 
-from worker.engine.kernels import PackedLinear, cpu_flags, replace_module
+from worker.engine.kernels import PackedLinear, cpu_flags, full_range_dynamic_linear, replace_module
 
 log = logging.getLogger(__name__)
 
@@ -30,20 +29,6 @@ def int8_full_range() -> bool:
     accumulates in int32, so the 8th bit is free and halves the activation rounding.
     """
     return "avx512_vnni" in cpu_flags()
-
-
-@functools.cache
-def _full_range_dynamic_linear() -> type[torch.nn.Module]:
-    """torch.ao's dynamic int8 `Linear` with its activations quantised on 8 bits (`reduce_range=False`)."""
-    from torch.ao.nn.quantized.dynamic import Linear
-
-    class FullRangeDynamicLinear(Linear):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            # the packed weight `Linear.forward` passes too (a private name: tests/test_engine.py runs this)
-            packed = self._packed_params._packed_params
-            return torch.ops.quantized.linear_dynamic(x, packed, reduce_range=False).to(x.dtype)
-
-    return FullRangeDynamicLinear
 
 
 def quantize_linears_int8(decoder: torch.nn.Module, full_range: bool | None = None) -> torch.nn.Module:
@@ -84,7 +69,7 @@ def quantize_linears_int8(decoder: torch.nn.Module, full_range: bool | None = No
         for name, module in quantized.named_modules()
         if isinstance(module, torch.nn.Linear) and not name.endswith(INT8_FLOAT_LINEARS)
     }
-    mapping = {torch.nn.Linear: _full_range_dynamic_linear() if full_range else DynamicLinear}
+    mapping = {torch.nn.Linear: full_range_dynamic_linear() if full_range else DynamicLinear}
     with warnings.catch_warnings():  # its deprecation notice, once per start-up, says nothing actionable here
         warnings.simplefilter("ignore")
         quantize_dynamic(quantized, spec, dtype=torch.qint8, mapping=mapping, inplace=True)

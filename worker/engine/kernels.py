@@ -195,3 +195,16 @@ def resolve_matmul(name: str, device: torch.device, dtype: torch.dtype) -> str:
     log.info("matmul auto: oneDNN's float32 GEMM runs %.2fx torch's on this CPU -> %s", speedup, choice)
     return choice
 
+
+@functools.cache
+def full_range_dynamic_linear() -> type[torch.nn.Module]:
+    """torch.ao's dynamic int8 `Linear` with its activations quantised on 8 bits (`reduce_range=False`)."""
+    from torch.ao.nn.quantized.dynamic import Linear
+
+    class FullRangeDynamicLinear(Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            # the packed weight `Linear.forward` passes too (a private name: the int8 tests run this)
+            packed = self._packed_params._packed_params
+            return torch.ops.quantized.linear_dynamic(x, packed, reduce_range=False).to(x.dtype)
+
+    return FullRangeDynamicLinear

@@ -129,7 +129,7 @@ def rearm_flush_timer(task: Any, timer: Any) -> None:
     timer included, but the task keeps its stale `_tref` and never arms a new one: after the
     reconnect a buffer below flush_every waited for more traffic, forever at the tail of a burst.
     """
-    if getattr(task, "_tref", None) is not None:
+    if task._tref is not None:  # set by celery-batches' Strategy once the worker consumes
         task._tref.cancel()
         task._tref = timer.call_repeatedly(task.flush_interval, task._do_flush)
 

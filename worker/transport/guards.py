@@ -1,53 +1,92 @@
-"""Every private name of Celery, kombu, celery-batches, redis-py and torch that ticketq relies on,
+"""Every private name of Celery, kombu, celery-batches and redis-py that ticketq relies on,
 checked at worker start-up.
 
-`check_versions()` stops the worker, naming the library, when a version outside the range the
-shims in `worker.transport` were written and tested against is installed, or when a name they
-override, call or read is gone. The shims read these names directly (never with a default), so
-a rename fails here, loudly, not later and silently.
+`check_versions()` stops the worker when a version outside the range the shims in
+`worker.transport` were written and tested against is installed, or when a name they override,
+call or read is gone, naming each one. The shims use these names directly (never through a
+`getattr` default), so a rename fails here, loudly, instead of switching a fix off in silence.
+torch's private ops are guarded where they are used, in `worker.engine.kernels`.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
+import types
+from collections.abc import Mapping
 from importlib.metadata import version
+from typing import Any
 
 import celery_batches
+from celery.backends.base import BaseBackend
+from celery.worker.consumer import Consumer
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
 log = logging.getLogger(__name__)
 
-# Library -> (lowest, first untested) versions the shims below were written and tested against.
+# Library -> (lowest, first untested) versions the shims were written and tested against.
 TESTED = {"kombu": ((5, 5), (5, 8)), "celery": ((5, 4), (5, 7)), "celery-batches": ((0, 10), (0, 12))}
-# Private names overridden or called below, per class.
-REQUIRED = {
+
+# Owner (class or module) -> the names ticketq overrides, calls or reads on it.
+REQUIRED: dict[Any, tuple[str, ...]] = {
     kombu_redis.Channel: (
         "_brpop_start",
         "_brpop_read",
         "_in_poll",
         "_brpop_sent_at",
-        "client",
         "_connparams",
         "_create_client",
-        "conn_or_acquire",
+        "_disconnect_pools",
         "_do_restore_message",
+        "client",
+        "conn_or_acquire",
+        "sep",
+        "priority_steps",
+        "from_transport_options",
     ),
     kombu_redis.QoS: ("_remove_from_indices", "pipe_or_acquire", "restore_unacked", "restore_by_tag", "ack"),
     kombu_redis.Transport: ("register_with_event_loop",),
     virtual.QoS: ("can_consume_max_estimate",),
     virtual.Transport: ("_deliver",),
+    celery_batches.Batches: ("_do_flush", "flush", "Strategy"),
+    celery_batches: ("apply_batches_task", "SimpleRequest"),
+    Consumer: ("create_task_handler", "on_invalid_task", "on_ready", "Blueprint"),
+    Consumer.Blueprint: ("default_steps",),
+    BaseBackend: ("_get_result_meta",),
 }
+
+# Instance attributes, assigned in a constructor or method rather than declared on the class:
+# (owner, function that assigns them) -> the names, each found as `self.<name>` in its source.
+ASSIGNED: dict[tuple[Any, str], tuple[str, ...]] = {
+    (virtual.Message, "__init__"): ("_raw",),  # the message as fetched: kombu's unacked record
+    (celery_batches.Batches, "__init__"): ("_tref",),  # the flush timer
+    (celery_batches.Batches, "Strategy"): ("_pool",),  # the worker's pool
+    (kombu_redis.Channel, "__init__"): ("_queue_cycle",),
+}
+
 REDIS_MIN = (6, 2)  # BLMOVE
 
 
-
 class IncompatibleLibrary(RuntimeError):
-    """A library changed under a shim of this module."""
+    """A library changed under a shim of `worker.transport`."""
+
+
+def missing_names(
+    required: Mapping[Any, tuple[str, ...]] = REQUIRED,
+    assigned: Mapping[tuple[Any, str], tuple[str, ...]] = ASSIGNED,
+) -> list[str]:
+    """Every guarded name that is gone, as `owner.name`."""
+    missing = [f"{_name(owner)}.{name}" for owner, names in required.items() for name in names
+               if not hasattr(owner, name)]  # fmt: skip
+    for (owner, function), names in assigned.items():
+        source = _source(getattr(owner, function, None))
+        missing += [f"{_name(owner)}.{name}" for name in names if f"self.{name}" not in source]
+    return missing
 
 
 def check_versions() -> None:
-    """Fail loudly at start-up when kombu, Celery or celery-batches moved under these shims."""
+    """Fail loudly at start-up when kombu, Celery or celery-batches moved under the shims."""
     for name, (low, high) in TESTED.items():
         found = version(name)
         parts = tuple(int(p) for p in found.split(".")[:2] if p.isdigit())
@@ -57,14 +96,38 @@ def check_versions() -> None:
                 f"({'.'.join(map(str, low))} <= version < {'.'.join(map(str, high))}); install a tested "
                 f"version (pip install 'ticketq') or review worker/transport/ for this release"
             )
-    for cls, names in REQUIRED.items():
-        missing = [name for name in names if not hasattr(cls, name)]
-        if missing:
-            where = f"{cls.__module__}.{cls.__name__}"
-            raise IncompatibleLibrary(f"{where} no longer has {missing}: see worker/transport/")
-    for name in ("_do_flush", "flush", "Strategy"):  # Strategy sets the `_pool` that Batches.flush uses
-        if not hasattr(celery_batches.Batches, name):
-            raise IncompatibleLibrary(f"celery_batches.Batches no longer has {name}: see worker/transport/")
-    for name in ("apply_batches_task", "SimpleRequest"):
-        if not hasattr(celery_batches, name):
-            raise IncompatibleLibrary(f"celery_batches no longer has {name}: see worker/transport/")
+    missing = missing_names()
+    from worker.transport.consumer import HEART_STEP  # the step GuardedConsumer leaves out must exist
+
+    if HEART_STEP not in Consumer.Blueprint.default_steps:
+        missing.append(f"celery.worker.consumer.Consumer.Blueprint.default_steps[{HEART_STEP!r}]")
+    if missing:
+        raise IncompatibleLibrary(f"private names ticketq relies on are gone: {', '.join(missing)}; "
+                                  "see worker/transport/guards.py")  # fmt: skip
+
+
+def _name(owner: Any) -> str:
+    return owner.__name__ if inspect.ismodule(owner) else f"{owner.__module__}.{owner.__qualname__}"
+
+
+def _source(function: Any) -> str:
+    try:
+        return inspect.getsource(function)
+    except (OSError, TypeError):  # gone, or not Python source
+        return ""
+
+
+def check_result_meta(backend: BaseBackend) -> None:
+    """`worker.store` writes Celery's result meta itself (one script call per forward batch, not a
+    backend call per ticket): it must be exactly what this Celery's backend would store."""
+    from worker.store import success_meta
+
+    request = types.SimpleNamespace(children=[], group=None, parent_id=None)  # a ticketq task's request
+    theirs = backend._get_result_meta({"probe": 1}, "SUCCESS", None, request)
+    theirs["task_id"] = "probe"  # BaseBackend._store_result adds it
+    ours = success_meta("probe", {"probe": 1}, theirs["date_done"])
+    if ours != theirs:
+        raise IncompatibleLibrary(
+            f"Celery's result meta changed: it stores {sorted(theirs)}, worker.store writes {sorted(ours)}; "
+            "see worker/transport/guards.py"
+        )

@@ -18,10 +18,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import redis
-from kombu.transport import redis as kombu_redis
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
+from ticketq.names import queue_lists
 from worker import store
 
 if TYPE_CHECKING:
@@ -140,12 +140,11 @@ class Lease(threading.Thread):
         return restored
 
     def collect_priority_lists(self, client: redis.Redis) -> None:
-        """Messages a plain Celery client sent with a priority wait in kombu's per-priority lists
-        (`<queue>\\x06\\x16<n>`), which BLMOVE does not read: move them into the queue list."""
-        sep = self.channel.sep
+        """Messages a plain Celery client sent with a priority wait in kombu's per-priority lists,
+        which BLMOVE does not read: move them into the queue list."""
         for queue in self.queues:
-            for step in kombu_redis.PRIORITY_STEPS[1:]:
-                while client.lmove(f"{queue}{sep}{step}", queue, "RIGHT", "LEFT"):
+            for source in queue_lists(queue)[1:]:
+                while client.lmove(source, queue, "RIGHT", "LEFT"):
                     pass
 
     def release(self, client: redis.Redis) -> None:
