@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup demo test test-deps lint bench
+.PHONY: setup demo test test-deps lint bench docs
 setup: $(VENV)/.installed
 
 # torch is pinned to the local CPU wheel first: a bare `torch` resolves to a multi-GB CUDA build.
@@ -31,3 +31,7 @@ test: setup lint test-deps
 
 bench: setup
 	$(VENV)/bin/ticketq bench
+
+# docs/settings.md and docs/metrics.md from the code (a test fails when they are stale).
+docs: setup
+	$(PY) -m worker.tools.docgen

@@ -149,7 +149,9 @@ class Metrics:
             c.M_PUBLISH, "Publishing one forward batch's results (stream + backend), seconds.",
             buckets=PUBLISH_BUCKETS, registry=r,
         )  # fmt: skip
-        self.model = Info(c.M_MODEL_INFO, "The model this worker serves.", registry=r)
+        self.model = Info(
+            c.M_MODEL_INFO, "The model this worker serves: model, standin, dtype, device, matmul.", registry=r
+        )
 
     def preinit(self, labels: tuple[str, ...], reasons: tuple[str, ...]) -> None:
         """Create the labelled series at 0 so dashboards and rate() see them before the first event."""

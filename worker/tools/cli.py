@@ -188,9 +188,9 @@ def config(markdown: Annotated[bool, typer.Option(help="Print a Markdown table (
         default = ",".join(field.default) if isinstance(field.default, tuple) else field.default
         rows.append((f"TICKETQ_{name.upper()}", str(default), str(shown), field.description or ""))
     if markdown:
-        print("| setting | default | meaning |\n|---|---|---|")
-        for env, default, _, meaning in rows:
-            print(f"| `{env}` | `{default}` | {meaning} |")
+        from worker.tools.docgen import settings_table
+
+        print(settings_table())
         return
     table = Table(title="ticketq settings (environment)")
     for column in ("setting", "value", "default", "meaning"):
