@@ -281,3 +281,16 @@ def test_redis_errors_say_what_to_do_without_the_password():
 def test_contract_module_imports_nothing_heavy():
     source = Path(contract.__file__).read_text(encoding="utf-8")
     assert not re.search(r"^\s*(from|import) (torch|celery|kombu|redis|pydantic|worker|producer)", source, re.M)
+
+
+def test_one_rule_names_a_result_whatever_its_outcome():
+    """ok, failed and expired results of a ticket without an id carry the same id: the task id for
+    a single-ticket message, `<task>:<slot>` for each ticket of a packed one (slot 0 included)."""
+    from ticketq.contract import result_id
+
+    assert result_id(None, "t", 0, packed=False) == "t"
+    assert result_id("", "t", 0, packed=False) == "t"
+    assert [result_id(None, "t", slot, packed=True) for slot in (0, 1)] == ["t:0", "t:1"]
+    assert result_id("T-9", "t", 3, packed=True) == "T-9"
+    assert result_id(42, "t", 0, packed=False) == "42"
+    assert result_id(True, "t", 0, packed=False) == "t"  # not an id: JSON true is no integer here

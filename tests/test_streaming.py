@@ -87,7 +87,7 @@ class ScriptedClassifier:
         self.null = NullClassifier(LABELS)
         self.computed: list[str] = []
 
-    def classify(self, texts, on_batch=None, on_predictions=None):
+    def classify(self, texts, on_batch=None, on_predictions=None, more=None):  # takes no arrivals
         answers = []
         for k, start in enumerate(range(0, len(texts), self.batch)):
             if self.before:

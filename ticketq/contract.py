@@ -123,6 +123,14 @@ def validate_ticket(raw: object, max_bytes: int = MAX_TICKET_BYTES) -> Ticket:
     return Ticket(ticket_id, text, float(submitted) if finite else None)
 
 
+def result_id(given: object, task_id: str, slot: int, packed: bool) -> str:
+    """The `id` a ticket's result carries: the ticket's own id (a string or an integer), else the
+    task id of its message, with `:<slot>` for a ticket of a packed message."""
+    if (isinstance(given, str) and given) or (isinstance(given, int) and not isinstance(given, bool)):
+        return str(given)
+    return f"{task_id}:{slot}" if packed else task_id
+
+
 def check_text(text: object) -> str:
     """The text part of the rule without the byte limit, for the engine, which truncates by tokens."""
     text = _text_of_type(text)

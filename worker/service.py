@@ -19,7 +19,6 @@ acknowledged through the feed as soon as its result is out, not when the job end
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import socket
@@ -33,7 +32,7 @@ from typing import Any, Protocol
 import redis
 
 from ticketq import codec
-from ticketq.contract import Reason, Ticket, TicketRejected, validate_ticket
+from ticketq.contract import Reason, Ticket, TicketRejected, result_id, validate_ticket
 from worker.metrics import Metrics
 from worker.results import BatchReport, Prediction
 from worker.settings import Settings
@@ -44,6 +43,11 @@ log = logging.getLogger(__name__)
 
 
 class Classifier(Protocol):
+    """What the service needs of a classifier (`worker.engine.Engine`, `NullClassifier`, or a
+    `classifier_factory`'s own). `classify` calls `on_predictions` once per forward batch and asks
+    `more()` for tickets that arrived meanwhile; it may ignore `more` (its jobs then take no
+    arrivals, which wait for the next job)."""
+
     labels: tuple[str, ...]
 
     def classify(
@@ -84,6 +88,7 @@ class Slot:
     request: Any
     index: int
     joined: float  # unix time the ticket joined the run: its queue wait ends and its processing starts
+    packed: bool = False  # the message carried a list of tickets
     ticket: Ticket | None = None
     result: dict | None = None  # final per-ticket result once known
     encoded: bytes = b""  # the result as JSON, serialised once for the stream and the backend
@@ -132,9 +137,6 @@ class TicketService:
         self.worker_name = f"{socket.gethostname()}:{os.getpid()}"
         self.model_fields = _model_fields(classifier, settings)
         self.shadow = ShadowChecker(classifier, metrics, settings.shadow_rate) if settings.shadow_rate > 0 else None
-        # A classifier written before `more` (a classifier_factory of the user's) still works: its
-        # jobs take no requests between forwards, they wait for the next job as they used to.
-        self.takes_more = "more" in inspect.signature(classifier.classify).parameters
         self.job_limit = 4 * settings.effective_prefetch  # tickets one job takes in before it ends
 
     # ----- the batch function --------------------------------------------------------------
@@ -143,47 +145,47 @@ class TicketService:
         """Classify and publish one buffer (and what `feed` adds while it runs); never raises (see
         module docstring)."""
         self.metrics.flushes.inc()
-        taken = self._take(requests, backend)
-        if taken is None:
+        triaged = self._triage_or_fail(requests, backend)
+        if triaged is None:
             return
-        fresh, redelivered = taken
-        self._run(fresh, backend, feed=feed, redelivered=redelivered)
+        fresh, redelivered = triaged
+        self._guarded(fresh, backend, feed, lambda work: self._run_batch(work, fresh, redelivered))
         for request in redelivered:
-            self._run([request], backend, count_delivery=True, feed=feed)
+            self._guarded([request], backend, feed, lambda work, request=request: self._run_alone(work, request))
 
-    def _run(
-        self,
-        requests: Sequence[Any],
-        backend: Backend,
-        count_delivery: bool = False,
-        feed: Feed | None = None,
-        redelivered: list[Any] | None = None,
-    ) -> None:
-        """Classify `requests` as one batch, publishing per forward batch; fail what is left on an
-        unexpected error. With `redelivered` (a list to append to), requests that arrive through
-        `feed` between forwards join the batch; the redelivered among them are left for later."""
-        started = time.time()
+    def _guarded(self, requests: Sequence[Any], backend: Backend, feed: Feed | None,
+                 run: Callable[[Work], None]) -> None:  # fmt: skip
+        """`run` on a new Work for `requests`; on an unexpected error fail what it has not finished."""
+        if not requests:
+            return
         work: Work | None = None
         try:
-            if not requests or (count_delivery and self._too_many_deliveries(requests[0], backend)):
-                return
-            work = Work(backend, started, feed)
-            slots = self._admit(work, requests)
-            absorbs = self.takes_more and feed is not None and redelivered is not None
-            more = self._more(work, slots, feed, redelivered) if absorbs else None
-            self._classify(work, slots, more)
+            work = Work(backend, time.time(), feed)
+            run(work)
         except Exception as exc:  # last line of defence: what is already published stays published
             self._fail_batch(requests if work is None else work.unfinished(), backend, exc)
+
+    def _run_batch(self, work: Work, requests: Sequence[Any], redelivered: list[Any]) -> None:
+        """First deliveries as one batch; arrivals through the feed join it between forwards (the
+        redelivered among them are appended to `redelivered`, to run alone after)."""
+        slots = self._admit(work, requests)
+        arrivals = self._arrivals(work, slots, redelivered) if work.feed is not None else None
+        self._classify(work, slots, arrivals)
+
+    def _run_alone(self, work: Work, request: Any) -> None:
+        """A redelivered message, alone, its delivery counted now: past max_retries it is dead-lettered."""
+        if not self._too_many_deliveries(request, work.backend):
+            self._classify(work, self._admit(work, [request]))
 
     def _admit(self, work: Work, requests: Sequence[Any]) -> list[Slot]:
         """Unpack `requests` into `work`; refused and expired tickets are answered now. Returns the
         slots to classify."""
         slots = self._unpack(work, requests)
         self._expire(slots)
-        self._deliver(work, [s for s in slots if s.result is not None])
+        self._publish(work, [s for s in slots if s.result is not None])
         return [s for s in slots if s.result is None]
 
-    def _more(self, work: Work, slots: list[Slot], feed: Feed, redelivered: list[Any]) -> Callable[[], list[str]]:
+    def _arrivals(self, work: Work, slots: list[Slot], redelivered: list[Any]) -> Callable[[], list[str]]:
         """The engine's `more`: requests that arrived during the last forward join `slots` (so the
         engine's indices into its texts stay indices into `slots`); their texts are returned."""
 
@@ -192,13 +194,13 @@ class TicketService:
             # run alone, after) do not wait for a lull and `work` does not grow without end.
             if redelivered or len(work.slots) >= self.job_limit:
                 return []
-            requests = feed.more()
+            requests = work.feed.more()
             if not requests:
                 return []
-            taken = self._take(requests, work.backend)
-            if taken is None:
+            triaged = self._triage_or_fail(requests, work.backend)
+            if triaged is None:
                 return []
-            fresh, again = taken
+            fresh, again = triaged
             redelivered.extend(again)
             added = self._admit(work, fresh)
             self._observe_wait(added)
@@ -207,7 +209,7 @@ class TicketService:
 
         return more
 
-    def _take(self, requests: Sequence[Any], backend: Backend) -> tuple[list[Any], list[Any]] | None:
+    def _triage_or_fail(self, requests: Sequence[Any], backend: Backend) -> tuple[list[Any], list[Any]] | None:
         """`_triage`, or None once every request is failed (Redis away for longer than worst_batch_s)."""
         try:
             return self._triage(requests)
@@ -252,14 +254,14 @@ class TicketService:
             if packed and not raws:
                 raws = [None]
             for index, raw in enumerate(raws):
-                slot = Slot(request, index, joined)
+                slot = Slot(request, index, joined, packed)
                 try:
                     if len(args) != 1:
                         detail = f"expected one argument (ticket or list), got {len(args)}"
                         raise TicketRejected(Reason.BAD_PAYLOAD, detail)
                     slot.ticket = validate_ticket(raw, self.settings.max_ticket_bytes)
                 except TicketRejected as rejection:
-                    slot.result = self._reject(request, index, raw, rejection)
+                    slot.result = self._reject(slot, raw, rejection)
                 work.add(slot)
                 slots.append(slot)
         return slots
@@ -279,8 +281,8 @@ class TicketService:
             if slot.result is None and deadline is not None and deadline <= now:
                 when = datetime.fromtimestamp(deadline, timezone.utc).isoformat()
                 late = f"deadline {when} passed {now - deadline:.3f}s before the batch started"
-                raw = {**_raw(slot.ticket), "id": slot.ticket.id or _slot_id(slot)}
-                slot.result = self._failure(slot.request, slot.index, raw, TicketRejected(Reason.EXPIRED, late))
+                raw = {**_raw(slot.ticket), "id": _result_id(slot, slot.ticket.id)}
+                slot.result = self._failure(slot, raw, TicketRejected(Reason.EXPIRED, late))
 
     def _too_many_deliveries(self, request: Any, backend: Backend) -> bool:
         """A message redelivered past max_retries (its batch keeps killing workers) is dead-lettered."""
@@ -318,9 +320,8 @@ class TicketService:
                 raise PublishFailed(f"publishing {len(indices)} results failed: {exc!r}") from exc
 
         try:
-            extra = {"more": more} if more else {}
             predictions, _ = self.classifier.classify(
-                [s.ticket.text for s in slots], on_batch=self._observe, on_predictions=publish, **extra
+                [s.ticket.text for s in slots], on_batch=self._observe, on_predictions=publish, more=more
             )
         except PublishFailed:
             raise
@@ -343,8 +344,8 @@ class TicketService:
         elif slots:
             slot = slots[0]
             rejection = TicketRejected(Reason.ENGINE_ERROR, f"{type(exc).__name__}: {exc} (after {attempt} attempts)")
-            slot.result = self._reject(slot.request, slot.index, _raw(slot.ticket), rejection)
-            self._deliver(work, [slot])
+            slot.result = self._reject(slot, _raw(slot.ticket), rejection)
+            self._publish(work, [slot])
 
     def _on_predictions(self, work: Work, slots: list[Slot], predictions: list[Prediction]) -> None:
         """One forward batch is computed: its results go out now."""
@@ -353,7 +354,7 @@ class TicketService:
             slot.result = self._success(slot, prediction, now)
             if self.shadow:
                 self.shadow.offer(slot.ticket.text, prediction)
-        self._deliver(work, slots)
+        self._publish(work, slots)
 
     def _observe(self, report: BatchReport) -> None:
         self.metrics.observe_batch(report.rows, report.width, report.real_tokens, report.seconds)
@@ -363,7 +364,7 @@ class TicketService:
     def _success(self, slot: Slot, prediction: Prediction, now: float) -> dict:
         ticket, started = slot.ticket, slot.joined
         return {
-            "id": ticket.id or _slot_id(slot),
+            "id": _result_id(slot, ticket.id),
             "task_id": slot.request.id,
             "status": "ok",
             "label": prediction.label,
@@ -376,23 +377,22 @@ class TicketService:
             "processing_s": round(now - started, 6),
         }
 
-    def _reject(self, request: Any, index: int, raw: Any, rejection: TicketRejected) -> dict:
+    def _reject(self, slot: Slot, raw: Any, rejection: TicketRejected) -> dict:
         """A failed result whose raw payload also goes to the dead-letter stream."""
-        self._dead_letter(request, index, raw, rejection)
-        return self._failure(request, index, raw, rejection)
+        self._dead_letter(slot.request, slot.index, raw, rejection)
+        return self._failure(slot, raw, rejection)
 
-    def _failure(self, request: Any, index: int, raw: Any, rejection: TicketRejected) -> dict:
-        ticket_id = raw.get("id") if isinstance(raw, dict) and isinstance(raw.get("id"), str | int) else None
+    def _failure(self, slot: Slot, raw: Any, rejection: TicketRejected) -> dict:
         return {
-            "id": str(ticket_id) if ticket_id is not None else f"{request.id}:{index}",
-            "task_id": request.id,
+            "id": _result_id(slot, raw.get("id") if isinstance(raw, dict) else None),
+            "task_id": slot.request.id,
             "status": "failed",
             "reason": rejection.reason,
             "error": str(rejection),
             "worker": self.worker_name,
         }
 
-    def _deliver(self, work: Work, slots: list[Slot]) -> None:
+    def _publish(self, work: Work, slots: list[Slot]) -> None:
         """Publish the final results of `slots` now: one pipelined round trip for their stream
         entries (and the attempts keys of the messages they complete), one for the backend."""
         if not slots:
@@ -401,18 +401,18 @@ class TicketService:
         for slot in slots:
             slot.encoded = codec.dumps(slot.result)
         complete = work.completed_by(slots)
-        self._stream(slots, complete)
-        self._store(work, complete)
+        self._publish_stream(slots, complete)
+        self._publish_backend(work, complete)
         work.published.update(complete)
         if work.feed is not None and complete:
             work.feed.done(complete)
         self.metrics.publish.observe(time.perf_counter() - begun)
-        self._count(slots)
+        self._count_outcomes(slots)
         if not work.first_out:
             work.first_out = True
             self.metrics.first_result.observe(max(0.0, time.time() - work.started))
 
-    def _stream(self, slots: list[Slot], complete: list[str]) -> None:
+    def _publish_stream(self, slots: list[Slot], complete: list[str]) -> None:
         """Stream the slots' results once each, closing the attempts of the messages they complete."""
         repeated = self.outbox.publish([(slot.request.id, slot.index, slot.encoded) for slot in slots], complete)
         if repeated:
@@ -420,7 +420,7 @@ class TicketService:
             tasks = sorted({task_id for task_id, _ in repeated})
             log.info("re-executed: %d result(s) of %s already published, not repeated", len(repeated), tasks[:5])
 
-    def _store(self, work: Work, complete: list[str]) -> None:
+    def _publish_backend(self, work: Work, complete: list[str]) -> None:
         """The backend state producers wait on: successes pipelined, failures one by one (rare)."""
         successes = []
         for task_id in complete:
@@ -438,7 +438,7 @@ class TicketService:
         if successes:
             self.outbox.store_successes(work.backend, successes)
 
-    def _count(self, slots: list[Slot]) -> None:
+    def _count_outcomes(self, slots: list[Slot]) -> None:
         now, counts, latencies = time.time(), Counter(), []
         for slot in slots:
             result = slot.result
@@ -500,8 +500,8 @@ def _outcome(result: dict) -> str:
     return "failed" if result["reason"] in ("engine_error", "worker_error") else "rejected"
 
 
-def _slot_id(slot: Slot) -> str:
-    return f"{slot.request.id}:{slot.index}" if slot.index else slot.request.id
+def _result_id(slot: Slot, given: object) -> str:
+    return result_id(given, slot.request.id, slot.index, slot.packed)
 
 
 def _raw(ticket: Ticket) -> dict:
