@@ -8,7 +8,10 @@ path relies on (base cache never written, rows independent of their neighbours, 
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from hypothesis import strategies as st
 
 from producer.synthetic import awkward_texts, generate_tickets
 from worker.engine import Engine, ModelNotFound, batching
+from worker.engine.core import NoChatTemplate
 from worker.engine.kernels import PackedLinear
 from worker.engine.loading import cache_tensors, load_model
 from worker.engine.prompt import InvalidTicket, system_text
@@ -418,6 +422,24 @@ def test_directory_without_a_model_raises_model_not_found(offline, tmp_path):
     """An empty or half-written directory (e.g. an interrupted stand-in build) must not leak a raw error."""
     with pytest.raises(ModelNotFound, match=r"ticketq standin --out"):
         load_model(str(tmp_path), torch.device("cpu"), torch.float32)
+
+
+def test_model_without_a_chat_template_names_the_fix(tiny_model_dir, tiny_settings, tmp_path):
+    """A base model's tokenizer: one line naming the fix, as the worker's start-up reports it (no traceback)."""
+    from worker.app import ModelNotReady, build_classifier
+
+    copy = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
+    (copy / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (copy / "tokenizer_config.json").write_text(json.dumps(config))
+    settings = tiny_settings.model_copy(update={"model": str(copy)})
+    with pytest.raises(NoChatTemplate, match=r"has no chat template.*add a \"chat_template\"") as info:
+        Engine.from_settings(settings)
+    assert isinstance(info.value, ModelNotFound) and "\n" not in str(info.value)
+    assert str(copy) in str(info.value)
+    with pytest.raises(ModelNotReady, match=r"tokenizer_config\.json"):
+        build_classifier(settings)
 
 
 def test_auto_dtype_takes_bfloat16_only_where_it_measures_faster(monkeypatch):

@@ -132,6 +132,67 @@ def test_engine_prompt_is_the_chat_template_split_around_the_ticket(tiny_engine,
     assert tokenizer.decode(prompt.full_ids(prompt.encode(ticket))) == prompt.render(ticket)
 
 
+# Qwen3's shape: the generation prompt opens a thinking block unless `enable_thinking` is false,
+# and then closes an empty one, so the answer starts after `</think>`.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{% else %}{{ '<think>\\n' }}{% endif %}{% endif %}"
+)
+
+
+def tokenizer_with(tiny_model_dir, **attributes):
+    """A fresh copy of the stand-in's tokenizer with `attributes` set (chat_template, eos_token)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for name, value in attributes.items():
+        setattr(tokenizer, name, value)
+    return tokenizer
+
+
+def test_thinking_template_is_rendered_with_thinking_off(tiny_model_dir):
+    tokenizer = tokenizer_with(tiny_model_dir, chat_template=THINKING_TEMPLATE)
+    messages = [{"role": "user", "content": "hi"}]
+    opened = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert opened.endswith("<|im_start|>assistant\n<think>\n")  # left to itself, the template opens one
+    prompt = PromptTemplate(tokenizer, "Route tickets.", ("billing", "technical"))
+    assert prompt.suffix_text == "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert prompt.render("hi").endswith("</think>\n\n")
+    assert prompt.end_of_answer() == IM_END
+
+
+def test_engine_under_a_thinking_template_matches_its_reference(tiny_engine, tiny_model_dir):
+    from worker.engine import Engine
+
+    tokenizer = tokenizer_with(tiny_model_dir, chat_template=THINKING_TEMPLATE)
+    engine = Engine(tiny_engine.model, tokenizer, labels=("team1", "team2", "billing"), system="Route tickets.")
+    texts = [t["text"] for t in generate_tickets(12, seed=3)]
+    predictions, _ = engine.classify(texts)
+    for got, text in zip(predictions, texts, strict=True):
+        want = engine.reference(text)
+        assert got.label == want.label
+        assert max(abs(got.probs[k] - want.probs[k]) for k in want.probs) <= 1e-4
+
+
+def test_end_of_answer_is_the_templates_not_the_eos_token(tiny_model_dir):
+    """A base model's tokenizer ends documents with `<|endoftext|>`; its template ends answers with `<|im_end|>`."""
+    tokenizer = tokenizer_with(tiny_model_dir, eos_token="<|endoftext|>")
+    prompt = PromptTemplate(tokenizer, "Route tickets.", ("team1", "team10"))
+    assert prompt.end_of_answer() == IM_END
+    assert {seq[-1] for seq in prompt.trie.sequences.values()} == {IM_END}
+
+
+def test_an_answer_ended_by_plain_text_falls_back_to_the_eos_token(tiny_model_dir):
+    """Text after the answer could merge with a label's last token: only an added token ends a label."""
+    template = "{% for m in messages %}{{ m.role + ': ' + m.content + '\\n\\n' }}{% endfor %}{{ 'assistant: ' }}"
+    tokenizer = tokenizer_with(tiny_model_dir, chat_template=template, eos_token="<|endoftext|>")
+    prompt = PromptTemplate(tokenizer, "Route tickets.", ("team1", "team10"))
+    assert prompt.end_of_answer() == ENDOFTEXT
+    assert prompt.trie.sequences["team1"] == (*plain_ids(tokenizer, "team1"), ENDOFTEXT)
+
+
 # ----- token boundary guard ----------------------------------------------------------------
 
 

@@ -20,7 +20,8 @@ summation order differs); where oneDNN measures faster at start-up it serves eve
 reference included.
 
 Both produce trie-constrained label probabilities: at every point where labels diverge, the
-softmax over the allowed next tokens (exactly what constrained decoding would choose from).
+softmax over the allowed next tokens (exactly what constrained decoding would choose from). A label
+that is a prefix of another ends with the template's end-of-answer token, one of those choices.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 from worker.engine import batching
 from worker.engine.int8 import INT8, quantize_linears_int8
 from worker.engine.kernels import pack_linears, resolve_device, resolve_dtype, resolve_matmul
-from worker.engine.loading import STANDIN_MARKER, cache_class, cache_tensors, load_model
+from worker.engine.loading import STANDIN_MARKER, ModelNotFound, cache_class, cache_tensors, load_model
 from worker.engine.prompt import EncodedTicket, PromptTemplate, canonical_text, system_text
 from worker.results import BatchReport, Prediction
 from worker.settings import Settings
@@ -46,10 +47,13 @@ from worker.settings import Settings
 log = logging.getLogger(__name__)
 
 
-
 # on_predictions(indices into the caller's texts, their predictions): one call per forward batch
 PredictionsCallback = Callable[[Sequence[int], list[Prediction]], None]
 MoreCallback = Callable[[], Sequence[object]]  # tickets that arrived since the last call (or the start)
+
+
+class NoChatTemplate(ModelNotFound):
+    """The tokenizer has no chat template to render the prompt with; the message names the fix."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,7 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.labels = labels
+        _check_chat_template(tokenizer)
         self.prompt = PromptTemplate(tokenizer, system, labels, max_ticket_tokens)
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
@@ -285,16 +290,14 @@ class Engine:
         positions = self.prefix_len + torch.arange(width, device=self.device).expand(len(rows), -1)  # (B, W)
         hidden = self._decode(ids, mask, positions, cache)  # (B, W, H)
         last = hidden[torch.arange(len(rows), device=self.device), lengths - 1]  # (B, H)
-        scores = {(): self._branch_scores((), last)}
-        for path in self.prompt.trie.branches:
-            if path:
-                scores[path] = self._continuation_scores(path, lengths, width, cache)
+        scores = {}
+        for path in self.prompt.trie.branches:  # the root is one only where the labels' first tokens differ
+            after = self._continuation(path, lengths, width, cache) if path else last  # (B, H)
+            scores[path] = self._branch_scores(path, after)  # (B, C)
         return [self._prediction(i, row, scores) for i, row in enumerate(rows)]
 
-    def _continuation_scores(
-        self, path: tuple[int, ...], lengths: torch.Tensor, width: int, cache
-    ) -> torch.Tensor:
-        """Scores after a shared label prefix `path`, appended to each row's real tokens via the batch cache."""
+    def _continuation(self, path: tuple[int, ...], lengths: torch.Tensor, width: int, cache) -> torch.Tensor:
+        """Hidden state after a shared label prefix `path`, appended to each row's real tokens via the batch cache."""
         extra = cache.get_seq_length() - (self.prefix_len + width)
         if extra:  # drop a previous continuation's tokens (negative crop works across transformers versions)
             cache.crop(-extra)
@@ -302,8 +305,7 @@ class Engine:
         ids = torch.tensor(path, device=self.device).expand(rows, -1)  # (B, k)
         mask = self._mask(lengths, width, extra=len(path))  # (B, 1, k, P+W+k)
         positions = self.prefix_len + lengths[:, None] + torch.arange(len(path), device=self.device)  # (B, k)
-        hidden = self._decode(ids, mask, positions, cache)  # (B, k, H)
-        return self._branch_scores(path, hidden[:, -1])
+        return self._decode(ids, mask, positions, cache)[:, -1]  # (B, k, H) -> (B, H)
 
     def _branch_scores(self, path: tuple[int, ...], hidden: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax((hidden @ self._branch_rows[path].T).float(), dim=-1)  # (B, C)
@@ -422,6 +424,16 @@ class Engine:
         )  # (1, T + new)
         new = out[0, ids.shape[1] :]  # (new,)
         return self.tokenizer.decode(new, skip_special_tokens=True), ids.shape[1], int(new.shape[0])
+
+
+def _check_chat_template(tokenizer) -> None:
+    """A model without a chat template (a base model) cannot render the prompt: say so in one line."""
+    if not getattr(tokenizer, "chat_template", None):
+        name = getattr(tokenizer, "name_or_path", "") or "?"
+        raise NoChatTemplate(
+            f"model {name!r} has no chat template to render the prompt with: use an instruct (chat) model, "
+            'or add a "chat_template" to its tokenizer_config.json (or a chat_template.jinja beside it)'
+        )
 
 
 def _choice_logprobs(logits: torch.Tensor, kids: tuple[int, ...]) -> torch.Tensor:

@@ -1,6 +1,10 @@
 """The prompt: system instructions + label set, rendered once with the chat template and split
 around the ticket into prefix / ticket / suffix token ids, plus the label trie.
 
+The template is rendered with `enable_thinking=False`: a Qwen3-style template otherwise opens a
+`<think>` block after the assistant's header, and the label would be scored inside it. Templates
+that do not read the variable ignore it.
+
 The batched path feeds `prefix_ids` once (cached) and `ticket_ids + suffix_ids` per row; the
 reference path feeds the three concatenated. Tickets are tokenised on their own with special
 tokens split, so a ticket that contains `<|im_end|>` cannot close its own user turn.
@@ -9,10 +13,12 @@ tokens split, so a ticket that contains `<|im_end|>` cannot close its own user t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from ticketq.contract import TicketRejected, check_text
 
 TICKET_MARKER = "\x00TICKET\x00"
+ANSWER_MARKER = "\x00ANSWER\x00"
 
 
 class InvalidTicket(TicketRejected):
@@ -47,10 +53,14 @@ def system_text(system_prompt: str, labels: tuple[str, ...], descriptions: dict[
 
 @dataclass
 class LabelTrie:
-    """Label token sequences (each ending in the end-of-turn token) as a trie.
+    """Label token sequences (each ending in the end-of-answer token) as a trie.
 
     Constrained decoding only chooses at nodes with two or more children; the probability of a
     label is the product, over those nodes on its path, of the softmax among the node's children.
+    The root is such a node only when the labels differ in their first token (`team1`, `team2`
+    share `team`: the first choice is after it). A label that is a prefix of another (`team1`,
+    `team10`) is chosen by its end-of-answer token, a child beside the longer label's next token:
+    after `team1` the model either ends its answer or goes on, as a constrained decoder lets it.
     """
 
     sequences: dict[str, tuple[int, ...]]
@@ -58,16 +68,24 @@ class LabelTrie:
     branches: dict[tuple[int, ...], tuple[int, ...]] = field(init=False)
 
     def __post_init__(self) -> None:
-        seen: dict[tuple[int, ...], str] = {}
-        for name, seq in self.sequences.items():
-            if seq in seen:
-                raise ValueError(f"labels {seen[seq]!r} and {name!r} tokenise identically")
-            seen[seq] = name
+        self._check_prefix_free()
         children: dict[tuple[int, ...], set[int]] = {}
         for seq in self.sequences.values():
             for depth in range(len(seq)):
                 children.setdefault(seq[:depth], set()).add(seq[depth])
         self.branches = {path: tuple(sorted(kids)) for path, kids in children.items() if len(kids) > 1}
+
+    def _check_prefix_free(self) -> None:
+        """A sequence that is another's prefix ends at an inner node: no choice could ever pick it."""
+        named = sorted((seq, name) for name, seq in self.sequences.items())
+        for (seq, name), (longer, other) in pairwise(named):  # a prefix sorts just before its extensions
+            if seq == longer:
+                raise ValueError(f"labels {name!r} and {other!r} tokenise identically")
+            if longer[: len(seq)] == seq:
+                raise ValueError(
+                    f"label {name!r} is a prefix of {other!r} and no end-of-answer token follows it (the chat "
+                    "template closes no answer with a special token, the tokenizer has no eos_token)"
+                )
 
     @property
     def root_only(self) -> bool:
@@ -91,24 +109,39 @@ class PromptTemplate:
         self.tokenizer = tokenizer
         self.labels = labels
         self.max_ticket_tokens = max_ticket_tokens
-        rendered = self.render(TICKET_MARKER, system)
+        self.system = system
+        rendered = self.render(TICKET_MARKER)
         if rendered.count(TICKET_MARKER) != 1:
             raise ValueError("the chat template must place the user message exactly once")
-        self.system = system
         self.prefix_text, self.suffix_text = rendered.split(TICKET_MARKER)
         self.prefix_ids = tuple(self._encode_special(self.prefix_text))
         self.suffix_ids = tuple(self._encode_special(self.suffix_text))
-        end_of_turn = tokenizer.convert_tokens_to_ids(tokenizer.eos_token) if tokenizer.eos_token else None
+        end = self.end_of_answer()
         self.trie = LabelTrie(
-            {
-                name: (*self._encode_plain(name), *([end_of_turn] if end_of_turn is not None else []))
-                for name in labels
-            }
+            {name: (*self._encode_plain(name), *([end] if end is not None else [])) for name in labels}
         )
 
     def render(self, ticket: str, system: str | None = None) -> str:
-        messages = [{"role": "system", "content": system or self.system}, {"role": "user", "content": ticket}]
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(
+            self._messages(ticket, system), tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
+
+    def end_of_answer(self) -> int | None:
+        """The token that closes the assistant's turn in this template (Qwen's `<|im_end|>`), else the EOS token.
+
+        Read from the template rather than `eos_token`, which a base model's tokenizer sets to its
+        end-of-document token. Only an added token counts: a plain-text ending could merge with a
+        label's last token, and the label would no longer be its own tokens followed by the end.
+        """
+        messages = [*self._messages("?", None), {"role": "assistant", "content": ANSWER_MARKER}]
+        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, enable_thinking=False)
+        closing = self._encode_special(rendered.partition(ANSWER_MARKER)[2])
+        if closing and closing[0] in self.tokenizer.added_tokens_decoder:
+            return closing[0]
+        return self.tokenizer.eos_token_id
+
+    def _messages(self, ticket: str, system: str | None) -> list[dict[str, str]]:
+        return [{"role": "system", "content": system or self.system}, {"role": "user", "content": ticket}]
 
     def encode(self, text: object) -> EncodedTicket:
         ids = self._encode_plain(canonical_text(text))
