@@ -20,10 +20,11 @@ demo: setup
 lint: setup
 	$(VENV)/bin/ruff check ticketq worker producer tests
 
-# The deploy tests run a real Prometheus; install it from Debian when missing (CI runs as root).
+# The deploy tests run a real Prometheus (and amtool); install them from Debian when missing (CI runs as root).
 test-deps:
-	@command -v promtool >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } || \
+	@{ command -v promtool && command -v amtool; } >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus \
+		prometheus-alertmanager >/dev/null; } || \
 		echo "prometheus not installed: the deploy tests that need it will skip"
 
 test: setup lint test-deps

@@ -43,6 +43,7 @@ DOCKERFILE = DEPLOY / "Dockerfile"
 PROM_DIR = DEPLOY / "prometheus"
 PROM_CONFIGS = (PROM_DIR / "prometheus.yml", PROM_DIR / "prometheus.local.yml")
 ALERTS = PROM_DIR / "alerts.yml"
+ALERT_TESTS = PROM_DIR / "alerts.test.yml"
 GRAFANA = DEPLOY / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "ticketq.json"
 K8S = DEPLOY / "k8s"
@@ -148,13 +149,27 @@ def _dashboard() -> dict:
     return json.loads(DASHBOARD.read_text(encoding="utf-8"))
 
 
-def _dashboard_exprs() -> list[str]:
+# What Grafana substitutes before it sends a query (every worker chosen, a 1-minute rate window):
+# the expressions are evaluated by a real Prometheus the way Grafana would send them.
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$instance": ".*"}
+
+
+def _raw_dashboard_exprs() -> list[str]:
     return [
         target["expr"]
         for panel in _walk_panels(_dashboard()["panels"])
         if panel.get("type") != "row"
         for target in panel.get("targets", [])
     ]
+
+
+def _dashboard_exprs() -> list[str]:
+    exprs = []
+    for expr in _raw_dashboard_exprs():
+        for variable, value in GRAFANA_VARIABLES.items():
+            expr = expr.replace(variable, value)
+        exprs.append(expr)
+    return exprs
 
 
 def _alert_rules() -> list[dict]:
@@ -238,7 +253,16 @@ def test_referenced_metrics_exist(source: str):
     unknown = sorted({name for expr in exprs for name in METRIC_RE.findall(expr)} - allowed)
     assert not unknown, f"{source} uses metrics the worker does not export: {unknown}"
     for expr in exprs:
-        assert "$" not in expr, f"Grafana variables make an expression untestable: {expr}"
+        assert "$" not in expr, f"an unknown Grafana variable makes an expression untestable: {expr}"
+
+
+def test_dashboard_uses_its_variables():
+    """A datasource variable (import into any Grafana), an instance variable, and Grafana's rate window."""
+    variables = {v["name"]: v for v in _dashboard()["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["instance"]["includeAll"]
+    raw = _raw_dashboard_exprs()
+    assert not [e for e in raw if re.search(r"\[\d+[smh]\]", e) and "increase(" not in e], "use $__rate_interval"
+    assert all('instance=~"$instance"' in e for e in raw if "ticketq_" in e and "queue_depth" not in e)
 
 
 def test_dashboard_covers_every_metric():
@@ -384,7 +408,8 @@ def test_grafana_datasource_matches_dashboard():
     ds = _load_yaml(GRAFANA / "provisioning" / "datasources" / "prometheus.yml")["datasources"]
     assert len(ds) == 1 and ds[0]["type"] == "prometheus"
     assert ds[0]["url"] == "http://prometheus:9090"
-    uid = ds[0]["uid"]
+    assert ds[0]["uid"], "the provisioned data source needs a uid"
+    uid = "${datasource}"  # every panel reads the dashboard's data source variable (type prometheus)
     for panel in _walk_panels(_dashboard()["panels"]):
         if panel.get("type") == "row":
             continue
@@ -407,7 +432,7 @@ def test_dashboard_panels():
             assert target.get("refId")
         assert {"x", "y", "w", "h"} <= set(panel["gridPos"])
     exprs = " ".join(_dashboard_exprs())
-    for needle in ("sum(rate(ticketq_tickets_total[1m]))", "histogram_quantile(0.99", "by (instance)"):
+    for needle in ('sum(rate(ticketq_tickets_total{instance=~".*"}[1m]))', "histogram_quantile(0.99", "by (instance)"):
         assert needle in exprs, needle
 
 
@@ -525,6 +550,42 @@ def test_promtool_check_rules(prometheus_bins):
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+def test_promtool_unit_tests_of_every_alert(prometheus_bins):
+    """deploy/prometheus/alerts.test.yml: each alert fires with the text a person reads (and the
+    value it names is the right one), `for:` included, and stays quiet where it should."""
+    res = _run([prometheus_bins["promtool"], "test", "rules", str(ALERT_TESTS)])
+    assert res.returncode == 0, res.stdout + res.stderr
+    tests = _load_yaml(ALERT_TESTS)["tests"]
+    fired = {case["alertname"] for test in tests for case in test["alert_rule_test"] if case["exp_alerts"]}
+    quiet = {case["alertname"] for test in tests for case in test["alert_rule_test"] if not case["exp_alerts"]}
+    assert fired == set(_alert_exprs()), f"alerts without a firing unit test: {set(_alert_exprs()) - fired}"
+    assert {"TicketqBacklogGrowing", "TicketqShadowDisagreement"} <= quiet
+
+
+def test_alertmanager_config():
+    """Prometheus sends alerts to the Alertmanager that compose runs, and its config is valid."""
+    config = _load_yaml(PROM_DIR / "prometheus.yml")
+    targets = config["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"]
+    services = _load_yaml(COMPOSE)["services"]
+    assert targets == ["alertmanager:9093"] and "alertmanager" in services
+    mounts = " ".join(services["alertmanager"]["volumes"])
+    assert "./deploy/alertmanager:/etc/alertmanager" in mounts
+    amtool = shutil.which("amtool")
+    if amtool is None:
+        _skip_or_fail("amtool not on PATH; install with `apt-get install -y prometheus-alertmanager`")
+    res = _run([amtool, "check-config", str(DEPLOY / "alertmanager" / "alertmanager.yml")])
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_backlog_exporter_is_scraped():
+    """`ticketq exporter` reports the queue's depth with every worker down: compose runs it and
+    Prometheus scrapes it."""
+    services = _load_yaml(COMPOSE)["services"]
+    assert services["exporter"]["entrypoint"] == ["ticketq", "exporter"]
+    jobs = {job["job_name"]: job for job in _load_yaml(PROM_DIR / "prometheus.yml")["scrape_configs"]}
+    assert jobs["ticketq-exporter"]["static_configs"][0]["targets"] == ["exporter:9809"]
+
+
 # --------------------------------------------------------------------------------------------
 # live: a real Prometheus evaluates every expression
 
@@ -568,6 +629,7 @@ prefix_reuses = Counter("ticketq_prefix_cache_reuses", "fixture", registry=reg)
 dead_letters = Counter("ticketq_dead_letters", "fixture", ["reason"], registry=reg)
 shadow_checked = Counter("ticketq_shadow_checked", "fixture", registry=reg)
 shadow_agreed = Counter("ticketq_shadow_agreed", "fixture", registry=reg)
+shadow_disagreed = Counter("ticketq_shadow_disagreed", "fixture", ["near_tie"], registry=reg)
 flushes = Counter("ticketq_flushes", "fixture", registry=reg)
 queue_depth = Gauge("ticketq_queue_depth", "fixture", registry=reg)
 Info("ticketq_model", "fixture", registry=reg).info(
@@ -601,6 +663,7 @@ while os.getppid() == parent:
         flushes.inc()
         shadow_checked.inc(2)
         shadow_agreed.inc(1 if degraded else 2)
+        shadow_disagreed.labels("false" if degraded else "true").inc(1 if degraded else 0)
         if degraded:
             failed.inc()
             rejected.inc()

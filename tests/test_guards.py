@@ -7,6 +7,8 @@ instead of switching a fix off in silence. No Redis, no torch.
 
 from __future__ import annotations
 
+import linecache
+
 import pytest
 from celery import Celery
 
@@ -42,8 +44,9 @@ def test_a_missing_instance_attribute_is_named(key, name):
     owner, function = key
     others = [n for n in guards.ASSIGNED[key] if n != name]
     body = "".join(f"    self.{n} = None\n" for n in others) or "    pass\n"
-    namespace: dict = {}
-    exec(f"def {function}(self):\n{body}", namespace)  # the same function, without that assignment
+    source, filename, namespace = f"def {function}(self):\n{body}", f"<guards-copy-{name}>", {}
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # for inspect.getsource
+    exec(compile(source, filename, "exec"), namespace)  # the same function, without that assignment
     copy = type(owner.__name__, (), {function: namespace[function], "__module__": "copy"})
     copy.__qualname__ = owner.__qualname__
     assigned = {k: v for k, v in guards.ASSIGNED.items() if k != key} | {(copy, function): guards.ASSIGNED[key]}

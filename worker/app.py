@@ -235,6 +235,9 @@ def _connect_signals(app: Celery) -> None:
             with _startup_logging():
                 guards.check_result_meta(app.backend)
                 runtime.start()
+                task = app.tasks.get(TASK_CLASSIFY)
+                if runtime.metrics and isinstance(task, batches.Batches):
+                    runtime.metrics.watch_requests(task.waiting, task.running)
         except Exception as exc:
             log.critical("ticketq worker cannot start: %s", exc, exc_info=not isinstance(exc, ModelNotReady))
             raise SystemExit(1) from exc

@@ -28,3 +28,15 @@ M_DUPLICATES = "ticketq_duplicate_results"  # counter: re-executions whose resul
 M_SHADOW_DROPPED = "ticketq_shadow_dropped"  # counter: shadow samples dropped because the checker was busy
 M_FIRST_RESULT = "ticketq_time_to_first_result_seconds"  # histogram: batch start -> its first result published
 M_PUBLISH = "ticketq_publish_seconds"  # histogram: Redis work of publishing one forward batch's results
+M_SHADOW_DISAGREED = "ticketq_shadow_disagreed"  # counter, labels: near_tie ("true": reference margin < NEAR_TIE)
+M_REQUESTS_WAITING = "ticketq_requests_waiting"  # gauge: messages buffered in the worker, not yet in a job
+M_REQUESTS_RUNNING = "ticketq_requests_running"  # gauge: messages of the running job not yet answered
+M_BUILD_INFO = "ticketq_build"  # info: version, python, torch, transformers, celery, kombu
+M_EXPORTER_REDIS_UP = "ticketq_exporter_redis_up"  # gauge: `ticketq exporter` read Redis at its last scrape
+M_DEAD_LETTER_ENTRIES = "ticketq_dead_letter_entries"  # gauge (exporter): length of the dead-letter stream
+M_RESULT_ENTRIES = "ticketq_result_entries"  # gauge (exporter): length of the results stream
+M_CONSUMERS_ALIVE = "ticketq_consumers_alive"  # gauge (exporter): consumers holding a live lease
+
+# A shadow disagreement where the reference's margin is below this is a near-tie: another summation
+# order (bfloat16, oneDNN) may flip it without anything being wrong. The alert pages on the rest.
+NEAR_TIE = 0.01

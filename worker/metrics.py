@@ -3,10 +3,12 @@
 Padding ratio in PromQL: `rate(ticketq_tokens_padded_total[1m]) / rate(ticketq_tokens_computed_total[1m])`.
 Items/s: `sum(rate(ticketq_tickets_total{outcome="ok"}[1m]))`.
 
-The server on TICKETQ_METRICS_PORT answers `/metrics` (and any other path, as before) with the
-series, `/healthz` with 200 while the process serves HTTP (liveness), and `/readyz` with 200 only
-when every readiness check passes (Redis reachable, model loaded, plus the caller's own check,
-e.g. the consumer running), else 503 and the reasons (readiness: send it tickets or not).
+The server on TICKETQ_METRICS_PORT answers `/metrics` with the series (ticketq's, plus the
+process and platform collectors: memory, CPU, open fds), `/healthz` with 200 while the process
+serves HTTP (liveness), `/readyz` with 200 only when every readiness check passes (Redis
+reachable, model loaded, plus the caller's own check, e.g. the consumer running), else 503 and
+the reasons (readiness: send it tickets or not), and any other path with 404. Counters carry no
+`_created` series: nothing reads them, and they doubled the series count.
 """
 
 from __future__ import annotations
@@ -20,7 +22,17 @@ from collections.abc import Callable, Iterable
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, make_wsgi_app
+from prometheus_client import (
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    disable_created_metrics,
+    make_wsgi_app,
+)
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
@@ -121,8 +133,11 @@ class Metrics:
     """All of ticketq's series, registered in `registry`."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        disable_created_metrics()  # process-wide in prometheus_client; ticketq exports no _created series
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+        r.register(PROCESS_COLLECTOR)  # process_resident_memory_bytes, process_cpu_seconds_total, open fds
+        r.register(PLATFORM_COLLECTOR)  # python_info
         self.tickets = Counter(c.M_TICKETS, "Tickets finished, by label and outcome.", ["label", "outcome"], registry=r)
         self.tokens_real = Counter(c.M_TOKENS_REAL, "Real (non-pad) tokens run through the model.", registry=r)
         self.tokens_computed = Counter(c.M_TOKENS_COMPUTED, "Tokens computed in forward passes.", registry=r)
@@ -140,6 +155,17 @@ class Metrics:
         self.shadow_checked = Counter(c.M_SHADOW_CHECKED, "Tickets re-run on the reference path.", registry=r)
         self.shadow_agreed = Counter(c.M_SHADOW_AGREED, "Shadow-checked tickets whose label matched.", registry=r)
         self.shadow_dropped = Counter(c.M_SHADOW_DROPPED, "Shadow samples dropped (checker busy).", registry=r)
+        self.shadow_disagreed = Counter(
+            c.M_SHADOW_DISAGREED, "Shadow-checked tickets whose label differed; near_tie: reference margin "
+            f"below {c.NEAR_TIE}.", ["near_tie"], registry=r,
+        )  # fmt: skip
+        self.requests_waiting = Gauge(c.M_REQUESTS_WAITING, "Messages buffered in the worker, not yet in a job.",
+                                      registry=r)  # fmt: skip
+        self.requests_running = Gauge(c.M_REQUESTS_RUNNING, "Messages of the running job not yet answered.",
+                                      registry=r)  # fmt: skip
+        self.build = Info(c.M_BUILD_INFO, "ticketq's version and the versions of the libraries it runs on.",
+                          registry=r)  # fmt: skip
+        self.build.info(build_versions())
         self.duplicates = Counter(c.M_DUPLICATES, "Re-executed tickets whose result was already out.", registry=r)
         self.flushes = Counter(c.M_FLUSHES, "Buffer drains (micro-batches handed to the engine).", registry=r)
         self.first_result = Histogram(
@@ -161,6 +187,13 @@ class Metrics:
             self.tickets.labels(label="none", outcome=outcome)
         for reason in reasons:
             self.dead_letters.labels(reason=reason)
+        for near_tie in ("true", "false"):
+            self.shadow_disagreed.labels(near_tie=near_tie)
+
+    def watch_requests(self, waiting: Callable[[], int], running: Callable[[], int]) -> None:
+        """Sample the worker's buffered and running messages at scrape time."""
+        self.requests_waiting.set_function(waiting)
+        self.requests_running.set_function(running)
 
     def observe_batch(self, rows: int, width: int, real_tokens: int, seconds: float) -> None:
         computed = rows * width
@@ -184,11 +217,7 @@ class Metrics:
         (through the queue-depth probe given to `watch_queue`) and model info set.
         """
         checks = [self._redis_reachable, self._model_loaded, *([ready] if ready else [])]
-        app = health_app(make_wsgi_app(self.registry), checks)
-        try:
-            server = make_server(host, port, app, _server_class(host, port), handler_class=_QuietHandler)
-        except OSError as exc:
-            raise MetricsPortInUse(exc.errno, _port_message(host, port, exc)) from None
+        server = wsgi_server(host, port, health_app(make_wsgi_app(self.registry), checks))
         threading.Thread(target=server.serve_forever, name="ticketq-metrics", daemon=True).start()
         return server
 
@@ -207,8 +236,30 @@ class Metrics:
         return None if any(sample.labels for sample in samples) else "model not loaded"
 
 
+def wsgi_server(host: str, port: int, app: Callable) -> WSGIServer:
+    """A threading HTTP server for `app` on host:port, not yet serving; `MetricsPortInUse` names the port."""
+    try:
+        return make_server(host, port, app, _server_class(host, port), handler_class=_QuietHandler)
+    except OSError as exc:
+        raise MetricsPortInUse(exc.errno, _port_message(host, port, exc)) from None
+
+
+def build_versions() -> dict[str, str]:
+    """The `ticketq_build_info` labels: installed versions, read from package metadata (no imports)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions = {"python": platform.python_version()}
+    for name in ("ticketq", "torch", "transformers", "celery", "kombu"):
+        try:
+            versions["version" if name == "ticketq" else name] = version(name)
+        except PackageNotFoundError:
+            versions["version" if name == "ticketq" else name] = "unknown"
+    return versions
+
+
 def health_app(metrics_app: Callable, checks: Iterable[Check]) -> Callable:
-    """WSGI: /healthz (alive), /readyz (every check passes, else 503 with reasons), the rest to metrics."""
+    """WSGI: /metrics, /healthz (alive), /readyz (every check passes, else 503 with reasons), else 404."""
     checks = list(checks)
 
     def app(environ: dict, start_response: Callable) -> list[bytes]:
@@ -220,7 +271,9 @@ def health_app(metrics_app: Callable, checks: Iterable[Check]) -> Callable:
             if problems:
                 return _reply(start_response, "503 Service Unavailable", "not ready: " + "; ".join(problems))
             return _reply(start_response, "200 OK", "ready")
-        return metrics_app(environ, start_response)
+        if path == "/metrics":
+            return metrics_app(environ, start_response)
+        return _reply(start_response, "404 Not Found", "not found: try /metrics, /healthz or /readyz")
 
     return app
 

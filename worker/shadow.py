@@ -8,6 +8,7 @@ import random
 import threading
 from typing import Any
 
+from worker.constants import NEAR_TIE
 from worker.metrics import Metrics
 from worker.results import Prediction
 
@@ -18,7 +19,8 @@ class ShadowChecker:
     """Re-runs a sample of tickets through the reference path on a background thread.
 
     `ticketq_shadow_agreed_total / ticketq_shadow_checked_total` shows, live, whether the
-    optimised path still answers as the reference does. The queue is bounded: when the checker
+    optimised path still answers as the reference does; `ticketq_shadow_disagreed_total` splits
+    the rest into near-ties (expected under bfloat16) and real disagreements. The queue is bounded: when the checker
     falls behind, samples are dropped (and counted), never the hot path slowed.
     """
 
@@ -50,8 +52,11 @@ class ShadowChecker:
                 self.metrics.shadow_checked.inc()
                 if reference.label == served.label:
                     self.metrics.shadow_agreed.inc()
-                else:
-                    log.error("SHADOW MISMATCH: served %s, reference %s (%r)", served, reference, text[:80])
+                    continue
+                near_tie = reference.margin < NEAR_TIE
+                self.metrics.shadow_disagreed.labels(near_tie=str(near_tie).lower()).inc()
+                level, kind = (logging.WARNING, " (near-tie)") if near_tie else (logging.ERROR, "")
+                log.log(level, "SHADOW MISMATCH%s: served %s, reference %s (%r)", kind, served, reference, text[:80])
             except Exception:
                 log.exception("shadow check failed")
             finally:

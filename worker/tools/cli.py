@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -241,6 +241,31 @@ def _ops():
         yield ops
     finally:
         ops.close()
+
+
+@cli.command()
+def exporter(
+    port: Annotated[int, typer.Option(help="Port to serve /metrics on.")] = 9809,
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0 in a container).")] = "127.0.0.1",
+) -> None:
+    """Export the queue's depth, the dead-letter and results streams' lengths and the live consumers
+    from Redis alone, for Prometheus: the backlog stays visible with every worker down."""
+    from ticketq.connections import RedisUnavailable, connect
+    from worker.metrics import MetricsPortInUse
+    from worker.tools.exporter import exporter_server
+
+    settings = _settings()
+    try:
+        client = connect(settings.broker_url, retries=3)
+        server = exporter_server(client, settings.queue, host, port)
+    except RedisUnavailable as exc:
+        _fail(str(exc))
+    except MetricsPortInUse:
+        _fail(f"--port {port}: cannot listen on {host}:{port} (in use, or not allowed); pass another --port")
+    _logging()
+    logging.getLogger(__name__).info("exporting queue %r on http://%s:%d/metrics", settings.queue, host, port)
+    with suppress(KeyboardInterrupt):
+        server.serve_forever()
 
 
 @cli.command()

@@ -48,6 +48,14 @@ class Batches(celery_batches.Batches):
             self._job_running = True
         return self._submit(list(requests))
 
+    def waiting(self) -> int:
+        """Messages in this worker not yet in a job: celery-batches' buffer and the held flushes."""
+        return self._buffer.qsize() + len(self._held)
+
+    def running(self) -> int:
+        """Messages of the running job not yet answered (acknowledged as each result is out)."""
+        return sum(len(requests) for requests in list(self._unacked.values()))
+
     def more(self) -> list[Any]:
         """For the running job, between two forwards: the requests held since it started (as
         celery-batches' SimpleRequests), now part of it; acked by `done` or when it returns."""

@@ -60,7 +60,7 @@ REQUIRED: dict[Any, tuple[str, ...]] = {
 # (owner, function that assigns them) -> the names, each found as `self.<name>` in its source.
 ASSIGNED: dict[tuple[Any, str], tuple[str, ...]] = {
     (virtual.Message, "__init__"): ("_raw",),  # the message as fetched: kombu's unacked record
-    (celery_batches.Batches, "__init__"): ("_tref",),  # the flush timer
+    (celery_batches.Batches, "__init__"): ("_tref", "_buffer"),  # the flush timer; the buffered requests
     (celery_batches.Batches, "Strategy"): ("_pool",),  # the worker's pool
     (kombu_redis.Channel, "__init__"): ("_queue_cycle",),
 }

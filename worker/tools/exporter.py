@@ -1,0 +1,82 @@
+"""`ticketq exporter`: the backlog as Prometheus sees it, without a worker.
+
+Workers export `ticketq_queue_depth` too, but with every worker down nobody would: the backlog
+signal (and KEDA's, and the backlog alert's) would vanish exactly when it matters. This small
+process reads only Redis: the queue's depth (over kombu's priority lists), the dead-letter and
+results streams' lengths, and how many consumers hold a live lease.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from wsgiref.simple_server import WSGIServer
+
+import redis
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.core import GaugeMetricFamily
+
+from ticketq.names import DEAD_LETTER_STREAM, RESULTS_STREAM, queue_lists
+from worker import constants as c
+from worker import store
+from worker.metrics import health_app, wsgi_server
+
+log = logging.getLogger(__name__)
+
+
+class BacklogCollector:
+    """Samples Redis at scrape time; a scrape while Redis is away reports `ticketq_exporter_redis_up 0`."""
+
+    def __init__(self, client: redis.Redis, queue: str) -> None:
+        self.client, self.queue = client, queue
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        up = GaugeMetricFamily(c.M_EXPORTER_REDIS_UP, "1 when the exporter's last scrape of Redis succeeded.")
+        try:
+            depth, dead, results, alive = self._sample()
+        except (redis.RedisError, OSError) as exc:
+            log.warning("Redis unavailable (%s)", exc)
+            up.add_metric([], 0.0)
+            yield up
+            return
+        up.add_metric([], 1.0)
+        yield up
+        yield _gauge(c.M_QUEUE_DEPTH, "Messages waiting in the broker queue.", depth)
+        yield _gauge(c.M_DEAD_LETTER_ENTRIES, "Entries in the dead-letter stream (ticketq:dead).", dead)
+        yield _gauge(c.M_RESULT_ENTRIES, "Entries in the results stream (ticketq:results).", results)
+        yield _gauge(c.M_CONSUMERS_ALIVE, "Consumers of the atomic fetch holding a live lease.", alive)
+
+    def _sample(self) -> tuple[int, int, int, int]:
+        consumers = [name.decode() for name in self.client.hkeys(store.CONSUMERS_KEY)]
+        pipe = self.client.pipeline(transaction=False)
+        for key in queue_lists(self.queue):
+            pipe.llen(key)
+        pipe.xlen(DEAD_LETTER_STREAM)
+        pipe.xlen(RESULTS_STREAM)
+        for name in consumers:
+            pipe.exists(store.ALIVE_KEY.format(consumer=name))
+        replies = pipe.execute()
+        lists = len(queue_lists(self.queue))
+        depth, (dead, results), alive = sum(replies[:lists]), replies[lists:lists + 2], sum(replies[lists + 2:])
+        return depth, dead, results, alive
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, documentation)
+    family.add_metric([], float(value))
+    return family
+
+
+def exporter_server(client: redis.Redis, queue: str, host: str, port: int) -> WSGIServer:
+    """/metrics, /healthz and /readyz (Redis reachable) on host:port, not yet serving."""
+    registry = CollectorRegistry()
+    registry.register(BacklogCollector(client, queue))
+
+    def redis_reachable() -> str | None:
+        try:
+            client.ping()
+        except (redis.RedisError, OSError) as exc:
+            return f"Redis unreachable ({type(exc).__name__}: {exc})"
+        return None
+
+    return wsgi_server(host, port, health_app(make_wsgi_app(registry), [redis_reachable]))
