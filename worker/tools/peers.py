@@ -153,13 +153,16 @@ class LlamaCppScorer:
         self.llm.eval(list(prompt.prefix_ids))  # the prompt cache: evaluated once, kept in the KV cache
         self.prefix_len = self.llm.n_tokens
 
-    def _logprobs_after(self, start: int, ids: Sequence[int], kids: Sequence[int]) -> list[float]:
-        """Evaluate `ids` after the first `start` cached tokens; log-probs of `kids`, renormalised over them."""
+    def _eval(self, start: int, ids: Sequence[int]) -> None:
+        """Evaluate `ids` after the first `start` cached tokens."""
+        self.llm.n_tokens = start  # eval() drops the KV cache beyond this point, the prefix stays
+        self.llm.eval(list(ids))
+
+    def _choice(self, kids: Sequence[int]) -> list[float]:
+        """Log-probs of `kids` at the last evaluated position, renormalised over them."""
         import llama_cpp
         import numpy as np
 
-        self.llm.n_tokens = start  # eval() drops the KV cache beyond this point, the prefix stays
-        self.llm.eval(list(ids))
         logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.n_vocab,))
         full = logits.astype(np.float64)
         full = full - full.max()
@@ -169,17 +172,22 @@ class LlamaCppScorer:
         return list(allowed - math.log(float(np.exp(allowed).sum())))  # renormalised over the choices
 
     def score(self, encoded: EncodedTicket) -> tuple[Prediction, list[BatchReport]]:
-        """The ticket's constrained label probabilities and one report per llama.cpp evaluation."""
-        branch, reports = {}, []
+        """The ticket's constrained label probabilities and one report per llama.cpp evaluation.
+
+        The ticket is evaluated once after the cached prefix; the root is a branch only where the
+        labels' first tokens differ, and every deeper branch continues after the ticket's tokens.
+        """
+        started = time.perf_counter()
+        self._eval(self.prefix_len, encoded.ids)
+        after_ticket = self.prefix_len + len(encoded.ids)
+        branch = {}
+        reports = [BatchReport(1, len(encoded.ids), len(encoded.ids), time.perf_counter() - started)]
         for path, kids in sorted(self.prompt.trie.branches.items(), key=lambda item: len(item[0])):  # root first
-            start = time.perf_counter()
+            started = time.perf_counter()
             if path:  # a shared label prefix: continue after the ticket's own tokens
-                branch[path] = self._logprobs_after(self.prefix_len + len(encoded.ids), path, kids)
-                computed = len(path)
-            else:
-                branch[path] = self._logprobs_after(self.prefix_len, encoded.ids, kids)
-                computed = len(encoded.ids)
-            reports.append(BatchReport(1, computed, computed, time.perf_counter() - start))
+                self._eval(after_ticket, path)
+                reports.append(BatchReport(1, len(path), len(path), time.perf_counter() - started))
+            branch[path] = self._choice(kids)
         logprobs = {
             name: sum(branch[path][child] for path, child in self.prompt.trie.decisions(name))
             for name in self.prompt.labels

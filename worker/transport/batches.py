@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import celery_batches
+from celery import signals
 from celery.concurrency.thread import TaskPool as ThreadTaskPool
+
+if TYPE_CHECKING:
+    from worker.transport.events import WorkerEvents
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +36,8 @@ class Batches(celery_batches.Batches):
     that dies holding them has them redelivered.
     """
 
+    events: WorkerEvents | None = None  # set by the consumer once it is ready (worker.transport.consumer)
+
     def __init__(self) -> None:
         super().__init__()
         self._job_lock = threading.Lock()
@@ -48,6 +55,16 @@ class Batches(celery_batches.Batches):
             self._job_running = True
         return self._submit(list(requests))
 
+    def Strategy(self, task: Any, app: Any, consumer: Any) -> Any:
+        """celery-batches' strategy; each request it buffers is also reported as received."""
+        signals.task_received.connect(self._on_received, sender=consumer, weak=False,
+                                      dispatch_uid=f"ticketq-received-{id(self)}")  # fmt: skip
+        return super().Strategy(task, app, consumer)
+
+    def _on_received(self, sender: Any = None, request: Any = None, **_: Any) -> None:
+        if self.events is not None and request is not None and request.task is self:
+            self.events.received(request)
+
     def waiting(self) -> int:
         """Messages in this worker not yet in a job: celery-batches' buffer and the held flushes."""
         return self._buffer.qsize() + len(self._held)
@@ -63,10 +80,13 @@ class Batches(celery_batches.Batches):
             held, self._held = self._held, []
             for request in held:
                 self._unacked.setdefault(request.id, []).append(request)
+        if self.events is not None:
+            self.events.started(held)
         return [celery_batches.SimpleRequest.from_request(request) for request in held]
 
-    def done(self, task_ids: Any) -> None:
+    def done(self, task_ids: Any, failures: Mapping[str, str] | None = None) -> None:
         """The results of these messages are out (stream and backend): acknowledge them now.
+        `failures`: the error of each message among them that ended in state FAILURE.
 
         Never raises: a message whose ack fails (Celery logs a broker error itself) stays unacked
         and comes back; its results are published once, so a redelivery only costs a recompute.
@@ -74,6 +94,9 @@ class Batches(celery_batches.Batches):
         with self._job_lock:
             requests = [request for task_id in task_ids for request in self._unacked.pop(task_id, ())]
         _acknowledge(requests)
+        if self.events is not None:
+            for request in requests:
+                self.events.finished(request, (failures or {}).get(request.id))
 
     def _submit(self, requests: list[Any]) -> Any:
         """celery_batches.Batches.flush, with `_run_job` as the pool target so we learn when it ends."""
@@ -86,14 +109,19 @@ class Batches(celery_batches.Batches):
             self._unacked = job
 
         def on_accepted(pid: int, time_accepted: float) -> None:
+            if self.events is not None:
+                self.events.started(requests)
             for request in acks_early:
                 request.acknowledge()
 
-        def on_return(result: Any) -> None:  # what `done` did not ack: failures, ignored results
+        def on_return(result: Any) -> None:  # what `done` did not ack: a job that failed outside the engine
             with self._job_lock:
                 rest = [request for requests in job.values() for request in requests]
                 job.clear()
             _acknowledge(rest)
+            if self.events is not None:
+                for request in rest:
+                    self.events.finished(request, "the job ended before this message's result was published")
 
         try:
             return self._pool.apply_async(self._run_job, (simple,), accept_callback=on_accepted, callback=on_return)

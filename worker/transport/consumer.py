@@ -1,5 +1,5 @@
-"""Celery's worker consumer, hardened: no event heartbeat on the consumer's loop, and a malformed
-message refused alone instead of stopping the worker."""
+"""Celery's worker consumer, hardened: events and heartbeats from a thread of their own (never the
+consumer's loop), and a malformed message refused alone instead of stopping the worker."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from celery.exceptions import InvalidTaskError
 from celery.worker.consumer import Consumer
 from celery.worker.consumer.heart import Heart
 
-from worker.transport.batches import rearm_flush_timer
+from worker.transport.batches import Batches, rearm_flush_timer
+from worker.transport.events import WorkerEvents
 
 log = logging.getLogger(__name__)
 
@@ -26,18 +27,39 @@ class GuardedConsumer(Consumer):
     Celery's event heartbeat publishes from the consumer's event loop every 2 s and retries until
     the broker answers, so a Redis outage that began just before it held the loop: the consumer
     never saw the outage, never reconnected, and fetched nothing until Redis was back. A worker's
-    liveness is its lease (`worker.transport.lease`) and its /metrics.
+    liveness is its lease (`worker.transport.lease`), its /metrics, and the heartbeats that
+    `worker.transport.events` sends from its own thread.
     """
 
     class Blueprint(Consumer.Blueprint):
         default_steps = [step for step in Consumer.Blueprint.default_steps if step != HEART_STEP]  # noqa: RUF012
 
+    ticketq_events: WorkerEvents | None = None
+
     def on_ready(self) -> None:
         super().on_ready()
+        events = self._events()
         # asynloop calls on_ready after every (re)connect; the flush timer does not survive it.
         for task in self.app.tasks.values():
             if isinstance(task, celery_batches.Batches):
                 rearm_flush_timer(task, self.timer)
+            if isinstance(task, Batches):
+                task.events = events
+
+    def _events(self) -> WorkerEvents:
+        """The worker's event sender, started once; it also answers for the consumer's
+        `event_dispatcher`, which Celery's Events step leaves unset when it is off."""
+        if self.ticketq_events is None:
+            self.ticketq_events = WorkerEvents(self.app, self.hostname, bool(self.app.conf.worker_send_task_events))
+            self.ticketq_events.start()
+        if self.event_dispatcher is None:
+            self.event_dispatcher = self.ticketq_events
+        return self.ticketq_events
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self.ticketq_events is not None:
+            self.ticketq_events.stop()
 
     def create_task_handler(self, *args: Any, **kwargs: Any) -> Any:
         on_task_received = super().create_task_handler(*args, **kwargs)
