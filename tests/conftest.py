@@ -1,4 +1,4 @@
-"""Shared fixtures: the tiny stand-in model (built once per session) and an engine on it."""
+"""Shared fixtures: the tiny stand-in model (built once per test run) and an engine on it."""
 
 from __future__ import annotations
 

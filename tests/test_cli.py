@@ -1,6 +1,6 @@
 """Both command-line programs as a user runs them: real subprocesses, real Redis, the tiny stand-in.
 
-Checks issue 12's promises: every input row ends in one result row, nothing of the user's is
+Checks the command-line promises: every input row ends in one result row, nothing of the user's is
 overwritten, every bad setting is one line naming the variable (exit 2, before the model loads),
 `--version`/`-h` everywhere, `ticketq config` readable at 80 columns, and the README's settings
 table and Python examples true.

@@ -79,7 +79,7 @@ def train(model, examples, pad_id: int) -> list[float]:
 def trained_engine(tiny_model_dir, tiny_engine) -> Engine:
     from transformers import AutoModelForCausalLM
 
-    # a fresh copy: the session's tiny_engine model stays untouched for the other tests
+    # a fresh copy: the shared tiny_engine model stays untouched for the other tests
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     prompt = tiny_engine.prompt
     examples = training_examples(prompt, generate_tickets(2000, seed=TRAIN_SEED))

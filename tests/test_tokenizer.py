@@ -250,7 +250,7 @@ def sha256(path: Path) -> str:
 
 def test_standin_build_is_deterministic_per_seed(tiny_model_dir, tmp_path):
     first = build("tiny", tmp_path / "a", seed=0)
-    # conftest built tiny_model_dir with seed 0 this session, unless it reuses a cached directory
+    # conftest built tiny_model_dir with seed 0 for this test run, unless it reuses a cached directory
     # (TICKETQ_TEST_TINY_MODEL) that an older builder may have written: then build again here
     fresh = not os.environ.get("TICKETQ_TEST_TINY_MODEL")
     again = tiny_model_dir if fresh else build("tiny", tmp_path / "b", seed=0)

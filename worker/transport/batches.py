@@ -24,8 +24,8 @@ class Batches(celery_batches.Batches):
 
     Stock, every flush (each `flush_every` messages, or the `flush_interval` timer) becomes its own
     pool job; with the one model thread busy they queue behind the running forward and each is
-    planned alone, so under load the engine ran many 1-3-ticket jobs (the demo: 238 forwards,
-    2.5 tickets each) and latency grew with the queue of tiny jobs. Here a flush that comes while
+    planned alone, so under load the engine runs many 1-3-ticket jobs and latency grows with the
+    queue of tiny jobs. Here a flush that comes while
     a job runs is held; the running job takes what is held between two forwards (`more`), so the
     engine plans every forward over everything waiting at its start, and a message is acked the
     moment its result is out (`done`), which frees its prefetch slot while the job goes on.
