@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup demo test test-deps lint bench docs
+.PHONY: setup demo test test-deps lint bench bench-gpu docs
 setup: $(VENV)/.installed
 
 # torch is pinned to the local CPU wheel first: a bare `torch` resolves to a multi-GB CUDA build.
@@ -36,3 +36,7 @@ bench: setup
 # docs/settings.md and docs/metrics.md from the code (a test fails when they are stale).
 docs: setup
 	$(PY) -m worker.tools.docgen
+
+# One GPU run (engine tests on CUDA, bench, a short load test) into out/gpu: needs a CUDA torch.
+bench-gpu: setup
+	bash docs/bench/gpu.sh

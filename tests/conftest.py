@@ -28,7 +28,9 @@ def tiny_settings(tiny_model_dir):
     # One torch thread: on a busy 2-core machine it is far faster than two for one-at-a-time calls.
     # torch's own GEMM, not `auto`: two engines built from these settings must run the same kernels
     # (auto measures at each start-up); the oneDNN path has its own tests (test_engine.py).
-    return Settings(model=str(tiny_model_dir), dtype="float32", device="cpu", threads=1, matmul="torch")
+    # TICKETQ_TEST_DEVICE=cuda runs the engine tests on a GPU (docs/bench/gpu.sh); CPU otherwise.
+    device = os.environ.get("TICKETQ_TEST_DEVICE", "cpu")
+    return Settings(model=str(tiny_model_dir), dtype="float32", device=device, threads=1, matmul="torch")
 
 
 @pytest.fixture(scope="session")
