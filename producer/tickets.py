@@ -6,35 +6,48 @@ contract's rule (`ticketq.contract.validate_ticket`: the worker's), and an id ma
 file. A row without an id (in a CSV, an empty `id` cell) becomes `line-N` (N = the row's line
 number). An optional string `expected` field or column is kept, so a labelled file can be scored.
 
+`TicketReader` reads a file as it is iterated and yields its rows in file order, a `TicketRow` or
+a `RowError` each: it holds one row (for a CSV, the lines of the record being read), never the
+file. `read_tickets` collects the rows into a `TicketFile` for callers that want them all at once.
+
 A malformed or refused row does not stop the file: it becomes a `RowError` naming the file and
 line, and the good rows still go through. Every non-blank row ends as exactly one ticket or one
-error, so `results_in_order` can give one result row per input row. A CSV record whose quoting is broken (an
+error, so one result row can stand for each input row. A CSV record whose quoting is broken (an
 unterminated quote would otherwise swallow every row after it) is reported at the line where it
-starts, and reading resumes on the next line. Only a file that cannot be read at all (missing,
-not UTF-8 for CSV, a CSV without a `text` column) raises `TicketFileError`.
+starts, and reading resumes on the next line. A file with nothing but blank lines has no rows, in
+either format. Only a file that cannot be read at all (missing, not UTF-8 for CSV, a CSV header
+without a `text` column) raises `TicketFileError`, and it does so when the reader is opened,
+before any row.
 
-Results are written atomically (a temporary file in the same directory, then a rename), and
+Results are never written in place: `write_results` writes them all to a temporary file that is
+then renamed, and `PartialResults` appends them as they are computed to `<out>.partial`, renamed
+to `out` once every row is in, so a stopped run keeps its rows and a later one can continue it.
 `check_output` refuses to replace the input or, without `force`, any existing file.
 """
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import csv
 import io
 import json
 import os
 import re
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import BinaryIO, Literal
 
 from ticketq.contract import MAX_TICKET_BYTES, Reason, TicketRejected, UniqueIds, validate_ticket
 
 Format = Literal["auto", "jsonl", "csv"]
 
 _JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+PARTIAL_SUFFIX = ".partial"
+_BLOCK = 1 << 20  # bytes read at a time where a file is scanned whole (the format, a CSV's UTF-8 check)
 
 
 class TicketFileError(Exception):
@@ -62,10 +75,39 @@ class RowError:
     def __str__(self) -> str:
         return f"{self.path}:{self.line}: {self.message}"
 
+    @property
+    def source(self) -> str:
+        return f"{self.path}:{self.line}"
+
+    @property
+    def result_id(self) -> str:
+        """The `id` of the failed result row that stands for this input row."""
+        return self.id or f"line-{self.line}"
+
     def as_result(self) -> dict:
         """The failed result row that stands for this input row in the results file."""
-        return {"id": self.id or f"line-{self.line}", "status": "failed", "reason": self.reason,
-                "error": self.message, "source": f"{self.path}:{self.line}"}  # fmt: skip
+        return {"id": self.result_id, "status": "failed", "reason": self.reason, "error": self.message,
+                "source": self.source}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TicketRow:
+    """One good row: its ticket (`id`, `text`, and `expected` when the row has one) and its first line."""
+
+    path: str
+    line: int
+    ticket: dict
+
+    @property
+    def source(self) -> str:
+        return f"{self.path}:{self.line}"
+
+    @property
+    def result_id(self) -> str:
+        return self.ticket["id"]
+
+
+Row = TicketRow | RowError
 
 
 @dataclass
@@ -81,6 +123,13 @@ class TicketFile:
     def rows(self) -> int:
         """Non-blank rows read: every one is a ticket or an error."""
         return len(self.tickets) + len(self.errors)
+
+    def add(self, row: Row) -> None:
+        if isinstance(row, RowError):
+            self.errors.append(row)
+        else:
+            self.tickets.append(row.ticket)
+            self.lines[row.result_id] = row.line
 
     def source(self, ticket_id: str) -> str:
         return f"{self.path}:{self.lines[ticket_id]}"
@@ -114,32 +163,31 @@ def _with_reason(result: dict) -> dict:
     return {**result, "reason": match.group(1) if match else str(result.get("status") or "failed")}
 
 
-class _Collector:
-    """Turns raw rows into tickets with the contract's validator, recording errors (duplicate ids too)."""
+class _Rows:
+    """Turns raw rows into `TicketRow`s with the contract's validator, or `RowError`s (duplicate ids too)."""
 
     def __init__(self, path: Path, max_bytes: int) -> None:
-        self.result = TicketFile(path)
+        self.path = str(path)
         self.max_bytes = max_bytes
-        self._ids = UniqueIds()
+        self._ids = UniqueIds()  # every id of the file: the one thing that grows with it
 
-    def error(self, line: int, message: str, reason: str = Reason.MALFORMED_ROW, ticket_id: str | None = None) -> None:
-        self.result.errors.append(RowError(str(self.result.path), line, message, str(reason), ticket_id))
+    def error(self, line: int, message: str, reason: str = Reason.MALFORMED_ROW, ticket_id: str | None = None
+              ) -> RowError:  # fmt: skip
+        return RowError(self.path, line, message, str(reason), ticket_id)
 
-    def add(self, line: int, row: dict) -> None:
+    def row(self, line: int, fields: dict) -> Row:
         """One row's fields (`id`, `text`, `expected`; others are ignored): a ticket or an error."""
         try:
-            ticket = validate_ticket(row, self.max_bytes)
-            _check_expected(row.get("expected"))
+            ticket = validate_ticket(fields, self.max_bytes)
+            _check_expected(fields.get("expected"))
             ticket_id = ticket.id or f"line-{line}"
             self._ids.add(ticket_id, f"on line {line}")  # last: a refused row does not claim its id
         except TicketRejected as exc:
-            self.error(line, exc.detail, exc.reason, _readable_id(row.get("id"), line))
-            return
+            return self.error(line, exc.detail, exc.reason, _readable_id(fields.get("id"), line))
         found = {"id": ticket_id, "text": ticket.text}
-        if row.get("expected"):
-            found["expected"] = row["expected"]
-        self.result.tickets.append(found)
-        self.result.lines[ticket_id] = line
+        if fields.get("expected"):
+            found["expected"] = fields["expected"]
+        return TicketRow(self.path, line, found)
 
 
 def _check_expected(expected: object) -> None:
@@ -156,104 +204,221 @@ def _readable_id(raw_id: object, line: int) -> str:
 
 
 def read_tickets(path: str | Path, fmt: Format = "auto", max_bytes: int = MAX_TICKET_BYTES) -> TicketFile:
-    """Read a JSONL or CSV ticket file; `fmt="auto"` goes by extension, then by the first byte.
+    """Read a whole JSONL or CSV ticket file; `fmt="auto"` goes by extension, then by the first byte.
 
     `max_bytes` is TICKETQ_MAX_TICKET_BYTES: a longer text is a refused row (`oversize`), as the
     worker would refuse it.
     """
-    path = Path(path)
+    with TicketReader(path, fmt, max_bytes) as reader:
+        found = TicketFile(reader.path)
+        for row in reader:
+            found.add(row)
+    return found
+
+
+class TicketReader:
+    """A ticket file read as it is iterated: its rows in file order, a `TicketRow` or a `RowError` each.
+
+    Opening it checks all that can make the whole file unusable (`TicketFileError`), so no row
+    comes from a file that is then refused: that it can be read, its format (`fmt="auto"`: by
+    extension, then by the first byte), and for a CSV that it is UTF-8 throughout (one pass over
+    the file, a block at a time) and that its header names a `text` column. `bytes_read` of
+    `size` is how far reading has gone, for a progress bar. A reader is used once, then closed
+    (it is a context manager).
+    """
+
+    def __init__(self, path: str | Path, fmt: Format = "auto", max_bytes: int = MAX_TICKET_BYTES) -> None:
+        if fmt not in ("auto", "jsonl", "csv"):
+            raise ValueError(f"unknown ticket file format {fmt!r}; expected 'auto', 'jsonl' or 'csv'")
+        self.path = Path(path)
+        self._file = _open(self.path)
+        self._text: io.TextIOWrapper | None = None  # a CSV's decoded view of `_file`
+        try:
+            self.size = self._file.seek(0, os.SEEK_END)
+            self._file.seek(0)
+            self.format = _guess_format(self.path, self._file) if fmt == "auto" else fmt
+            builder = _Rows(self.path, max_bytes)
+            self._rows = _jsonl_rows(self._file, builder) if self.format == "jsonl" else self._csv_rows(builder)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def bytes_read(self) -> int:
+        return self._file.tell()
+
+    def __iter__(self) -> Iterator[Row]:
+        try:
+            yield from self._rows
+        except OSError as exc:
+            raise TicketFileError(f"{self.path}: cannot read ticket file: {exc.strerror or exc}") from exc
+
+    def close(self) -> None:
+        (self._text or self._file).close()
+
+    def __enter__(self) -> TicketReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _csv_rows(self, builder: _Rows) -> Iterator[Row]:
+        """Check the CSV (UTF-8, header), then return its data rows as an iterator."""
+        _check_utf8(self._file, self.path)
+        self._text = io.TextIOWrapper(self._file, encoding="utf-8-sig", newline="")
+        # newline="" splits on \n, \r\n and \r only, as the csv module does (not on U+2028).
+        records = _csv_records(_Lines(self._text, _look_back(builder.max_bytes)))
+        header = _read_header(records, self.path)
+        if header is None:
+            return iter(())
+        fields, header_line = header
+        columns = {name.strip().lower(): index for index, name in enumerate(fields)}
+        if "text" not in columns:
+            raise TicketFileError(
+                f"{self.path}:{header_line}: CSV header must name a 'text' column (and optionally 'id'), got {fields}"
+            )
+        return _csv_data(records, fields, columns, builder)
+
+
+def _open(path: Path) -> BinaryIO:
     try:
-        data = path.read_bytes()
+        handle: BinaryIO = path.open("rb")
+        if not handle.seekable():  # a pipe: the format and UTF-8 checks read the file twice, so hold it
+            with handle:
+                handle = io.BytesIO(handle.read())
     except OSError as exc:
         raise TicketFileError(f"{path}: cannot read ticket file: {exc.strerror or exc}") from exc
-    if fmt == "auto":
-        fmt = _guess_format(path, data)
-    collector = _Collector(path, max_bytes)
-    if fmt == "jsonl":
-        _parse_jsonl(data, collector)
-    elif fmt == "csv":
-        _parse_csv(data, collector)
-    else:
-        raise ValueError(f"unknown ticket file format {fmt!r}; expected 'auto', 'jsonl' or 'csv'")
-    return collector.result
+    return handle
 
 
-def _guess_format(path: Path, data: bytes) -> Format:
+def _guess_format(path: Path, handle: BinaryIO) -> Format:
     suffix = path.suffix.lower()
     if suffix in _JSONL_SUFFIXES:
         return "jsonl"
     if suffix == ".csv":
         return "csv"
-    return "jsonl" if data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"{") else "csv"
+    return "jsonl" if _first_content_byte(handle) == b"{" else "csv"
 
 
-def _parse_jsonl(data: bytes, collector: _Collector) -> None:
-    # Split on b"\n" only: str.splitlines() would also split on U+2028 inside a JSON string.
-    for number, raw in enumerate(data.split(b"\n"), start=1):
-        raw = raw.removeprefix(b"\xef\xbb\xbf") if number == 1 else raw
-        if not raw.strip():
-            continue
-        try:
-            row = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError as exc:
-            collector.error(number, f"not valid UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 1]!r})",
-                            Reason.INVALID_UTF8)
-            continue
-        except json.JSONDecodeError as exc:
-            collector.error(number, f"invalid JSON: {exc.msg} (column {exc.colno})", Reason.INVALID_JSON)
-            continue
-        if not isinstance(row, dict):
-            collector.error(number, f"expected a JSON object, got {type(row).__name__}", Reason.INVALID_JSON)
-            continue
-        collector.add(number, row)
-
-
-def _parse_csv(data: bytes, collector: _Collector) -> None:
-    path = collector.result.path
+def _first_content_byte(handle: BinaryIO) -> bytes:
+    """The first byte that is neither whitespace nor part of a BOM (b"" if none); the file goes back to its start."""
     try:
-        text = data.decode("utf-8-sig")
+        while block := handle.read(_BLOCK):
+            if content := block.lstrip(b"\xef\xbb\xbf \t\r\n"):
+                return content[:1]
+        return b""
+    finally:
+        handle.seek(0)
+
+
+def _jsonl_rows(handle: BinaryIO, builder: _Rows) -> Iterator[Row]:
+    # A binary file's lines end at b"\n" only: str.splitlines() would also split on U+2028 inside a JSON string.
+    for number, line in enumerate(handle, start=1):
+        raw = line.removesuffix(b"\n")
+        raw = raw.removeprefix(b"\xef\xbb\xbf") if number == 1 else raw
+        if raw.strip():
+            yield _jsonl_row(number, raw, builder)
+
+
+def _jsonl_row(number: int, raw: bytes, builder: _Rows) -> Row:
+    try:
+        row = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
-        raise TicketFileError(f"{path}:{line}: CSV file is not valid UTF-8") from exc
-    records = _csv_records(text)
-    header, header_line = _read_header(records, path)
-    columns = {name.strip().lower(): index for index, name in enumerate(header)}
-    if "text" not in columns:
-        raise TicketFileError(
-            f"{path}:{header_line}: CSV header must name a 'text' column (and optionally 'id'), got {header}"
-        )
+        return builder.error(number, f"not valid UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 1]!r})",
+                             Reason.INVALID_UTF8)  # fmt: skip
+    except json.JSONDecodeError as exc:
+        return builder.error(number, f"invalid JSON: {exc.msg} (column {exc.colno})", Reason.INVALID_JSON)
+    if not isinstance(row, dict):
+        return builder.error(number, f"expected a JSON object, got {type(row).__name__}", Reason.INVALID_JSON)
+    return builder.row(number, row)
+
+
+def _check_utf8(handle: BinaryIO, path: Path) -> None:
+    """A CSV that is not UTF-8 is refused whole, naming the line, before any of its rows is used."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    lines = 0  # newlines before the block being decoded
+    try:
+        while True:
+            block = handle.read(_BLOCK)
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as exc:  # exc.object: the block after a partial character, which has no newline
+                line = lines + exc.object[: exc.start].count(b"\n") + 1
+                raise TicketFileError(f"{path}:{line}: CSV file is not valid UTF-8") from exc
+            if not block:
+                return
+            lines += block.count(b"\n")
+    finally:
+        handle.seek(0)
+
+
+def _csv_data(records: Iterator[tuple[int, list[str] | str]], header: list[str], columns: dict[str, int],
+              builder: _Rows) -> Iterator[Row]:  # fmt: skip
     for line, row in records:
         if isinstance(row, str):
-            collector.error(line, row, Reason.MALFORMED_CSV)
+            yield builder.error(line, row, Reason.MALFORMED_CSV)
         elif len(row) != len(header):
             message = f"expected {len(header)} fields ({','.join(header)}), got {len(row)}"
-            collector.error(line, message, Reason.MALFORMED_CSV)
+            yield builder.error(line, message, Reason.MALFORMED_CSV)
         else:
             # A CSV cell cannot be absent: an empty id cell means "no id" (JSONL leaves the field out).
             fields = {"id": _cell(row, columns, "id") or None, "text": row[columns["text"]],
                       "expected": _cell(row, columns, "expected")}  # fmt: skip
-            collector.add(line, fields)
+            yield builder.row(line, fields)
+
+
+def _look_back(max_bytes: int) -> int:
+    """Characters of one CSV record kept for reading its lines again (at least 1 Mi).
+
+    Room for the longest ticket text with every character a doubled quote, twice over. The csv
+    module already ends one runaway quoted field at its field size limit (128 Ki characters);
+    this bounds a record of many quoted fields, each spanning lines.
+    """
+    return max(1 << 20, 4 * max_bytes)
+
+
+class _RecordTooLong(Exception):
+    """A CSV record ran past the look-back limit (most likely a quote that is never closed)."""
 
 
 class _Lines:
-    """The file's physical lines as an iterator whose position can be moved back (`pos`)."""
+    """A file's physical lines as an iterator whose position (`pos`) can move back within the current record.
 
-    def __init__(self, text: str) -> None:
-        # newline="" splits on \n, \r\n and \r only, as the csv module does (not on U+2028).
-        self.lines = io.StringIO(text, newline="").readlines()
-        self.pos = 0
+    The lines from the last `mark()` on are kept, so a broken record's lines can be read again as
+    rows of their own; a record that runs past `limit` characters raises `_RecordTooLong`, so
+    one broken quote cannot make the reader hold the rest of the file.
+    """
+
+    def __init__(self, lines: Iterable[str], limit: int) -> None:
+        self._source = iter(lines)
+        self._kept: deque[str] = deque()  # lines `_first + 1` on
+        self._first = 0
+        self._chars = 0  # characters in `_kept`
+        self.limit = limit
+        self.pos = 0  # lines given so far
 
     def __iter__(self) -> _Lines:
         return self
 
     def __next__(self) -> str:
-        if self.pos >= len(self.lines):
-            raise StopIteration
+        index = self.pos - self._first
+        if index == len(self._kept):
+            if self._chars > self.limit:
+                raise _RecordTooLong
+            line = next(self._source)
+            self._kept.append(line)
+            self._chars += len(line)
         self.pos += 1
-        return self.lines[self.pos - 1]
+        return self._kept[index]
+
+    def mark(self) -> None:
+        """A record starts at `pos`: the lines before it are not needed again."""
+        for _ in range(self.pos - self._first):
+            self._chars -= len(self._kept.popleft())
+        self._first = self.pos
 
 
-def _csv_records(text: str) -> Iterator[tuple[int, list[str] | str]]:
+def _csv_records(lines: _Lines) -> Iterator[tuple[int, list[str] | str]]:
     """`(start line, fields)` per non-blank record, the header first; `(start line, message)` for a broken one.
 
     A quoted field may span lines, so one broken quote can swallow the rest of the file. Strict
@@ -261,10 +426,10 @@ def _csv_records(text: str) -> Iterator[tuple[int, list[str] | str]]:
     quote). A broken record, or one spanning lines with the wrong number of fields, is reported at
     its first line and reading resumes on the line after it: each line after it is still a row.
     """
-    lines = _Lines(text)
     reader = csv.reader(lines, strict=True)
     width = None  # fields in the header
     while True:
+        lines.mark()
         start = lines.pos
         try:
             row: list[str] | str = next(reader)
@@ -273,6 +438,9 @@ def _csv_records(text: str) -> Iterator[tuple[int, list[str] | str]]:
         except csv.Error as exc:
             problem = _csv_problem(exc, start + 1, lines.pos)
             row = f"malformed CSV: {problem}; row skipped, reading resumes on the next line"
+        except _RecordTooLong:
+            row = (f"malformed CSV: a record longer than {lines.limit:,} characters (a quote that is never "
+                   "closed?); row skipped, reading resumes on the next line")  # fmt: skip
         if isinstance(row, list) and not any(cell.strip() for cell in row):
             continue
         width = len(row) if width is None and isinstance(row, list) else width
@@ -292,12 +460,13 @@ def _csv_problem(exc: csv.Error, start: int, found: int) -> str:
     return message
 
 
-def _read_header(records: Iterator[tuple[int, list[str] | str]], path: Path) -> tuple[list[str], int]:
+def _read_header(records: Iterator[tuple[int, list[str] | str]], path: Path) -> tuple[list[str], int] | None:
+    """The header and its line; None for a file with nothing but blank lines (no rows)."""
     for line, row in records:
         if isinstance(row, str):
             raise TicketFileError(f"{path}:{line}: malformed CSV header: {row}")
         return row, line
-    raise TicketFileError(f"{path}: CSV file is empty; it needs a header with 'id,text'")
+    return None
 
 
 def _cell(row: list[str], columns: dict[str, int], name: str) -> str | None:
@@ -350,10 +519,120 @@ def write_results(path: str | Path, results: Iterable[dict], overwrite: bool = T
 def _write_rows(out: io.TextIOBase, results: Iterable[dict]) -> int:
     count = 0
     for result in results:
-        out.write(json.dumps(result, ensure_ascii=False, sort_keys=False))
-        out.write("\n")
+        out.write(_result_line(result))
         count += 1
     return count
+
+
+def _result_line(result: dict) -> str:
+    return json.dumps(result, ensure_ascii=False, sort_keys=False) + "\n"
+
+
+class PartialResults:
+    """A results file written as its rows are computed: `<out>.partial`, renamed to `out` once complete.
+
+    `append` writes rows (in input order) straight to the file, with no buffer in between, so
+    after Ctrl-C or a crash the file holds every row appended so far; `close` cuts off a row that
+    was being written when the run stopped. A partial file left by a stopped run is refused
+    unless `force` (start again) or `resume`: then its rows are checked (each names a line of
+    `source`, in order), handed to `on_row`, and kept; a last row cut short (the process was
+    killed) is dropped; and `remaining` skips the input rows the file already answers.
+    """
+
+    def __init__(self, out: str | Path, source: str | Path, *, resume: bool = False, force: bool = False,
+                 on_row: Callable[[dict], None] | None = None) -> None:  # fmt: skip
+        self.out = Path(out)
+        self.path = check_output(self.out.with_name(self.out.name + PARTIAL_SUFFIX), [source], force=True)
+        self.source = Path(source)
+        self.rows = 0  # whole rows in the file
+        self.resumed = resume and self.path.exists()
+        self._last: tuple[int, str | None] = (0, None)  # line and id of the last row found on resuming
+        if self.path.exists() and not (resume or force):
+            raise OutputError(f"{self.path} holds the rows of a run that was stopped; pass --resume to continue "
+                              "it, or --force to start again")  # fmt: skip
+        self._size = self._check_rows(on_row or (lambda row: None)) if self.resumed else 0  # bytes of whole rows
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | (0 if self.resumed else os.O_TRUNC), 0o666)
+        os.ftruncate(self._fd, self._size)
+        os.lseek(self._fd, self._size, os.SEEK_SET)
+
+    def remaining(self, rows: Iterable[Row]) -> Iterator[Row]:
+        """The rows of `rows` (the input, from its start) that the file has no result row for yet.
+
+        The rows it has must be the input's first ones, the last of them with the same id:
+        otherwise the input changed since, and `OutputError` comes before any row is given.
+        """
+        rows = iter(rows)
+        last_line, last_id = self._last
+        answered, first_new, last = 0, None, None
+        for row in rows:
+            if row.line > last_line:
+                first_new = row
+                break
+            answered, last = answered + 1, row
+        if answered != self.rows or (last is not None and last.result_id != last_id):
+            raise OutputError(
+                f"{self.path} does not match {self.source}: its {self.rows} rows end at line {last_line} "
+                f"(id {last_id!r}), but the input has {answered} rows up to that line; the input changed? "
+                "Pass --force without --resume to start again"
+            )
+        if first_new is not None:
+            yield first_new
+            yield from rows
+
+    def append(self, rows: Sequence[dict]) -> None:
+        """Write `rows`, the results of the input rows after the ones already in the file, in their order."""
+        data = memoryview("".join(_result_line(row) for row in rows).encode("utf-8"))
+        while data:
+            data = data[os.write(self._fd, data) :]
+        self._size = os.lseek(self._fd, 0, os.SEEK_CUR)
+        self.rows += len(rows)
+
+    def publish(self, overwrite: bool) -> None:
+        """Every row is in: the file becomes `out`, atomically; an existing `out` only with `overwrite`.
+
+        On `OutputError` (`out` appeared meanwhile) the partial file stays, whole.
+        """
+        os.fsync(self._fd)
+        self.close()
+        _publish(str(self.path), self.out, overwrite)
+        with contextlib.suppress(FileNotFoundError):  # a hard link was made: the partial name goes
+            os.unlink(self.path)
+
+    def close(self) -> None:
+        """Stop without publishing: the file keeps its whole rows (a row being written when it stopped is cut)."""
+        if self._fd < 0:
+            return
+        os.ftruncate(self._fd, self._size)
+        os.close(self._fd)
+        self._fd = -1
+
+    def _check_rows(self, on_row: Callable[[dict], None]) -> int:
+        """Check the rows already in the file and hand each to `on_row`; the bytes they take."""
+        size = 0
+        with self.path.open("rb") as existing:
+            for number, raw in enumerate(existing, start=1):
+                if not raw.endswith(b"\n"):
+                    break  # the last row, cut short when the process was killed: computed again
+                row = self._check_row(number, raw)
+                on_row(row)
+                size += len(raw)
+        return size
+
+    def _check_row(self, number: int, raw: bytes) -> dict:
+        try:
+            row = json.loads(raw)
+            path, _, line = row["source"].rpartition(":")
+            line = int(line)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise OutputError(f"{self.path}:{number}: not a result row with a source line; pass --force without "
+                              "--resume to start again") from None  # fmt: skip
+        if path != str(self.source) and not (os.path.exists(path) and os.path.samefile(path, self.source)):
+            raise OutputError(f"{self.path} holds the results of {path}, not of {self.source}")
+        if line <= self._last[0]:
+            raise OutputError(f"{self.path}:{number}: rows out of input order (line {line} after {self._last[0]})")
+        self.rows += 1
+        self._last = (line, row.get("id"))
+        return row
 
 
 def _publish(temp: str, path: Path, overwrite: bool) -> None:

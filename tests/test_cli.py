@@ -181,6 +181,31 @@ def test_classify_with_nothing_classifiable_exits_3_and_still_writes_every_row(t
     assert "read 2 rows: 0 ok, 2 failed" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("name", "content", "status"),
+    [
+        ("t.jsonl", b"", EXIT_NOTHING),
+        ("t.csv", b"", EXIT_NOTHING),
+        ("t.csv", b"\n\n", EXIT_NOTHING),
+        ("t.csv", b"id,text\n", EXIT_NOTHING),
+        ("t.csv", b"1,my card was charged twice\n", EXIT_USAGE),  # no header at all: not a ticket file
+    ],
+    ids=["jsonl-empty", "csv-zero-bytes", "csv-blank-lines", "csv-header-only", "csv-without-header"],
+)
+def test_classify_of_an_empty_file_exits_3_in_either_format(tmp_path, name, content, status):
+    """An empty file was read and had nothing to classify (3); a CSV without a header is bad input (2)."""
+    (tmp_path / name).write_bytes(content)
+    result = run(["ticketq", "classify", name, "-o", "r.jsonl", "--no-progress"], cwd=tmp_path)
+    assert result.returncode == status, result.stderr
+    if status == EXIT_USAGE:
+        assert_one_line_error(result, "CSV header must name a 'text' column", status)
+        assert not (tmp_path / "r.jsonl").exists()
+    else:
+        assert "read 0 rows: 0 ok, 0 failed" in result.stderr and "Loading weights" not in result.stderr
+        assert (tmp_path / "r.jsonl").read_bytes() == b""
+    assert not (tmp_path / "r.jsonl.partial").exists()
+
+
 def test_error_lists_are_never_cut_silently(tmp_path):
     tickets = tmp_path / "t.jsonl"
     tickets.write_text("".join("{broken\n" for _ in range(25)))

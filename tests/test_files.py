@@ -1,17 +1,30 @@
 """Ticket files in, result files out (pure unit tests: no torch, no Redis).
 
 Every input row must end as exactly one ticket or one error, a broken CSV quote must never merge
-rows, and a results file must never destroy a user's file.
+rows, a file is read as it is iterated (never held whole), and a results file must never destroy
+a user's file; a partial results file keeps whole rows only and resumes where it stopped.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 
 import pytest
 
-from producer.tickets import OutputError, check_output, read_tickets, write_results
+from producer import tickets
+from producer.tickets import (
+    OutputError,
+    PartialResults,
+    RowError,
+    TicketFileError,
+    TicketReader,
+    TicketRow,
+    check_output,
+    read_tickets,
+    write_results,
+)
 
 
 def csv_rows(n: int) -> list[str]:
@@ -125,3 +138,139 @@ def test_a_crash_while_writing_keeps_the_old_file_whole(tmp_path):
         write_results(out, rows())
     assert out.read_text() == '{"id": "old"}\n'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl"]
+
+
+# --- reading as the file is iterated ---
+
+
+def mixed_jsonl(path, n: int = 40):
+    lines = [json.dumps({"id": f"T-{i}", "text": f"ticket {i}"}) for i in range(1, n + 1)]
+    lines[5] = "{broken"
+    lines[9] = json.dumps({"id": "T-1", "text": "a duplicate"})
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_the_reader_yields_every_row_in_file_order_as_it_reads(tmp_path):
+    path = mixed_jsonl(tmp_path / "t.jsonl")
+    with TicketReader(path) as reader:
+        rows = iter(reader)
+        first = next(rows)
+        assert isinstance(first, TicketRow) and first.source == f"{path}:1"
+        assert reader.bytes_read < reader.size == path.stat().st_size  # not read whole for the first row
+        rest = [first, *rows]
+        assert reader.bytes_read == reader.size
+    assert [row.line for row in rest] == list(range(1, 41))
+    assert [(row.line, row.reason) for row in rest if isinstance(row, RowError)] == [
+        (6, "invalid_json"), (10, "duplicate_id")
+    ]  # fmt: skip
+    whole = read_tickets(path)  # built on the reader: the same rows
+    assert whole.tickets == [row.ticket for row in rest if isinstance(row, TicketRow)]
+    assert whole.errors == [row for row in rest if isinstance(row, RowError)]
+
+
+def test_a_csv_is_refused_whole_when_opened_before_any_row(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_bytes(b"id,text\n" + b"".join(b"T-%d,fine\n" % i for i in range(1, 5000)) + b"T-5000,caf\xe9\n")
+    with pytest.raises(TicketFileError, match=r"t\.csv:5001: CSV file is not valid UTF-8"):
+        TicketReader(path)
+
+
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [("e.jsonl", b""), ("e.csv", b""), ("e.csv", b"\n\r\n  \n"), ("e.csv", b"\xef\xbb\xbfid,text\n"), ("e", b"")],
+    ids=["jsonl", "csv-zero-bytes", "csv-blank-lines", "csv-header-only", "sniffed"],
+)
+def test_an_empty_file_has_no_rows_in_either_format(tmp_path, name, content):
+    path = tmp_path / name
+    path.write_bytes(content)
+    assert read_tickets(path).rows == 0
+
+
+def test_a_pipe_is_read_too(tmp_path):
+    fifo = tmp_path / "tickets"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=fifo.write_bytes, args=(b"text\nsniffed as CSV from a pipe\n",))
+    writer.start()
+    try:
+        assert read_tickets(fifo).tickets == [{"id": "line-2", "text": "sniffed as CSV from a pipe"}]
+    finally:
+        writer.join()
+
+
+def test_a_broken_quote_holds_at_most_the_look_back_limit(tmp_path, monkeypatch):
+    """The lines a broken record swallowed are read again from a bounded buffer, not the whole file."""
+    monkeypatch.setattr(tickets, "_look_back", lambda max_bytes: 1000)
+    rows = csv_rows(200)
+    rows[1] = 'T-1,"a quote that is never closed, and ""escaped"" quotes after'
+    path = tmp_path / "t.csv"
+    write_csv(path, rows)
+    parsed = read_tickets(path)
+    assert [(error.line, error.reason) for error in parsed.errors] == [(2, "malformed_csv")]
+    assert "a record longer than 1,000 characters" in parsed.errors[0].message
+    assert [ticket["id"] for ticket in parsed.tickets] == [f"T-{i}" for i in range(2, 201)]
+    assert parsed.lines["T-2"] == 3
+
+
+# --- partial results: whole rows only, resumed where they stopped ---
+
+
+def result(source, line: int) -> dict:
+    return {"id": f"T-{line}", "status": "ok", "label": "billing", "source": f"{source}:{line}"}
+
+
+def test_partial_results_are_published_whole_and_never_over_an_existing_file(tmp_path):
+    source = mixed_jsonl(tmp_path / "t.jsonl")
+    out = tmp_path / "r.jsonl"
+    partial = PartialResults(out, source)
+    partial.append([result(source, 1), result(source, 2)])
+    assert partial.path == tmp_path / "r.jsonl.partial"
+    assert len(partial.path.read_text().splitlines()) == 2  # on disk as soon as appended
+    out.write_text("appeared meanwhile\n")
+    with pytest.raises(OutputError, match="already exists"):
+        partial.publish(overwrite=False)
+    assert out.read_text() == "appeared meanwhile\n" and partial.path.exists()
+    resumed = PartialResults(out, source, resume=True)
+    resumed.publish(overwrite=True)
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["T-1", "T-2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl", "t.jsonl"]
+
+
+def test_a_stopped_run_keeps_whole_rows_and_resumes_after_them(tmp_path):
+    source = mixed_jsonl(tmp_path / "t.jsonl")
+    out = tmp_path / "r.jsonl"
+    partial = PartialResults(out, source)
+    partial.append([result(source, line) for line in (1, 2, 3)])
+    os.write(partial._fd, b'{"id": "T-4", "sta')  # stopped in the middle of a write
+    partial.close()
+    assert partial.path.read_bytes().endswith(b'3"}\n')
+    with partial.path.open("ab") as killed:  # a kill -9 in the middle of a write: nobody cut it
+        killed.write(b'{"id": "T-4", "sta')
+    with pytest.raises(OutputError, match="--resume to continue it, or --force"):
+        PartialResults(out, source)
+    seen = []
+    resumed = PartialResults(out, source, resume=True, on_row=seen.append)
+    assert resumed.rows == 3 and [row["id"] for row in seen] == ["T-1", "T-2", "T-3"]
+    with TicketReader(source) as reader:
+        assert [row.line for row in resumed.remaining(reader)] == list(range(4, 41))
+    resumed.close()
+    assert len(partial.path.read_text().splitlines()) == 3  # the cut row is gone
+    PartialResults(out, source, force=True).close()  # --force starts again
+    assert partial.path.read_bytes() == b""
+
+
+def test_resume_refuses_a_partial_file_of_another_input_or_a_changed_one(tmp_path):
+    source = mixed_jsonl(tmp_path / "t.jsonl")
+    other = mixed_jsonl(tmp_path / "other.jsonl")
+    out = tmp_path / "r.jsonl"
+    partial = PartialResults(out, source)
+    partial.append([result(source, 1), result(source, 2)])
+    partial.close()
+    with pytest.raises(OutputError, match=r"holds the results of .*/t\.jsonl, not of .*/other\.jsonl"):
+        PartialResults(out, other, resume=True)
+    source.write_text(json.dumps({"id": "T-9", "text": "changed"}) + "\n" + source.read_text())
+    resumed = PartialResults(out, source, resume=True)
+    with TicketReader(source) as reader, pytest.raises(OutputError, match="does not match"):
+        list(resumed.remaining(reader))
+    with pytest.raises(OutputError, match="is the input file"):
+        PartialResults(tmp_path / "t", tmp_path / "t.partial")

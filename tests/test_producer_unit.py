@@ -174,8 +174,9 @@ def test_csv_text_only_column_and_format_sniffing(tmp_path):
     ("content", "message"),
     [
         (b"id,body\n1,hello\n", "must name a 'text' column"),
-        (b"", "CSV file is empty"),
+        (b"1,my card was charged twice\n", "must name a 'text' column"),  # no header at all
         (b"id,text\n1,caf\xe9\n", ":2: CSV file is not valid UTF-8"),
+        (b"\xef\xbb\xbfid,text\n1,ok\n2,caf\xe9\n", ":3: CSV file is not valid UTF-8"),  # the BOM is no line's bytes
     ],
 )
 def test_unusable_csv_names_the_file(tmp_path, content, message):

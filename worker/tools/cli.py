@@ -20,9 +20,8 @@ from producer.clitools import (
     error,
     exit_status,
     report,
-    summary_line,
 )
-from producer.tickets import OutputError, TicketFileError, check_output, read_tickets, write_results
+from producer.tickets import OutputError, PartialResults, TicketFileError, TicketReader, check_output
 
 cli = typer.Typer(
     help="ticketq — route support tickets with a small LLM: Redis + Celery micro-batches, length-sorted, "
@@ -101,38 +100,80 @@ def classify(
     out: Annotated[
         Path | None, typer.Option("--out", "-o", help=f"Results JSONL, one row per input row [default: {DEFAULT_OUT}].")
     ] = None,
-    force: Annotated[bool, typer.Option("--force", "-f", help="Replace --out if it exists.")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", "-f", help="Replace --out if it exists; start again over a stopped run.")
+    ] = False,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue a stopped run from OUT.partial (its rows are kept).")
+    ] = False,
     fmt: Annotated[str, typer.Option("--format", help="auto (by extension, then content), jsonl or csv.")] = "auto",
     model: Annotated[str | None, typer.Option(help="Hub id or local dir (default TICKETQ_MODEL).")] = None,
     dtype: Annotated[str | None, typer.Option(help="auto|float32|bfloat16|float16|int8.")] = None,
     device: Annotated[str | None, typer.Option(help="auto|cpu|cuda|mps.")] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
 ) -> None:
-    """Classify a ticket file in-process (no Redis): every input row gets one result row (ok or failed)."""
+    """Classify a ticket file in-process (no Redis): every input row gets one result row (ok or failed).
+
+    The file is read and classified a chunk at a time; result rows go to OUT.partial as they are
+    done, and it becomes OUT once every row is in. Stopped (Ctrl-C: exit status 130), a run keeps
+    its rows there, and --resume continues it.
+    """
     settings = _settings(ENGINE_FLAGS, model=model, dtype=dtype, device=device)
     if fmt not in ("auto", "jsonl", "csv"):
         _fail(f"--format {fmt}: must be auto, jsonl or csv")
     try:
         out = check_output(out or DEFAULT_OUT, [path], force)
-        source = read_tickets(path, fmt, settings.max_ticket_bytes)  # type: ignore[arg-type]
+        reader = TicketReader(path, fmt, settings.max_ticket_bytes)  # type: ignore[arg-type]
     except (TicketFileError, OutputError) as exc:
         _fail(str(exc))
-    _check_model(settings)
-    summary = _classify(settings, source, progress)
+    with reader:
+        _check_model(settings)
+        from worker.tools.offline import Summary
+
+        summary = Summary()
+        try:
+            partial = PartialResults(out, path, resume=resume, force=force, on_row=summary.add)
+        except OutputError as exc:
+            _fail(str(exc))
+        if resume:
+            done = f"{partial.rows} rows of {partial.path} kept" if partial.resumed else f"no {partial.path}"
+            console.print(f"resuming: {done}; classifying the rows after them", highlight=False, markup=False)
+        _classify(settings, reader, partial, summary, progress)
     try:
-        write_results(out, summary.rows, overwrite=force)
+        partial.publish(overwrite=force)
     except OutputError as exc:
-        _fail(str(exc))
+        _fail(f"{exc}; all {partial.rows} rows are in {partial.path}")
     _report_classified(summary, path, out)
     raise typer.Exit(exit_status(summary.ok, summary.failed))
 
 
-def _classify(settings, source, progress: bool):
-    """Load the model (only when there is something to classify) and classify the file."""
-    from worker.tools.offline import Summary, classify_file
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command stopped by Ctrl-C
 
-    if not source.tickets:
-        return Summary(rows=source.results_in_order([]))
+
+def _classify(settings, reader: TicketReader, partial: PartialResults, summary, progress: bool) -> None:
+    """Classify the rows not yet in `partial`, loading the model only if a row needs it.
+
+    However it stops (Ctrl-C, a crash, a model that cannot load), the rows done stay in the
+    partial file and one line says how many and how to go on.
+    """
+    from worker.tools.offline import classify_rows
+
+    try:
+        classify_rows(lambda: _load_engine(settings), reader, partial, summary, progress)
+    except OutputError as exc:  # --resume: the partial file is not this input's; it stays as it was
+        partial.close()
+        _fail(str(exc))
+    except BaseException as exc:
+        partial.close()
+        stopped = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stopped"
+        console.print(f"{stopped}: {partial.rows} rows are in {partial.path}; run the same command with --resume "
+                      "to classify the rest", highlight=False, markup=False, soft_wrap=True)  # fmt: skip
+        if isinstance(exc, KeyboardInterrupt):
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        raise
+
+
+def _load_engine(settings):
     from worker.engine import Engine, ModelNotFound
 
     _logging()
@@ -140,24 +181,21 @@ def _classify(settings, source, progress: bool):
         engine = Engine.from_settings(settings)
     except ModelNotFound as exc:
         _fail(str(exc))
-    summary = classify_file(engine, source, progress)
     if engine.info.standin:
         console.print("[yellow]stand-in model: labels are meaningless; speed is real[/]")
-    return summary
+    return engine
 
 
 def _report_classified(summary, path: Path, out: Path) -> None:
-    failed = [f"{row['source']}: {row['reason']}: {row['error']}" for row in summary.rows if row["status"] != "ok"]
-    report(console, failed, f"{len(failed)} rows failed:", f" (every row is in {out})")
+    report(console, summary.failures, f"{summary.failed} rows failed:", f" (every row is in {out})")
     table = Table(title=f"{path} → {out}")
     for column in ("rows", "ok", "failed", "items/s", "padding", "labels"):
         table.add_column(column, overflow="fold")
     labels = ", ".join(f"{k}={v}" for k, v in summary.labels.most_common())
-    table.add_row(str(len(summary.rows)), str(summary.ok), str(summary.failed), f"{summary.items_per_s:.2f}",
+    table.add_row(str(summary.rows), str(summary.ok), str(summary.failed), f"{summary.items_per_s:.2f}",
                   f"{summary.padding_ratio:.1%}", labels)  # fmt: skip
     console.print(table)
-    line, _, _ = summary_line(summary.rows)
-    console.print(f"{line}; results in {out}", highlight=False, markup=False, soft_wrap=True)
+    console.print(f"{summary.line()}; results in {out}", highlight=False, markup=False, soft_wrap=True)
 
 
 @cli.command()

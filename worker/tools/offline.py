@@ -4,66 +4,210 @@ Every input row ends as exactly one result row, in file order, with its `source`
 `ok` with a label, or `failed` with a reason: the file reader applies the ticket contract
 (`ticketq.contract`, TICKETQ_MAX_TICKET_BYTES included) exactly as the queue path does, so a row is
 refused or classified here as it would be there.
+
+The file is streamed: rows are read, tokenised and classified a chunk at a time, and each chunk's
+result rows are appended to the partial results file (`producer.tickets.PartialResults`) before
+the next chunk is read, so memory holds one chunk however large the file. Chunks start at
+FIRST_CHUNK rows, so the first results come after one small forward pass even from the full-size
+model on a slow CPU, and double up to LARGEST_CHUNK rows or CHUNK_TEXT_CHARS characters of text:
+on synthetic tickets, planning 2,048 at a time predicts 0.6% more time than planning the whole
+file at once (1,024: 1.1%; 16: 16%).
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from producer.tickets import TicketFile
+from producer.clitools import MAX_SHOWN
+from producer.tickets import PartialResults, Row, RowError, TicketReader, TicketRow
 from worker.engine.prompt import InvalidTicket
-from worker.results import BatchReport, padding_ratio
+from worker.results import BatchReport
+
+if TYPE_CHECKING:
+    from worker.engine import Engine
+
+FIRST_CHUNK = 16  # rows
+LARGEST_CHUNK = 2048  # rows
+CHUNK_TEXT_CHARS = 8 << 20  # a chunk of long tickets stops sooner: 8 Mi characters of ticket text
+
+
+class Failures(Sequence[str]):
+    """How many rows failed and the first MAX_SHOWN of them as `source: reason: error` lines.
+
+    `producer.clitools.report` takes it as its list: it prints the first MAX_SHOWN lines and
+    counts the rest, so the other lines are never needed (they are all in the results file).
+    """
+
+    def __init__(self) -> None:
+        self.shown: list[str] = []
+        self.count = 0
+
+    def add(self, line: str) -> None:
+        self.count += 1
+        if len(self.shown) < MAX_SHOWN:
+            self.shown.append(line)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self.shown[index]
 
 
 @dataclass
 class Summary:
-    rows: list[dict] = field(default_factory=list)  # one per input row, in file order
-    seconds: float = 0.0
-    reports: list[BatchReport] = field(default_factory=list)
+    """Counts over the results file's rows, kept as each one is written (memory stays flat).
 
-    @property
-    def ok(self) -> int:
-        return sum(row["status"] == "ok" for row in self.rows)
+    A resumed run counts the partial file's earlier rows too; `classified`, `seconds` and the
+    padding figures are this run's.
+    """
+
+    rows: int = 0
+    ok: int = 0
+    labels: Counter = field(default_factory=Counter)
+    reasons: Counter = field(default_factory=Counter)
+    failures: Failures = field(default_factory=Failures)
+    classified: int = 0  # tickets this run labelled
+    seconds: float = 0.0  # this run, from the model's load to the last row
+    computed_tokens: int = 0
+    pad_tokens: int = 0
 
     @property
     def failed(self) -> int:
-        return len(self.rows) - self.ok
-
-    @property
-    def labels(self) -> Counter:
-        return Counter(row["label"] for row in self.rows if row["status"] == "ok")
+        return self.rows - self.ok
 
     @property
     def items_per_s(self) -> float:
-        return self.ok / self.seconds if self.seconds else 0.0
+        return self.classified / self.seconds if self.seconds else 0.0
 
     @property
     def padding_ratio(self) -> float:
-        return padding_ratio(self.reports)
+        return self.pad_tokens / self.computed_tokens if self.computed_tokens else 0.0
+
+    def add(self, row: dict) -> None:
+        """Count one row of the results file."""
+        self.rows += 1
+        if row.get("status") == "ok":
+            self.ok += 1
+            self.labels[row.get("label")] += 1
+            return
+        self.reasons[str(row.get("reason") or row.get("status"))] += 1
+        self.failures.add(f"{row.get('source')}: {row.get('reason')}: {row.get('error')}")
+
+    def add_reports(self, reports: Iterable[BatchReport]) -> None:
+        for report in reports:
+            self.computed_tokens += report.computed_tokens
+            self.pad_tokens += report.pad_tokens
+
+    def line(self) -> str:
+        """`read N rows: X ok, Y failed (count reason, ...)`, as `producer.clitools.summary_line` words it."""
+        detail = ", ".join(f"{count} {reason}" for reason, count in self.reasons.most_common())
+        return f"read {self.rows} rows: {self.ok} ok, {self.failed} failed" + (f" ({detail})" if detail else "")
 
 
-def classify_file(engine, source: TicketFile, progress: bool = True) -> Summary:
-    """Classify every good ticket of `source`; bad rows and refused tickets become failed rows."""
-    encoded, good, results = [], [], []
-    for ticket in source.tickets:
+def classify_rows(load_engine: Callable[[], Engine], reader: TicketReader, partial: PartialResults,
+                  summary: Summary, progress: bool = True) -> Summary:  # fmt: skip
+    """Classify the rows of `reader` that `partial` has no result for, appending each chunk's results.
+
+    `load_engine` is called once, when the first chunk with a ticket in it comes, so a file with
+    nothing to classify never loads the model.
+    """
+    bar, engine, started = None, None, time.perf_counter()
+    try:
+        for chunk in chunked(partial.remaining(reader)):
+            if engine is None and any(isinstance(row, TicketRow) for row in chunk):
+                engine, started = load_engine(), time.perf_counter()
+            if bar is None:  # made after the model's loading messages
+                bar = _Progress(reader, progress)
+            bar.chunk_read(chunk)
+            rows = classify_chunk(engine, chunk, summary, bar.batch_done)
+            partial.append(rows)
+            for row in rows:
+                summary.add(row)
+            bar.chunk_done(summary.rows)
+    finally:
+        summary.seconds = time.perf_counter() - started if engine else 0.0
+        if bar is not None:
+            bar.close()
+    return summary
+
+
+class _Progress:
+    """A tqdm bar (stderr) over the input's bytes, as the number of rows is unknown until the end.
+
+    A chunk's bytes are shown as its forward batches finish, a share per ticket: with the
+    full-size model a chunk of 2,048 tickets takes minutes.
+    """
+
+    def __init__(self, reader: TicketReader, enabled: bool) -> None:
+        self.reader = reader
+        self.bar = tqdm(total=reader.size, unit="B", unit_scale=True, unit_divisor=1024, desc="classifying",
+                        disable=not enabled)  # fmt: skip
+        self.per_ticket = 0.0
+
+    def chunk_read(self, chunk: Sequence[Row]) -> None:
+        tickets = sum(isinstance(row, TicketRow) for row in chunk)
+        self.per_ticket = (self.reader.bytes_read - self.bar.n) / max(tickets, 1)
+
+    def batch_done(self, report: BatchReport) -> None:
+        self.bar.update(report.rows * self.per_ticket)
+
+    def chunk_done(self, rows: int) -> None:
+        self.bar.update(self.reader.bytes_read - self.bar.n)
+        self.bar.set_postfix_str(f"{rows:,} rows", refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def chunked(rows: Iterable[Row], first: int = FIRST_CHUNK, largest: int = LARGEST_CHUNK,
+            text_chars: int = CHUNK_TEXT_CHARS) -> Iterator[list[Row]]:  # fmt: skip
+    """`rows` in runs of `first` rows, then twice as many each time up to `largest` (or `text_chars` of text)."""
+    size, chunk, chars = first, [], 0
+    for row in rows:
+        chunk.append(row)
+        chars += len(row.ticket["text"]) if isinstance(row, TicketRow) else 0
+        if len(chunk) >= size or chars >= text_chars:
+            yield chunk
+            size, chunk, chars = min(2 * size, largest), [], 0
+    if chunk:
+        yield chunk
+
+
+def classify_chunk(engine: Engine | None, chunk: Sequence[Row], summary: Summary,
+                   on_batch: Callable[[BatchReport], None] | None = None) -> list[dict]:  # fmt: skip
+    """One result row per row of `chunk`, in its order: refused rows failed, the tickets classified in one plan.
+
+    `engine` may be None only for a chunk without a ticket; `on_batch` gets each forward's report.
+    """
+    tickets = [row for row in chunk if isinstance(row, TicketRow)]
+    answers = _answers(engine, tickets, summary, on_batch) if tickets else {}
+    return [row.as_result() if isinstance(row, RowError) else {**answers[row.line], "source": row.source}
+            for row in chunk]  # fmt: skip
+
+
+def _answers(engine: Engine, tickets: list[TicketRow], summary: Summary,
+             on_batch: Callable[[BatchReport], None] | None) -> dict[int, dict]:  # fmt: skip
+    """Each ticket's result (all but its `source`), by line."""
+    answers, encoded, good = {}, [], []
+    for row in tickets:
         try:
-            encoded.append(engine.prompt.encode(ticket["text"]))
-            good.append(ticket)
+            encoded.append(engine.prompt.encode(row.ticket["text"]))
+            good.append(row)
         except InvalidTicket as exc:
-            results.append({"id": ticket["id"], "status": "failed", "reason": exc.reason, "error": exc.detail})
-    summary = Summary()
-    bar = tqdm(total=len(good), unit="ticket", desc="classifying", disable=not progress)
-    start = time.perf_counter()
-    predictions, summary.reports = engine.classify_encoded(encoded, on_batch=lambda r: bar.update(r.rows))
-    summary.seconds = time.perf_counter() - start
-    bar.close()
-    for ticket, prediction in zip(good, predictions, strict=True):
-        results.append({
-            "id": ticket["id"],
+            answers[row.line] = {"id": row.result_id, "status": "failed", "reason": exc.reason, "error": exc.detail}
+    predictions, reports = engine.classify_encoded(encoded, on_batch=on_batch) if encoded else ([], [])
+    summary.add_reports(reports)
+    summary.classified += len(predictions)
+    for row, prediction in zip(good, predictions, strict=True):
+        answers[row.line] = {
+            "id": row.result_id,
             "status": "ok",
             "label": prediction.label,
             "probs": prediction.probs,
@@ -71,6 +215,5 @@ def classify_file(engine, source: TicketFile, progress: bool = True) -> Summary:
             "truncated": prediction.truncated,
             "model": engine.info.name,
             "standin": engine.info.standin,
-        })  # fmt: skip
-    summary.rows = source.results_in_order(results)
-    return summary
+        }  # fmt: skip
+    return answers
