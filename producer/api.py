@@ -10,6 +10,11 @@ each message goes to task `ticketq.names.TASK_CLASSIFY` on queue `settings.queue
 packed list. `wait()` gives one dict per ticket: the worker's `Classified` or `Failed` result;
 a failed task becomes `{"id", "task_id", "status": "failed", "error"}` for each of its tickets,
 and a task with no result by the deadline `status: "timeout"`.
+
+The broker may be Redis Sentinel (`sentinel://h1:26379;sentinel://h2:26379` with
+TICKETQ_SENTINEL_MASTER): every client here follows the master through a failover. With
+TICKETQ_REPLICA_ACKS, a send returns once that many replicas hold it (WAIT), else raises
+`NotReplicated`, which carries what was sent.
 """
 
 from __future__ import annotations
@@ -20,18 +25,17 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from urllib.parse import urlsplit
 
 import kombu.exceptions
 import redis
 from celery import Celery, states
-from celery.backends.redis import RedisBackend
+from celery.backends.redis import RedisBackend, SentinelBackend
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult, ResultSet
 from tqdm import tqdm
 
-from ticketq import codec
-from ticketq.config import ClientSettings
+from ticketq import codec, connections
+from ticketq.config import ClientSettings, is_redis_url, is_sentinel_url, mask_url
 from ticketq.connections import SOCKET_TIMEOUT_S, RedisUnavailable, connect, redis_client
 from ticketq.contract import Failed, Reason, Status, TicketRejected, UniqueIds, validate_ticket
 from ticketq.names import RESULTS_STREAM, TASK_CLASSIFY, queue_lists
@@ -42,6 +46,9 @@ Ticket = str | Mapping[str, object]
 ResultCallback = Callable[[list[dict]], None]
 
 _CONNECTION_ERRORS = (kombu.exceptions.OperationalError, redis.exceptions.RedisError, OSError)
+# kombu >= 5.7's pipelined publish wraps what failed (its __cause__) in this
+_BATCH_ERRORS = tuple(getattr(kombu.exceptions, name) for name in ("BatchPublishError",)
+                      if hasattr(kombu.exceptions, name))  # fmt: skip
 PUBLISH_BATCH = 500  # messages per Redis pipeline in submit_many (kombu >= 5.7's Producer.batch)
 POLL_WINDOW = 200  # result keys read per MGET while waiting: the oldest pending first
 POLL_PAUSE_S = (0.005, 0.1)  # pause between reads: the shortest after a read that found results, the longest
@@ -74,10 +81,37 @@ class BulkRedisBackend(RedisBackend):
             super().on_result_fulfilled(result)
 
 
+class BulkSentinelBackend(BulkRedisBackend, SentinelBackend):
+    """`BulkRedisBackend` on the master Redis Sentinel names (a sentinel:// result backend)."""
+
+
 class BrokerUnavailable(RedisUnavailable):
     """Redis (broker or result backend) cannot be used; the message says where and what to do."""
 
     fix = "set TICKETQ_BROKER_URL (and TICKETQ_RESULT_BACKEND if results live elsewhere) or pass --broker-url"
+
+
+class NotReplicated(BrokerUnavailable):
+    """Redis took the send, but fewer replicas than TICKETQ_REPLICA_ACKS confirmed it in time.
+
+    The messages are in the queue and will likely be classified, but a failover now could lose
+    them. `results` are what was sent: wait on them with `resend_after` (a lost one is sent again
+    under its task id, and a duplicate is published once), rather than submitting the tickets anew.
+    """
+
+    def __init__(self, url: str, results: list[TicketResult], acked: int, wanted: int, timeout_s: float) -> None:
+        self.results, self.acked, self.wanted = results, acked, wanted
+        tickets = sum(len(result.ticket_ids) for result in results)
+        self._text = (
+            f"Redis at {mask_url(url)} took {tickets} ticket(s), but only {acked} of {wanted} replica(s) "
+            f"(TICKETQ_REPLICA_ACKS) confirmed them within {timeout_s:g} s: they are queued, and may or may not "
+            "survive a failover. Check the replicas (INFO replication); wait for the results with resend_after "
+            "(ticketq-produce --wait --resend-after S) instead of sending them again"
+        )
+        super().__init__(url, "not replicated")
+
+    def _message(self, detail: str) -> str:
+        return self._text
 
 
 class TicketResult(AsyncResult):
@@ -106,8 +140,8 @@ class Producer:
         connect_timeout_s: float = 3.0,
     ) -> None:
         settings = settings if settings is not None else ClientSettings()
-        overrides = {"broker_url": broker_url, "result_backend": backend_url}
-        self.settings = settings.model_copy(update={k: v for k, v in overrides.items() if v})
+        # Checked as TICKETQ_BROKER_URL is: SettingsError (a ValueError), one line per problem.
+        self.settings = settings.with_overrides(broker_url=broker_url or None, result_backend=backend_url or None)
         self.connect_timeout_s = connect_timeout_s
         self.app = _make_app(self.settings, connect_timeout_s)
         self._result_cls = self.app.subclass_with_self(TicketResult)
@@ -125,7 +159,7 @@ class Producer:
     def close(self) -> None:
         """Release this producer's connections (a later call opens new ones)."""
         if self._redis is not None:
-            self._redis.close()
+            connections.close(self._redis)
             self._redis = None
         if isinstance(self.app.backend, BulkRedisBackend):
             self.app.backend.stop_consumer()
@@ -137,15 +171,17 @@ class Producer:
         if self._redis is None:
             timeouts = {"connect_timeout_s": self.connect_timeout_s,
                         "socket_timeout_s": max(self.connect_timeout_s, SOCKET_TIMEOUT_S)}  # fmt: skip
-            self._redis = redis_client(self.settings.broker_url, **timeouts)
+            self._redis = redis_client(self.settings.broker_url, **self.settings.sentinel, **timeouts)
         return self._redis
 
     def check_connection(self) -> None:
         """PING the broker and the Redis result backend once; raise `BrokerUnavailable` if down."""
         for url in dict.fromkeys((self.settings.broker_url, self.settings.backend_url)):
-            if urlsplit(url).scheme not in ("redis", "rediss"):
+            if not is_redis_url(url):
                 continue  # other transports (memory://, tests) have nothing to ping
-            connect(url, connect_timeout_s=self.connect_timeout_s, error=BrokerUnavailable).close()
+            client = connect(url, **self.settings.sentinel, connect_timeout_s=self.connect_timeout_s,
+                             error=BrokerUnavailable)  # fmt: skip
+            connections.close(client)
         self._checked = True
 
     # --- sending ---
@@ -168,9 +204,12 @@ class Producer:
         return ticket.id or uuid.uuid4().hex, ticket.text
 
     def submit(self, text: str, id: str | int | None = None) -> TicketResult:
-        """Send one ticket as its own message; returns its Celery `AsyncResult`."""
+        """Send one ticket as its own message; returns its Celery `AsyncResult` (`NotReplicated`
+        with it when TICKETQ_REPLICA_ACKS replicas did not confirm it)."""
         ticket = self.validate(text, id)
-        return self._send([ticket], packed=False)
+        result = self._send([ticket], packed=False)
+        self._confirm_replicas([result])
+        return result
 
     def submit_many(
         self, tickets: Iterable[Ticket], pack: int = 1, progress: bool = False
@@ -178,7 +217,8 @@ class Producer:
         """Send tickets (strings or `{"id"?, "text"}` mappings), `pack` per message.
 
         Every ticket is validated before the first is sent, so one bad ticket (or an id given
-        twice in `tickets`) sends nothing.
+        twice in `tickets`) sends nothing. With TICKETQ_REPLICA_ACKS, one WAIT after the last send
+        covers them all.
         """
         if not isinstance(pack, int) or pack < 1:
             raise ValueError(f"pack must be an integer >= 1, got {pack!r}")
@@ -210,10 +250,28 @@ class Producer:
                     chunk = checked[start : start + pack]
                     results.append(self._send(chunk, packed=pack > 1, producer=kombu_producer))
                     bar.update(len(chunk))
-        except _CONNECTION_ERRORS as exc:  # a pipeline flushed at the end of the block
+        except (*_CONNECTION_ERRORS, *_BATCH_ERRORS) as exc:  # a pipeline flushed at the end of the block
             self._checked = False
-            raise self._unreachable(exc) from None
+            raise self._unreachable(exc, sent=len(results)) from None
+        self._confirm_replicas(results)
         return results
+
+    def _confirm_replicas(self, results: list[TicketResult]) -> None:
+        """With TICKETQ_REPLICA_ACKS: `NotReplicated` unless that many replicas hold every send so far.
+
+        WAIT counts the replicas that hold the writes the master had taken when it ran (see
+        `ticketq.connections.confirm_replicas`): one call covers every message sent before it.
+        """
+        wanted = self.settings.replica_acks
+        if not wanted or not results or not is_redis_url(self.settings.broker_url):
+            return
+        try:
+            acked = connections.replicated(self.redis, wanted, self.settings.replica_timeout_s)
+        except (redis.exceptions.RedisError, OSError) as exc:  # sent, then the broker went away
+            acked = 0
+            log.warning("could not ask Redis how many replicas hold the sent tickets (%s)", exc)
+        if acked < wanted:
+            raise NotReplicated(self.settings.broker_url, results, acked, wanted, self.settings.replica_timeout_s)
 
     def _acquire_producer(self):
         try:
@@ -259,16 +317,31 @@ class Producer:
         """
         if not result.message_args:
             raise ValueError(f"task {result.id} was not sent by this producer: nothing to resend")
-        return self._publish(result.id, result.message_args, result.ticket_ids, result.packed)
+        again = self._publish(result.id, result.message_args, result.ticket_ids, result.packed)
+        self._confirm_replicas([again])
+        return again
 
-    def _unreachable(self, exc: BaseException) -> BaseException:
-        """Name the Redis that failed; give back any other error unchanged."""
+    def _unreachable(self, exc: BaseException, sent: int | None = None) -> BaseException:
+        """Name the Redis that failed and why (not reachable, credentials, a refused write);
+        give back any other error unchanged. `sent`: messages of a bulk send before the failure."""
         if isinstance(exc, RuntimeError):
             # The result backend's pub/sub gave up reconnecting; Celery wraps the connection error.
             if isinstance(exc.__cause__, _CONNECTION_ERRORS):
                 return BrokerUnavailable(self.settings.backend_url, exc.__cause__)
             return exc
-        return BrokerUnavailable(self.settings.broker_url, exc)
+        if isinstance(exc, _BATCH_ERRORS) and exc.__cause__ is not None:
+            exc = exc.__cause__  # what the pipeline met; some of its messages may be queued
+        note = f"the {sent} message(s) sent before it may be queued" if sent else ""
+        return BrokerUnavailable(self.settings.broker_url, exc, self._memory_detail(exc), note=note)
+
+    def _memory_detail(self, exc: BaseException) -> str:
+        """The server's maxmemory and policy, for an out-of-memory refusal; "" if not one, or unknown."""
+        if connections.write_refusal(exc) != connections.OUT_OF_MEMORY:
+            return ""
+        try:
+            return connections.describe_memory(connections.memory_state(self.redis))
+        except (redis.exceptions.RedisError, OSError):
+            return ""
 
     # --- collecting ---
 
@@ -337,7 +410,8 @@ class Producer:
     def _resend_missing(self, results: Sequence[AsyncResult], by_task: dict[str, list[dict]]) -> None:
         missing = [result for result in results if result.id not in by_task and getattr(result, "message_args", ())]
         for result in missing:
-            self.resend(result)
+            # No replica check here: the wait goes on, and sends again what still has no result.
+            self._publish(result.id, result.message_args, result.ticket_ids, result.packed)
         if missing:
             log.warning("re-sent %d message(s) without a result (same task ids)", len(missing))
 
@@ -463,8 +537,9 @@ def _collector_paused() -> Iterator[None]:
 def _make_app(settings: ClientSettings, connect_timeout_s: float) -> Celery:
     """A Celery app that can only publish JSON and read JSON results, and gives up quickly."""
     backend = settings.backend_url
-    if urlsplit(backend).scheme in ("redis", "rediss"):  # Celery's `class+url` form: see BulkRedisBackend
-        backend = f"{__name__}:BulkRedisBackend+{backend}"
+    if is_redis_url(backend):  # Celery's `class+url` form: see BulkRedisBackend
+        bulk = "BulkSentinelBackend" if is_sentinel_url(backend) else "BulkRedisBackend"
+        backend = f"{__name__}:{bulk}+{backend}"
     codec.install()  # results (packed: a hundred objects each) decoded in C
     app = Celery("ticketq-producer", broker=settings.broker_url, backend=backend, set_as_current=False)
     few_retries = {"max_retries": 1, "interval_start": 0, "interval_step": 0.5, "interval_max": 0.5}
@@ -485,9 +560,12 @@ def _make_app(settings: ClientSettings, connect_timeout_s: float) -> Celery:
             "socket_connect_timeout": connect_timeout_s,
             # Must match the worker's: Redis redelivers unacked messages after this.
             "visibility_timeout": settings.visibility_timeout_s,
+            **connections.transport_options(settings.broker_url, **settings.sentinel),  # the master's name
         },
         redis_socket_connect_timeout=connect_timeout_s,
-        result_backend_transport_options={"retry_policy": few_retries},
+        result_backend_transport_options={
+            "retry_policy": few_retries, **connections.transport_options(settings.backend_url, **settings.sentinel)
+        },
     )
     return app
 

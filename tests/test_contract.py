@@ -247,8 +247,8 @@ def test_client_settings_errors_are_one_line_each(monkeypatch):
         ClientSettings.from_env({"broker_url": "--broker-url"}, broker_url="http://:pw@x")
     assert str(info.value).splitlines() == [
         "TICKETQ_MAX_TICKET_BYTES=1: must be >= 64",
-        "--broker-url http://:**@x: must be a Redis URL: redis://[:password@]host:6379/0 or rediss://… (TLS), "
-        "not http://",
+        "--broker-url http://:**@x: must be a Redis URL: redis://[:password@]host:6379/0, rediss://… (TLS) or "
+        "sentinel://host:26379;sentinel://host2:26379, not http://",
     ]
 
 

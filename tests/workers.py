@@ -13,7 +13,7 @@ import shutil
 import signal
 import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
@@ -58,14 +58,15 @@ class RedisServer:
 
     def __init__(
         self, workdir: Path, port: int | None = None, password: str | None = None, aof: bool = True,
-        fsync: str = "always",
+        fsync: str = "always", args: Sequence[str] = (),
     ) -> None:
         """`fsync="always"`: every write a client saw acknowledged is on disk, so a test that kills
-        Redis knows exactly what survives (with everysec the last second or two may not)."""
+        Redis knows exactly what survives (with everysec the last second or two may not). `args`:
+        more configuration, as redis-server takes it (`--maxmemory`, `10mb`, `--replicaof`, ...)."""
         if shutil.which("redis-server") is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
         self.workdir, self.port, self.password, self.aof = workdir, port or free_port(), password, aof
-        self.fsync = fsync
+        self.fsync, self.args = fsync, list(args)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -81,6 +82,7 @@ class RedisServer:
                 "--save", "", "--appendonly", "yes" if self.aof else "no", "--appendfsync", self.fsync]  # fmt: skip
         if self.password:
             args += ["--requirepass", self.password]
+        args += self.args
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for(self._pings, 10, f"redis-server on port {self.port}")
         return self

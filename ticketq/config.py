@@ -2,8 +2,9 @@
 and URL masking.
 
 `ClientSettings` reads `TICKETQ_*`; the worker's `worker.settings.Settings` extends it, so a
-producer and a worker given the same environment agree on the broker, the queue, the labels and
-the ticket size limit. `from_env` turns pydantic's errors into one line per problem
+producer and a worker given the same environment agree on the broker (a Redis URL, or a Sentinel
+list and its master name), the queue, the labels, the ticket size limit and the replica acks.
+`from_env` and `with_overrides` turn pydantic's errors into one line per problem
 (`TICKETQ_X=value: what is allowed`), with any password masked by `mask_url`.
 """
 
@@ -15,13 +16,14 @@ from collections.abc import Mapping
 from typing import Annotated, Any, TypeVar
 from urllib.parse import urlsplit
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from ticketq.contract import MAX_TICKET_BYTES
 from ticketq.names import DEFAULT_LABELS, QUEUE
 
-BROKER_SCHEMES = ("redis", "rediss")
+BROKER_SCHEMES = ("redis", "rediss", "sentinel")
+SENTINEL_SCHEME = "sentinel"  # kombu's and Celery's spelling: sentinel://h1:26379;sentinel://h2:26379
 
 S = TypeVar("S", bound="ClientSettings")
 
@@ -43,9 +45,28 @@ class ClientSettings(BaseSettings):
     )
     broker_url: str = Field(
         "redis://127.0.0.1:6379/0",
-        description="Celery broker: redis:// or rediss:// (TLS); the results and dead-letter streams live there too.",
+        description="Celery broker: redis://, rediss:// (TLS), or Sentinel as sentinel://h1:26379;sentinel://h2:26379 "
+        "(with TICKETQ_SENTINEL_MASTER); the results and dead-letter streams live there too.",
     )
     result_backend: str | None = Field(None, description="Celery result backend (default: broker_url).")
+    sentinel_master: str | None = Field(
+        None,
+        description="The master's name the sentinels monitor (`sentinel monitor NAME ...`); sentinel:// URLs need it.",
+    )
+    sentinel_password: SecretStr | None = Field(
+        None,
+        description="Password of the sentinels themselves (`requirepass` in sentinel.conf); the master's goes in "
+        "the URL.",
+    )
+    replica_acks: int = Field(
+        0,
+        ge=0,
+        description="Replicas that must hold an enqueued ticket (producer) or a result (worker, before its ack): "
+        "WAIT after the write; 0 = off.",
+    )
+    replica_timeout_s: float = Field(
+        1.0, gt=0, description="How long one WAIT waits for TICKETQ_REPLICA_ACKS replicas."
+    )
     queue: str = Field(QUEUE, description="Celery queue the worker consumes.")
     # A client sets it too: kombu's Redis transport must use the worker's value.
     visibility_timeout_s: int = Field(300, ge=1, description="Redis redelivers unacked messages after this.")
@@ -94,7 +115,8 @@ class ClientSettings(BaseSettings):
         scheme = _url_scheme(value)
         if scheme not in BROKER_SCHEMES:
             raise ValueError(
-                f"must be a Redis URL: redis://[:password@]host:6379/0 or rediss://… (TLS), "
+                "must be a Redis URL: redis://[:password@]host:6379/0, rediss://… (TLS) or "
+                "sentinel://host:26379;sentinel://host2:26379, "
                 f"not {scheme + '://' if scheme else 'a URL without a scheme'}"
             )
         return value
@@ -113,6 +135,36 @@ class ClientSettings(BaseSettings):
                 f"not {scheme + '://' if scheme else 'a URL without a scheme'}"
             )
         return value
+
+    @model_validator(mode="after")
+    def _check_sentinel(self) -> ClientSettings:
+        urls = {"TICKETQ_BROKER_URL": self.broker_url, "TICKETQ_RESULT_BACKEND": self.result_backend or ""}
+        named = [env for env, url in urls.items() if is_sentinel_url(url)]
+        if named and not self.sentinel_master:
+            raise ValueError(
+                f"{' and '.join(named)} {'name' if len(named) > 1 else 'names'} Redis Sentinel: set "
+                "TICKETQ_SENTINEL_MASTER to the master's name the "
+                "sentinels monitor (`sentinel monitor NAME host port quorum` in sentinel.conf)"
+            )
+        return self
+
+    def with_overrides(self: S, **overrides: Any) -> S:
+        """A copy with `overrides` (None = not given), validated as from the environment, or `SettingsError`
+        naming each value as the caller passed it (`broker_url=...`)."""
+        given = {name: value for name, value in overrides.items() if value is not None}
+        if not given:
+            return self
+        try:
+            return self.model_validate({**dict(self), **given})
+        except ValidationError as exc:
+            flags = {name: f"{name}=" for name in given}
+            raise SettingsError("\n".join(_describe(error, flags) for error in exc.errors())) from None
+
+    @property
+    def sentinel(self) -> dict[str, str | None]:
+        """What `ticketq.connections` needs besides a URL to reach a Sentinel-managed master."""
+        password = self.sentinel_password.get_secret_value() if self.sentinel_password else None
+        return {"master_name": self.sentinel_master, "sentinel_password": password}
 
     @property
     def label_names(self) -> tuple[str, ...]:
@@ -152,7 +204,8 @@ def _describe(error: Mapping[str, Any], flags: Mapping[str, str]) -> str:
     name = str(error["loc"][0])
     env = f"TICKETQ_{name.upper()}"
     if name in flags:
-        return f"{flags[name]} {_shown(error['input'])}: {allowed}"
+        separator = "" if flags[name].endswith("=") else " "
+        return f"{flags[name]}{separator}{_shown(error['input'])}: {allowed}"
     raw = os.environ.get(env, error["input"])
     return f"{env}={_shown(raw)}: {allowed}"
 
@@ -183,12 +236,31 @@ def _shown(value: object) -> str:
     return mask_url(text) if text else "''"
 
 
+def is_redis_url(url: str) -> bool:
+    """`url` names a Redis ticketq can use as its broker: redis://, rediss:// or a sentinel:// list."""
+    return url.partition("://")[0].lower() in BROKER_SCHEMES
+
+
+def is_sentinel_url(url: str) -> bool:
+    """`url` names Redis Sentinel (`sentinel://h1:26379;sentinel://h2:26379`, as kombu and Celery spell it)."""
+    return url.partition("://")[0].lower() == SENTINEL_SCHEME
+
+
 def _url_scheme(url: str) -> str:
+    """The scheme of a URL, or of every part of a `;`-separated Sentinel list (which must all be sentinel://)."""
     if "://" not in url:
         return ""
-    parts = urlsplit(url)
-    try:
-        parts.port  # noqa: B018 -- urllib checks the port only when asked
-    except ValueError:
-        raise ValueError("the port is not a number (host:6379)") from None
-    return parts.scheme
+    parts = [part for part in url.split(";") if part.strip()] if is_sentinel_url(url) else [url]
+    schemes = set()
+    for part in parts:
+        split = urlsplit(part.strip())
+        try:
+            split.port  # noqa: B018 -- urllib checks the port only when asked
+        except ValueError:
+            raise ValueError("the port is not a number (host:6379)") from None
+        if len(parts) > 1 and not split.hostname:
+            raise ValueError(f"{mask_url(part)!r} names no host: each sentinel is sentinel://host:26379")
+        schemes.add(split.scheme.lower())
+    if len(schemes) > 1:
+        raise ValueError("mixes schemes: a Sentinel list is sentinel://h1:26379;sentinel://h2:26379, nothing else")
+    return schemes.pop()

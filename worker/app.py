@@ -23,10 +23,12 @@ from typing import Any
 import redis
 from celery import Celery, signals
 
-from ticketq import codec
+from ticketq import codec, connections
+from ticketq.config import is_redis_url, is_sentinel_url, mask_url
 from ticketq.connections import RedisUnavailable, connect, redis_client
 from ticketq.contract import DEAD_LETTER_REASONS, Reason, TicketRejected
 from ticketq.names import TASK_CLASSIFY
+from worker import store
 from worker.metrics import Metrics
 from worker.nullclassifier import NullClassifier
 from worker.service import Classifier, TicketService
@@ -70,14 +72,19 @@ class Runtime:
         metrics.preinit(settings.label_names, tuple(str(reason) for reason in DEAD_LETTER_REASONS))
         metrics.watch_queue(lambda: client.llen(settings.queue))
         if settings.metrics_port:
-            metrics.serve(settings.metrics_host, settings.metrics_port, ready=self.ready_problem)
+            about = lambda: "Redis " + connections.describe_memory(connections.memory_state(client))  # noqa: E731
+            metrics.serve(settings.metrics_host, settings.metrics_port, ready=self.ready_problem, about=about)
             log.info("metrics on http://%s:%d/metrics", settings.metrics_host, settings.metrics_port)
         self.metrics = metrics
         self.service = TicketService(settings, classifier, metrics, client)
+        wait_for_writes(client)
         return self.service
 
     def ready_problem(self) -> str | None:
-        return None if self.consumer_running else "consumer not running"
+        problems = store.write_problems()  # Redis refusing writes, results not on the replicas yet
+        if not self.consumer_running:
+            problems.insert(0, "consumer not running")
+        return "; ".join(problems) or None
 
 
 def build_classifier(settings: Settings) -> Classifier:
@@ -109,13 +116,17 @@ def build_classifier(settings: Settings) -> Classifier:
 def create_app(settings: Settings, classifier_factory: ClassifierFactory | None = None) -> Celery:
     """The Celery app of one worker (or client) process; `classifier_factory` replaces the engine (tests)."""
     codec.install()
-    app = Celery("ticketq", broker=settings.broker_url, backend=settings.backend_url)
+    sentinel = is_sentinel_url(settings.broker_url)
+    # A failover to the next sentinel of the list must keep the atomic fetch (see PinnedConnection).
+    amqp = "worker.transport:AMQP" if settings.fetch == "atomic" else None
+    app = Celery("ticketq", broker=settings.broker_url, backend=settings.backend_url, amqp=amqp)
     app.ticketq_runtime = Runtime(settings, classifier_factory)
     if settings.fetch == "atomic":  # pop and record in one Redis step; see worker/transport/fetch.py
-        app.conf.broker_transport = "worker.transport:Transport"
+        app.conf.broker_transport = f"worker.transport:{'SentinelTransport' if sentinel else 'Transport'}"
     transport = {"visibility_timeout": settings.visibility_timeout_s}
     broker_transport = {
         **transport,
+        **connections.transport_options(settings.broker_url, **settings.sentinel),  # the master's name
         "ticketq_lease_s": settings.lease_s,
         "ticketq_stream_maxlen": settings.stream_maxlen,
         # kombu sweeps the unacked set for messages past the visibility timeout only every
@@ -138,7 +149,9 @@ def create_app(settings: Settings, classifier_factory: ClassifierFactory | None 
         worker_pool="threads",  # one model per process; the consumer keeps buffering while it computes
         worker_consumer="worker.app:DeadLetterConsumer",
         broker_transport_options=broker_transport,
-        result_backend_transport_options=transport,
+        result_backend_transport_options={
+            **transport, **connections.transport_options(settings.backend_url, **settings.sentinel)
+        },
         result_expires=settings.result_expires_s,
         result_extended=False,
         task_default_queue=settings.queue,
@@ -166,7 +179,7 @@ def run_worker(
     classifier_factory: ClassifierFactory | None = None,
 ) -> None:
     """Run one worker process (one model replica) on the ticket queue until it is stopped."""
-    preflight(settings).close()  # a clear one-line error before Celery's banner; start-up connects again
+    connections.close(preflight(settings))  # a clear one-line error before Celery's banner; start-up connects again
     app = create_app(settings, classifier_factory)
     app.worker_main([
         "worker",
@@ -195,11 +208,59 @@ def classify_batch(task, requests: list) -> None:
 
 
 def preflight(settings: Settings) -> redis.Redis:
-    """Fail fast with a clear message when Redis is unreachable or refuses our credentials."""
+    """A client on the broker, or a clear one-line exit: Redis unreachable, our credentials refused,
+    a read-only replica, or a maxmemory-policy that evicts keys (unless TICKETQ_ALLOW_EVICTION)."""
+    urls = [settings.broker_url] + [url for url in (settings.result_backend,)
+                                    if url and url != settings.broker_url and is_redis_url(url)]  # fmt: skip
+    clients: list[redis.Redis] = []
     try:
-        return connect(settings.broker_url, socket_timeout_s=10)
-    except RedisUnavailable as exc:
-        raise SystemExit(str(exc)) from None
+        for url in urls:
+            try:
+                clients.append(connect(url, **settings.sentinel, socket_timeout_s=10))
+                problem = _server_problem(clients[-1], url, settings)
+            except RedisUnavailable as exc:
+                raise SystemExit(str(exc)) from None
+            except redis.RedisError as exc:
+                raise SystemExit(str(RedisUnavailable(url, exc))) from None
+            if problem:
+                raise SystemExit(problem)
+    except SystemExit:
+        for client in clients:
+            connections.close(client)
+        raise
+    for client in clients[1:]:
+        connections.close(client)
+    return clients[0]
+
+
+def _server_problem(client: redis.Redis, url: str, settings: Settings) -> str | None:
+    """Why this Redis must not hold ticketq's queue: it evicts keys, or it is a read-only replica."""
+    if connections.write_problem(client) == "read-only replica":
+        return (f"Redis at {mask_url(url)} is a read-only replica: point TICKETQ_BROKER_URL at the master, "
+                "or at the sentinels (sentinel://host:26379;... with TICKETQ_SENTINEL_MASTER) to follow failovers")
+    policy = connections.memory_policy(client)
+    if policy in ("noeviction", "unknown"):
+        if policy == "unknown":
+            log.warning("could not read Redis's maxmemory-policy at %s: make sure it is noeviction", mask_url(url))
+        return None
+    if settings.allow_eviction:
+        log.warning("Redis at %s has maxmemory-policy %s: it may evict queued tickets, unacked messages and "
+                    "results without a word (TICKETQ_ALLOW_EVICTION is on)", mask_url(url), policy)
+        return None
+    return (f"Redis at {mask_url(url)} has maxmemory-policy {policy}: under memory pressure it evicts keys, and "
+            "the queue, unacked messages and results are keys, dropped without a word. Set `maxmemory-policy "
+            "noeviction` (redis.conf, or CONFIG SET maxmemory-policy noeviction), or TICKETQ_ALLOW_EVICTION=true "
+            "to start anyway")
+
+
+def wait_for_writes(client: redis.Redis, poll_s: float = 1.0) -> None:
+    """Until Redis takes writes: a full Redis (noeviction) or one with too few replicas for
+    min-replicas-to-write refuses the writes Celery's consumer starts with. /readyz says why meanwhile."""
+    while (problem := connections.write_problem(client)) is not None:
+        if not store.refusing(problem, "starting the consumer"):
+            raise SystemExit(f"Redis refuses writes ({problem}): point TICKETQ_BROKER_URL at the master")
+        time.sleep(poll_s)
+    store.accepted()
 
 
 @contextmanager
@@ -298,8 +359,8 @@ def _dead_letter_raw(app: Celery, reason: Reason, exc: Exception | None, message
     if runtime.service:
         outbox = runtime.service.outbox
     else:  # refused before start-up finished: a client of its own
-        client = redis_client(settings.broker_url, socket_timeout_s=10)
-        outbox = Outbox(client, settings.stream_maxlen, settings.result_expires_s, settings.worst_batch_s)
+        client = redis_client(settings.broker_url, **settings.sentinel, socket_timeout_s=10)
+        outbox = Outbox.from_settings(client, settings)
     try:
         outbox.dead_letter(entry)
         if runtime.metrics:

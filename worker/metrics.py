@@ -6,8 +6,9 @@ Items/s: `sum(rate(ticketq_tickets_total{outcome="ok"}[1m]))`.
 The server on TICKETQ_METRICS_PORT answers `/metrics` with the series (ticketq's, plus the
 process and platform collectors: memory, CPU, open fds), `/healthz` with 200 while the process
 serves HTTP (liveness), `/readyz` with 200 only when every readiness check passes (Redis
-reachable, model loaded, plus the caller's own check, e.g. the consumer running), else 503 and
-the reasons (readiness: send it tickets or not), and any other path with 404. Counters carry no
+reachable, model loaded, plus the caller's own check, e.g. the consumer running and Redis taking
+writes), else 503 and the reasons (readiness: send it tickets or not), then a line of what the
+caller's `about` reports (Redis's maxmemory-policy), and any other path with 404. Counters carry no
 `_created` series: nothing reads them, and they doubled the series count.
 """
 
@@ -210,14 +211,17 @@ class Metrics:
         self.registry.register(QueueDepthCollector(depth))
         self._depth = depth
 
-    def serve(self, host: str, port: int, ready: Check | None = None) -> WSGIServer:
+    def serve(
+        self, host: str, port: int, ready: Check | None = None, about: Callable[[], str] | None = None
+    ) -> WSGIServer:
         """Serve /metrics, /healthz and /readyz on host:port (the default host is loopback only).
 
         `ready` is an extra readiness check (e.g. "consumer running"), on top of Redis reachable
-        (through the queue-depth probe given to `watch_queue`) and model info set.
+        (through the queue-depth probe given to `watch_queue`) and model info set; `about` gives
+        a line /readyz adds to its answer, ready or not (e.g. Redis's maxmemory-policy).
         """
         checks = [self._redis_reachable, self._model_loaded, *([ready] if ready else [])]
-        server = wsgi_server(host, port, health_app(make_wsgi_app(self.registry), checks))
+        server = wsgi_server(host, port, health_app(make_wsgi_app(self.registry), checks, about))
         threading.Thread(target=server.serve_forever, name="ticketq-metrics", daemon=True).start()
         return server
 
@@ -258,8 +262,9 @@ def build_versions() -> dict[str, str]:
     return versions
 
 
-def health_app(metrics_app: Callable, checks: Iterable[Check]) -> Callable:
-    """WSGI: /metrics, /healthz (alive), /readyz (every check passes, else 503 with reasons), else 404."""
+def health_app(metrics_app: Callable, checks: Iterable[Check], about: Callable[[], str] | None = None) -> Callable:
+    """WSGI: /metrics, /healthz (alive), /readyz (every check passes, else 503 with reasons; then
+    `about`'s line), else 404."""
     checks = list(checks)
 
     def app(environ: dict, start_response: Callable) -> list[bytes]:
@@ -268,14 +273,24 @@ def health_app(metrics_app: Callable, checks: Iterable[Check]) -> Callable:
             return _reply(start_response, "200 OK", "ok")
         if path == "/readyz":
             problems = [problem for problem in map(_run_check, checks) if problem]
-            if problems:
-                return _reply(start_response, "503 Service Unavailable", "not ready: " + "; ".join(problems))
-            return _reply(start_response, "200 OK", "ready")
+            status, text = ("503 Service Unavailable", "not ready: " + "; ".join(problems)) if problems \
+                else ("200 OK", "ready")  # fmt: skip
+            line = _about(about)
+            return _reply(start_response, status, f"{text}\n{line}" if line else text)
         if path == "/metrics":
             return metrics_app(environ, start_response)
         return _reply(start_response, "404 Not Found", "not found: try /metrics, /healthz or /readyz")
 
     return app
+
+
+def _about(about: Callable[[], str] | None) -> str:
+    if about is None:
+        return ""
+    try:
+        return about()
+    except Exception:  # the answer stands without it (Redis away: a check says so)
+        return ""
 
 
 def _run_check(check: Check) -> str | None:

@@ -24,7 +24,7 @@ import os
 import socket
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Protocol
@@ -76,8 +76,9 @@ class Feed(Protocol):
         """Requests that arrived since the job started; from now on they are part of it."""
         ...
 
-    def done(self, task_ids: Sequence[str]) -> None:
-        """These messages' results are out: acknowledge them (never raises)."""
+    def done(self, task_ids: Sequence[str], failures: Mapping[str, str] | None = None) -> None:
+        """These messages' results are out: acknowledge them (never raises). `failures`: the error
+        of each that ended in state FAILURE."""
         ...
 
 
@@ -133,7 +134,7 @@ class TicketService:
         self.classifier = classifier
         self.metrics = metrics
         self.redis = client
-        self.outbox = Outbox(client, settings.stream_maxlen, settings.result_expires_s, settings.worst_batch_s)
+        self.outbox = Outbox.from_settings(client, settings)
         self.worker_name = f"{socket.gethostname()}:{os.getpid()}"
         self.model_fields = _model_fields(classifier, settings)
         self.shadow = ShadowChecker(classifier, metrics, settings.shadow_rate) if settings.shadow_rate > 0 else None
@@ -402,10 +403,10 @@ class TicketService:
             slot.encoded = codec.dumps(slot.result)
         complete = work.completed_by(slots)
         self._publish_stream(slots, complete)
-        self._publish_backend(work, complete)
+        failures = self._publish_backend(work, complete)
         work.published.update(complete)
         if work.feed is not None and complete:
-            work.feed.done(complete)
+            work.feed.done(complete, failures)
         self.metrics.publish.observe(time.perf_counter() - begun)
         self._count_outcomes(slots)
         if not work.first_out:
@@ -420,9 +421,10 @@ class TicketService:
             tasks = sorted({task_id for task_id, _ in repeated})
             log.info("re-executed: %d result(s) of %s already published, not repeated", len(repeated), tasks[:5])
 
-    def _publish_backend(self, work: Work, complete: list[str]) -> None:
-        """The backend state producers wait on: successes pipelined, failures one by one (rare)."""
-        successes = []
+    def _publish_backend(self, work: Work, complete: list[str]) -> dict[str, str]:
+        """The backend state producers wait on: successes pipelined, failures one by one (rare).
+        Returns the error of each message that ended FAILURE."""
+        successes, failures = [], {}
         for task_id in complete:
             slots = work.by_task[task_id]
             request, results = slots[0].request, [slot.result for slot in slots]
@@ -435,8 +437,10 @@ class TicketService:
             else:
                 error = TicketRejected(results[0]["reason"], results[0]["error"].split(": ", 1)[-1])
                 self.outbox.mark_failed(work.backend, request, error)
+                failures[task_id] = str(error)
         if successes:
             self.outbox.store_successes(work.backend, successes)
+        return failures
 
     def _count_outcomes(self, slots: list[Slot]) -> None:
         now, counts, latencies = time.time(), Counter(), []

@@ -81,6 +81,10 @@ class Settings(ClientSettings):
     lease_s: float = Field(
         10.0, ge=1, description="A worker silent this long is dead: live workers requeue its messages."
     )
+    allow_eviction: bool = Field(
+        False, description="Start on a Redis whose maxmemory-policy evicts keys (it can drop queued tickets, "
+        "unacked messages and results without a word); the safe policy is noeviction."
+    )
 
     @model_validator(mode="after")
     def _check_combinations(self) -> Settings:

@@ -31,7 +31,15 @@ The fetch keys are written inside kombu's channel and QoS objects (their MULTI b
 kombu's pipelines), so that code stays in worker.transport; their names live here with the rest.
 
 Every write here is idempotent or counted, so a re-executed message never publishes twice, and
-goes through `Outbox.retrying`, which rides out a Redis restart for up to TICKETQ_WORST_BATCH_S.
+goes through `Outbox.retrying`, which rides out a Redis restart or a failover (a vanished or
+demoted master) for up to TICKETQ_WORST_BATCH_S, and a Redis that refuses writes (full under
+noeviction, too few replicas for min-replicas-to-write) for as long as it refuses: the batch's
+messages stay unacknowledged meanwhile. With TICKETQ_REPLICA_ACKS, the writes an ack follows
+(results, backend results) are confirmed by that many replicas (WAIT) before the outbox returns.
+
+A refusal is an `Episode`, one per reason, shared by every thread of the process (the outbox, the
+transport's fetch and acks, the lease): logged once when it begins and once when it ends, and
+named by /readyz while it lasts (`write_problems`).
 """
 
 from __future__ import annotations
@@ -39,14 +47,19 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
+from ticketq.connections import NOT_ENOUGH_REPLICAS, OUT_OF_MEMORY, confirm_replicas, write_refusal
 from ticketq.names import DEAD_LETTER_STREAM, RESULTS_STREAM
 from worker.transport.lua import script
+
+if TYPE_CHECKING:
+    from worker.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +78,118 @@ STORE_ONCE = script("store_once")  # Celery backend results, SET NX + PUBLISH
 COUNT_DELIVERIES = script("count_deliveries")  # INCR + EXPIRE of each message's attempts key
 
 
+class Episode:
+    """A spell of one condition (Redis full, too few replicas, results not yet on the replicas):
+    logged once when it begins and once when it ends, whichever threads meet it meanwhile.
+
+    It ends at the first success `quiet_s` or more after the last failure, so a server at the edge
+    of its limit (one write refused, the next accepted) makes one episode, not one per write.
+    """
+
+    def __init__(self, name: str, meanwhile: str, over: str, quiet_s: float = 1.0) -> None:
+        self.name, self.meanwhile, self.over, self.quiet_s = name, meanwhile, over, quiet_s
+        self.since: float | None = None  # monotonic start of the current episode
+        self._last = 0.0  # monotonic time of its latest failure
+        self._lock = threading.Lock()
+
+    @property
+    def active(self) -> bool:
+        return self.since is not None
+
+    def begin(self, detail: str) -> None:
+        with self._lock:
+            self._last = time.monotonic()
+            if self.since is not None:
+                return
+            self.since = self._last
+        log.error("%s: %s; %s", self.name, detail, self.meanwhile)
+
+    def end(self) -> None:
+        if self.since is None:  # the usual case, on every write: no lock taken
+            return
+        with self._lock:
+            now = time.monotonic()
+            if self.since is None or now - self._last < self.quiet_s:
+                return
+            lasted, self.since = now - self.since, None
+        log.warning("%s, after %.1fs", self.over, lasted)
+
+
+REDIS_FULL = Episode(
+    "Redis is full (maxmemory)",
+    "fetching paused, results and acks retried until it takes writes again: free memory or raise maxmemory",
+    "Redis takes writes again",
+)
+TOO_FEW_REPLICAS = Episode(
+    "Redis refuses writes: not enough replicas (min-replicas-to-write)",
+    "fetching paused, results and acks retried until a replica is back",
+    "Redis takes writes again: enough replicas",
+)
+REPLICAS_BEHIND = Episode(
+    "Results not confirmed by the replicas (TICKETQ_REPLICA_ACKS)",
+    "their messages stay unacknowledged, the write and its WAIT retried until enough replicas hold them",
+    "The replicas confirm results again",
+    quiet_s=0.0,  # only result writes end it: an idle worker must not stay not-ready
+)
+_REFUSALS = {OUT_OF_MEMORY: REDIS_FULL, NOT_ENOUGH_REPLICAS: TOO_FEW_REPLICAS}
+
+
+def refused(exc: BaseException, what: str) -> bool:
+    """True when `exc` is Redis refusing a write (full, too few replicas): its episode begins (logged
+    once). False for any other error, which the caller handles as before."""
+    episode = _REFUSALS.get(write_refusal(exc))
+    if episode is None:
+        return False
+    episode.begin(f"{what} refused ({exc})")
+    return True
+
+
+def refusing(reason: str, what: str) -> bool:
+    """`refused` for a reason `ticketq.connections.write_problem` found (no exception to hand)."""
+    episode = _REFUSALS.get(reason)
+    if episode is None:
+        return False
+    episode.begin(f"{what} waits ({reason})")
+    return True
+
+
+def accepted() -> None:
+    """A write that a full or replica-less Redis would refuse went through: refusal episodes end."""
+    for episode in _REFUSALS.values():
+        episode.end()
+
+
+def write_problems() -> list[str]:
+    """The episodes lasting now, for /readyz."""
+    return [episode.name for episode in (*_REFUSALS.values(), REPLICAS_BEHIND) if episode.active]
+
+
+_UNSET = object()
+
+
 class Outbox:
     """The worker's Redis writes: results stream, Celery backend results, attempts counters, dead letters."""
 
-    def __init__(self, client: redis.Redis, stream_maxlen: int, result_expires_s: int, worst_batch_s: float) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        stream_maxlen: int,
+        result_expires_s: int,
+        worst_batch_s: float,
+        replica_acks: int = 0,
+        replica_timeout_s: float = 1.0,
+    ) -> None:
         self.redis = client
         self.stream_maxlen = stream_maxlen
         self.result_expires_s = result_expires_s
         self.worst_batch_s = worst_batch_s
+        self.replica_acks = replica_acks
+        self.replica_timeout_s = replica_timeout_s
+
+    @classmethod
+    def from_settings(cls, client: redis.Redis, settings: Settings) -> Outbox:
+        return cls(client, settings.stream_maxlen, settings.result_expires_s, settings.worst_batch_s,
+                   settings.replica_acks, settings.replica_timeout_s)  # fmt: skip
 
     # ----- attempts: how often a message was delivered while unfinished ----------------------
 
@@ -81,7 +198,8 @@ class Outbox:
         if not task_ids:
             return []
         keys = [ATTEMPTS_KEY.format(task_id=task_id) for task_id in task_ids]
-        return [None if count is None else int(count) for count in self.retrying(lambda: self.redis.mget(keys))]
+        counts = self.retrying(lambda: self.redis.mget(keys), write=False)
+        return [None if count is None else int(count) for count in counts]
 
     def count_deliveries(self, task_ids: Sequence[str]) -> int:
         """INCR each message's attempts key (with its expiry) in one script call; the first one's new count."""
@@ -116,7 +234,9 @@ class Outbox:
             *(",".join([str(slot) for slot, _ in group]) for group in groups),
             *(encoded for group in groups for _, encoded in group),
         ]
-        repeats = self.retrying(lambda: self.redis.eval(PUBLISH_ONCE, len(keys), *keys, *args))
+        # Durable only when it finishes a message: an ack follows, and must not outrun the replicas.
+        command = lambda target: target.eval(PUBLISH_ONCE, len(keys), *keys, *args)  # noqa: E731
+        repeats = self._durable(self.redis, command) if finished else self.retrying(lambda: command(self.redis))
         if not repeats:
             return []
         order = [(task_id, slot) for task_id, group in by_task.items() for slot, _ in group]
@@ -140,7 +260,7 @@ class Outbox:
             metas = [success_meta_json(request.id, value, done) for request, value in successes]
         else:
             metas = [backend.encode(success_meta(request.id, json.loads(value), done)) for request, value in successes]
-        self.retrying(lambda: client.eval(STORE_ONCE, len(keys), *keys, expires, *metas))
+        self._durable(client, lambda target: target.eval(STORE_ONCE, len(keys), *keys, expires, *metas))
 
     def mark_failed(self, backend: Any, request: Any, exc: BaseException) -> None:
         """Celery FAILURE result for one request.
@@ -151,7 +271,11 @@ class Outbox:
         (successes included) and dead-lettered every ticket in it a second time. Batch tasks carry
         no errbacks.
         """
-        self.retrying(lambda: backend.mark_as_failure(request.id, exc, request=request, call_errbacks=False))
+        mark = lambda: backend.mark_as_failure(request.id, exc, request=request, call_errbacks=False)  # noqa: E731
+        self.retrying(mark)
+        client = getattr(backend, "client", None)
+        if self.replica_acks and isinstance(client, redis.Redis):
+            self._confirm_stored(client, backend.get_key_for_task(request.id), mark)
 
     # ----- dead letters --------------------------------------------------------------------
 
@@ -161,23 +285,78 @@ class Outbox:
 
     # ----- riding out a Redis restart ------------------------------------------------------
 
-    def retrying(self, action: Callable[[], Any]) -> Any:
-        """Run a Redis write, retrying connection errors with backoff for up to worst_batch_s seconds.
+    def retrying(self, action: Callable[[], Any], write: bool = True) -> Any:
+        """Run a Redis command, retrying with backoff while Redis is away or refuses the write.
 
-        A loop here rather than redis-py's `Retry`: that one counts attempts, this bounds time (a
-        batch's results must be out before TICKETQ_WORST_BATCH_S), and it logs each wait.
+        Connection errors, timeouts and READONLY (a master demoted under us: the next connection
+        asks the sentinels again) are retried for up to worst_batch_s seconds. A refused write
+        (full, too few replicas) is retried until Redis takes it, with no deadline: giving up would
+        fail the batch and ack its messages, results unwritten; the refusal is logged once per
+        episode (`refused`). A loop here rather than redis-py's `Retry`: that one counts attempts,
+        this bounds time (a batch's results must be out before TICKETQ_WORST_BATCH_S).
         """
         deadline = time.monotonic() + self.worst_batch_s
         delay = 0.1
         while True:
             try:
-                return action()
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                result = action()
+            except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError, OSError) as exc:
                 if time.monotonic() > deadline:
                     raise
                 log.warning("Redis unavailable (%s); retrying in %.1fs", exc, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+            except redis.ResponseError as exc:
+                if not refused(exc, "a result write"):
+                    raise
+            else:
+                if write:
+                    accepted()
+                return result
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    # ----- replica acks: no ack before the replicas hold the results -----------------------
+
+    def _durable(self, client: redis.Redis, command: Callable[[Any], Any]) -> Any:
+        """`command(client)`; with TICKETQ_REPLICA_ACKS, `command(pipeline)` and a WAIT on one
+        connection, again until that many replicas hold the write. Returns the first answer.
+
+        The whole pipeline runs again after a short WAIT, not the WAIT alone: after a failover the
+        new master may lack the write, and a WAIT there would confirm its own history, not ours.
+        The writes are idempotent, so a re-run only finds them done (its own answer, "already
+        published", is not the real one and is dropped).
+        """
+        if not self.replica_acks:
+            return self.retrying(lambda: command(client))
+        first = _UNSET
+        while True:
+            value, acked = self.retrying(lambda: self._with_wait(client, command))
+            first = value if first is _UNSET else first
+            if acked >= self.replica_acks:
+                REPLICAS_BEHIND.end()
+                return first
+            REPLICAS_BEHIND.begin(f"{acked} of {self.replica_acks} replica(s) confirmed within "
+                                  f"{self.replica_timeout_s:g}s")  # fmt: skip
+
+    def _with_wait(self, client: redis.Redis, command: Callable[[Any], Any]) -> tuple[Any, int]:
+        pipe = client.pipeline(transaction=False)
+        command(pipe)
+        confirm_replicas(pipe, self.replica_acks, self.replica_timeout_s)
+        replies = pipe.execute()
+        return replies[0], int(replies[-1])
+
+    def _confirm_stored(self, client: redis.Redis, key: str, write: Callable[[], Any]) -> None:
+        """`_durable` for a write made by Celery's backend (not a command of ours): confirm that
+        `key` is on the master the WAIT runs on, and write again where it is not."""
+        while True:
+            present, acked = self.retrying(lambda: self._with_wait(client, lambda pipe: pipe.exists(key)))
+            if not present:
+                self.retrying(write)
+            elif acked >= self.replica_acks:
+                REPLICAS_BEHIND.end()
+                return
+            else:
+                REPLICAS_BEHIND.begin(f"{acked} of {self.replica_acks} replica(s) confirmed within "
+                                      f"{self.replica_timeout_s:g}s")  # fmt: skip
 
 
 def success_meta(task_id: str, value: Any, date_done: str) -> dict:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from kombu.transport.redis import Channel
 
 from producer.api import Producer
-from ticketq import names
+from ticketq import connections, names
 from worker import store
 from worker.settings import Settings
 
@@ -68,6 +68,8 @@ class Ops:
             "workers": sorted(name for reply in replies for name in reply),
             "dead_letters": dict(Counter(letter.reason for letter in self.dead_letters()).most_common()),
             "results_stream": self.redis.xlen(names.RESULTS_STREAM),
+            # noeviction is the only safe policy: any other may drop the queue, unacked messages, results
+            "redis": connections.memory_state(self.redis),
         }
 
     def leases(self) -> dict[str, int]:

@@ -1,15 +1,18 @@
 """Everything ticketq builds on a private part of Celery, kombu, celery-batches or redis-py.
 
 - `guards` — the tested version ranges and every private name relied on, checked at start-up.
-- `fetch` — the atomic fetch: kombu's Redis transport (`Transport`, `Channel`, `QoS`).
+- `fetch` — the atomic fetch: kombu's Redis transport (`Transport`, `Channel`, `QoS`), and the
+  same through Redis Sentinel (`SentinelTransport`, `SentinelChannel`).
 - `lease` — each consumer's lease and the recovery of consumers whose lease ran out.
 - `batches` — celery-batches' task base, feeding the running job between forwards.
 - `lua/` — the Redis scripts.
 
 Nothing outside this package (and `worker.engine.kernels` for torch) touches a private name.
-`broker_transport = "worker.transport:Transport"` selects the atomic fetch.
+`broker_transport = "worker.transport:Transport"` selects the atomic fetch
+(`worker.transport:SentinelTransport` for a sentinel:// broker, with `amqp="worker.transport:AMQP"`
+so that a failover to the next sentinel keeps it).
 """
 
-from worker.transport.fetch import Transport
+from worker.transport.fetch import AMQP, SentinelTransport, Transport
 
-__all__ = ["Transport"]
+__all__ = ["AMQP", "SentinelTransport", "Transport"]

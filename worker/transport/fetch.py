@@ -9,6 +9,17 @@ never nowhere. A fetch takes up to 64 messages (within the prefetch window) in t
 and acks are written once per event-loop turn (see QoS). Each consuming channel holds a lease
 (`worker.transport.lease`). Producers and plain Celery clients are unchanged: same queue list,
 same message format. Keys: see worker.store (FETCHING_KEY, OWNED_KEY, ALIVE_KEY, CONSUMERS_KEY).
+
+`SentinelTransport` is the same on a master that Redis Sentinel names (sentinel:// URLs): kombu's
+SentinelChannel builds the pools, so every connection asks the sentinels where the master is.
+A master that vanished, answers READONLY or cuts the blocked fetch (UNBLOCKED: demoted in a
+failover) is a lost connection here, on any URL: Celery reconnects and the channel finds the
+master anew, instead of stopping the worker.
+
+A Redis that refuses writes (full under noeviction, too few replicas for min-replicas-to-write)
+pauses fetching: a refused fetch or record leaves its messages in the queue or in this consumer's
+fetching list, where they are recorded and delivered once Redis takes writes again; acks are a
+script of deletions, which a full Redis still runs. Each refusal is an episode of worker.store.
 """
 
 from __future__ import annotations
@@ -23,13 +34,15 @@ from contextlib import contextmanager
 from queue import Empty
 from typing import Any
 
+import kombu
 import redis
+from celery.app.amqp import AMQP as CeleryAMQP
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps
 
-from ticketq import codec
+from ticketq import codec, connections
 from ticketq.contract import Reason
 from ticketq.names import DEAD_LETTER_STREAM
 from worker import store
@@ -40,6 +53,13 @@ from worker.transport.lua import script
 log = logging.getLogger(__name__)
 
 FETCH_MORE = script("fetch_more")
+ACK = script("ack")
+REFUSED_PAUSE_S = 1.0  # after a refused write, fetching waits this long before it tries again
+
+
+class WritesRefused(redis.ConnectionError):
+    """A channel opened on a Redis that refuses writes (full, too few replicas, a read-only replica):
+    raised as a connection error, so Celery retries connecting, as for a broker that is down."""
 
 
 def new_consumer_id() -> str:
@@ -85,6 +105,10 @@ class QoS(kombu_redis.QoS):
                     pipe.lrem(fetching_key, 1, item)
             pipe.execute()
 
+    def can_consume(self) -> bool:
+        """kombu's prefetch check, and no fetch while Redis refuses writes or before the lease is held."""
+        return self.channel.may_fetch() and super().can_consume()
+
     def ack(self, delivery_tag: str) -> None:
         self._acked.append(delivery_tag)
         virtual.QoS.ack(self, delivery_tag)
@@ -92,19 +116,30 @@ class QoS(kombu_redis.QoS):
             self.flush_acks()
 
     def flush_acks(self) -> None:
-        """Remove the records of every message acked since the last flush, in one MULTI."""
+        """Remove the records of every message acked since the last flush, in one script call."""
         tags, self._acked = self._acked, []
         if not tags:
             return
         try:
-            with self.pipe_or_acquire() as pipe:
-                pipe.zrem(self.unacked_index_key, *tags)
-                pipe.hdel(self.unacked_key, *tags)
-                pipe.srem(self.channel.owned_key, *tags)
-                pipe.execute()
-        except Exception:
+            with self.channel.conn_or_acquire() as client:
+                client.eval(ACK, 3, self.unacked_index_key, self.unacked_key, self.channel.owned_key, *tags)
+        except redis.ResponseError as exc:
             self._acked[:0] = tags  # tried again at the next tick, and at close
+            if not self.channel.refused(exc, "acks"):
+                raise
+        except Exception:
+            self._acked[:0] = tags
             raise
+
+    def restore_visible(self, *args: Any, **kwargs: Any) -> Any:
+        """kombu's sweep of messages past the visibility timeout; skipped while Redis refuses writes
+        (its mutex is a write: a full Redis stopped the worker at start-up)."""
+        try:
+            return super().restore_visible(*args, **kwargs)
+        except redis.ResponseError as exc:
+            if not self.channel.refused(exc, "the visibility-timeout sweep"):
+                raise
+            return None
 
     def restore_unacked(self, client: Any = None) -> Any:
         try:  # acked messages must not be restored from records their flush has not removed yet
@@ -138,12 +173,19 @@ class Channel(kombu_redis.Channel):
         if self.global_keyprefix:
             self._disconnect_pools()
             raise IncompatibleLibrary("TICKETQ_FETCH=atomic does not support kombu's global_keyprefix")
+        problem = connections.write_problem(self.client)
+        if problem:  # kombu has added the channel to its poller: take it out again
+            self.connection.cycle.discard(self)
+            self._disconnect_pools()
+            raise WritesRefused(f"Redis refuses writes ({problem}); ticketq waits until it takes them again")
         self.consumer = new_consumer_id()
         self.owned_key = store.OWNED_KEY.format(consumer=self.consumer)
         self.recorded = False  # True while a fetched batch, recorded already, is handed to kombu
         self._fetch_queue: str | None = None
         self._lease: Lease | None = None
         self._shared_client: redis.Redis | None = None
+        self._refused_until = 0.0  # monotonic: no fetch before this, after a refused write
+        self._held: set[str] = set()  # queues whose fetched messages wait, unrecorded, in the fetching list
 
     def fetching_key(self, queue: str, consumer: str | None = None) -> str:
         return store.FETCHING_KEY.format(consumer=consumer or self.consumer, queue=queue)
@@ -153,10 +195,33 @@ class Channel(kombu_redis.Channel):
         if self._lease is None and queue in self.active_queues:  # fetches with BLMOVE (not a fanout queue)
             _check_redis_version(self.client)
             self._lease = Lease(self)
-            with self.conn_or_acquire() as client:  # registered before its first fetch, or nobody would look
-                self._lease.beat(client)
+            try:  # registered before its first fetch, or nobody would look (may_fetch waits for it)
+                with self.conn_or_acquire() as client:
+                    self._lease.beat(client)
+            except redis.ResponseError as exc:
+                if not self.refused(exc, "the lease"):
+                    raise
             self._lease.start()
         return result
+
+    def may_fetch(self) -> bool:
+        """Not while Redis refuses writes (for REFUSED_PAUSE_S after a refusal), nor before this
+        consuming channel's lease is registered."""
+        if self._lease is None:
+            return True
+        return self._lease.registered and time.monotonic() >= self._refused_until
+
+    def refused(self, exc: BaseException, what: str) -> bool:
+        """True when `exc` is Redis refusing a write (worker.store.refused): fetching pauses."""
+        if not store.refused(exc, what):
+            return False
+        self._refused_until = time.monotonic() + REFUSED_PAUSE_S
+        return True
+
+    def own_client(self) -> redis.Redis:
+        """A client on a pool of its own, as the channel's: for a thread whose commands must not be
+        cut by kombu, which disconnects the channel's pools on close."""
+        return self.Client(connection_pool=redis.ConnectionPool(**self._connparams()))
 
     def _brpop_start(self, timeout: float | None = None) -> None:
         # BLMOVE reads one list; with several queues the cycle watches each in turn (1 s each).
@@ -177,6 +242,14 @@ class Channel(kombu_redis.Channel):
             except self.connection_errors:
                 self.client.connection.disconnect()  # the next poll reconnects, as kombu's BRPOP does
                 raise
+            except redis.ResponseError as exc:
+                if str(exc).startswith("UNBLOCKED"):  # the master turned replica under the blocked fetch
+                    self.client.connection.disconnect()
+                    raise redis.ConnectionError(f"the fetch was cut: {exc}") from exc
+                if not self.refused(exc, "fetching"):
+                    raise
+                raise Empty() from None
+            store.accepted()
             self._queue_cycle.rotate(queue)
             if item is None:
                 raise Empty()
@@ -194,8 +267,13 @@ class Channel(kombu_redis.Channel):
         extra = min(self.ticketq_fetch_max, self.ticketq_fetch_max if room is None else room) - 1
         if extra <= 0:
             return []
-        with self.conn_or_acquire() as client:
-            return client.eval(FETCH_MORE, 2, queue, self.fetching_key(queue), extra)
+        try:
+            with self.conn_or_acquire() as client:
+                return client.eval(FETCH_MORE, 2, queue, self.fetching_key(queue), extra)
+        except redis.ResponseError as exc:  # nothing moved: the first message goes on alone
+            if not self.refused(exc, "fetching"):
+                raise
+            return []
 
     @contextmanager
     def conn_or_acquire(self, client: Any = None) -> Iterator[Any]:
@@ -210,8 +288,19 @@ class Channel(kombu_redis.Channel):
         yield self._shared_client
 
     def flush_acks(self) -> None:
-        if self._lease is not None:  # a consuming channel
-            self.qos.flush_acks()
+        """Every turn of the event loop: the turn's acks, and fetched messages a refused write left
+        unrecorded, once Redis may take writes again."""
+        if self._lease is None:  # not a consuming channel
+            return
+        self.qos.flush_acks()
+        if self._held and time.monotonic() >= self._refused_until:
+            for queue in sorted(self._held):
+                self._held.discard(queue)
+                # LPUSHed by the fetch, so the oldest is last: delivered first, as it would have been.
+                with self.conn_or_acquire() as client:
+                    items = client.lrange(self.fetching_key(queue), 0, -1)
+                if items:
+                    self._deliver_batch(queue, items[::-1])
 
     def _deliver_batch(self, queue: str, items: list[bytes]) -> None:
         """Record every readable fetched item as unacked (one MULTI), then hand each to kombu.
@@ -220,23 +309,17 @@ class Channel(kombu_redis.Channel):
         dead-lettered, never recorded; one kombu cannot turn into a message is dead-lettered and its
         record removed. If handing one over raises, the recorded ones not handed over yet go back
         to the queue at once (a live consumer's records are not recovered before its channel closes).
+        If Redis refuses the record (or a dead letter), nothing is delivered: what is still in the
+        fetching list is recorded at a later turn (`flush_acks`).
         """
-        batch, records = [], []
-        for item in items:
-            try:
-                text = bytes_to_str(item)
-                payload = codec.kombu_loads(item)  # the bytes: orjson parses them without a copy
-                properties = payload["properties"]
-                tag, info = properties["delivery_tag"], properties["delivery_info"]
-                if isinstance(tag, bool) or not isinstance(tag, str | int | float):  # keys the unacked record:
-                    raise TypeError(f"delivery_tag must be a string, got {type(tag).__name__}")  # fail alone
-                route = dumps([info["exchange"], info["routing_key"]])[1:]  # kombu's record, message as fetched
-            except Exception as exc:
-                self._refuse(queue, item, exc)
-                continue
-            records.append((tag, f"[{text}, {route}", item))
-            batch.append((item, payload, tag))
-        self.qos.record(records, self.fetching_key(queue))
+        try:
+            batch, records = self._readable(queue, items)
+            self.qos.record(records, self.fetching_key(queue))
+        except redis.ResponseError as exc:
+            if not self.refused(exc, "recording fetched messages"):
+                raise
+            self._held.add(queue)
+            return
         self.recorded = True
         try:
             while batch:
@@ -256,6 +339,26 @@ class Channel(kombu_redis.Channel):
                     self.qos.restore_by_tag(tag)
                 except redis.RedisError as exc:  # its lease runs out once the channel closes: recovered then
                     log.warning("could not put message %s back in %r (%s)", tag, queue, exc)
+
+    def _readable(self, queue: str, items: list[bytes]) -> tuple[list, list]:
+        """(item, payload, tag) of each fetched item kombu can deliver, and its unacked record;
+        the others are dead-lettered."""
+        batch, records = [], []
+        for item in items:
+            try:
+                text = bytes_to_str(item)
+                payload = codec.kombu_loads(item)  # the bytes: orjson parses them without a copy
+                properties = payload["properties"]
+                tag, info = properties["delivery_tag"], properties["delivery_info"]
+                if isinstance(tag, bool) or not isinstance(tag, str | int | float):  # keys the unacked record:
+                    raise TypeError(f"delivery_tag must be a string, got {type(tag).__name__}")  # fail alone
+                route = dumps([info["exchange"], info["routing_key"]])[1:]  # kombu's record, message as fetched
+            except Exception as exc:
+                self._refuse(queue, item, exc)
+                continue
+            records.append((tag, f"[{text}, {route}", item))
+            batch.append((item, payload, tag))
+        return batch, records
 
     def _refuse(self, queue: str, item: bytes, exc: Exception, tag: str | None = None) -> None:
         log.error("refused an unreadable item on queue %r (not a kombu message): %r", queue, exc)
@@ -285,11 +388,37 @@ class Channel(kombu_redis.Channel):
             lease.release(client)
 
 
+class SentinelChannel(Channel, kombu_redis.SentinelChannel):
+    """The atomic fetch on the master Redis Sentinel names: kombu's SentinelChannel builds the
+    pools (from the `sentinel://` list and the `master_name` transport option)."""
+
+    from_transport_options = (
+        *Channel.from_transport_options,
+        *(name for name in kombu_redis.SentinelChannel.from_transport_options
+          if name not in Channel.from_transport_options),
+    )  # fmt: skip
+    master_name: str | None = None
+    sentinel_kwargs: dict | None = None
+    min_other_sentinels = 0
+
+    def own_client(self) -> redis.Redis:
+        params = self._connparams()
+        host, port = params.pop("host"), params.pop("port")
+        urls = self.connection.client.alt  # kombu's list of the `;`-separated URLs (empty for one)
+        sentinels = connections.parse_sentinel_url(";".join(urls)).sentinels if urls else ((host, port),)
+        return connections.master_for(sentinels, self.master_name, sentinel_kwargs=self.sentinel_kwargs,
+                                      min_other_sentinels=self.min_other_sentinels, redis_class=self.Client,
+                                      **params)  # fmt: skip
+
+
 class Transport(kombu_redis.Transport):
     """kombu's Redis transport with the atomic fetch (`broker_transport = "worker.transport:Transport"`)."""
 
     Channel = Channel
     acks_per_tick = False  # True once on an event loop (Celery's worker): acks are written once per turn
+    # READONLY: the node was demoted (a failover) or is a replica. A broken connection, not a
+    # broken channel: Celery reconnects, and on Sentinel the next connection finds the master.
+    connection_errors = (*kombu_redis.Transport.connection_errors, redis.exceptions.ReadOnlyError)
 
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
         super().register_with_event_loop(connection, loop)
@@ -299,6 +428,33 @@ class Transport(kombu_redis.Transport):
     def _flush_acks(self) -> None:
         for channel in list(self.channels):
             channel.flush_acks()
+
+
+class SentinelTransport(Transport):
+    """The atomic fetch through Redis Sentinel (`broker_transport = "worker.transport:SentinelTransport"`)."""
+
+    Channel = SentinelChannel
+    default_port = kombu_redis.SentinelTransport.default_port
+
+
+class PinnedConnection(kombu.Connection):
+    """A kombu connection that keeps its transport when it fails over to the next URL of a `;` list.
+
+    kombu's `switch` parses the next URL and takes its scheme for the transport: after one failed
+    reconnect to `sentinel://a;sentinel://b` the worker would run kombu's SentinelTransport, BRPOP
+    and all, not this module's.
+    """
+
+    def switch(self, conn_str: str) -> None:
+        transport = self.transport_cls
+        super().switch(conn_str)
+        self.transport_cls = transport
+
+
+class AMQP(CeleryAMQP):
+    """Celery's AMQP helpers with `PinnedConnection` (`Celery(amqp="worker.transport:AMQP")`)."""
+
+    Connection = PinnedConnection
 
 
 def _check_redis_version(client: redis.Redis) -> None:

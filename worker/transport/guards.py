@@ -18,7 +18,10 @@ from importlib.metadata import version
 from typing import Any
 
 import celery_batches
+import kombu
+from celery.app.amqp import AMQP
 from celery.backends.base import BaseBackend
+from celery.worker import state as worker_state
 from celery.worker.consumer import Consumer
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
@@ -45,13 +48,22 @@ REQUIRED: dict[Any, tuple[str, ...]] = {
         "priority_steps",
         "from_transport_options",
     ),
-    kombu_redis.QoS: ("_remove_from_indices", "pipe_or_acquire", "restore_unacked", "restore_by_tag", "ack"),
-    kombu_redis.Transport: ("register_with_event_loop",),
-    virtual.QoS: ("can_consume_max_estimate",),
+    kombu_redis.QoS: ("_remove_from_indices", "pipe_or_acquire", "restore_unacked", "restore_by_tag", "ack",
+                      "restore_visible", "unacked_key", "unacked_index_key"),
+    kombu_redis.Transport: ("register_with_event_loop", "connection_errors"),
+    # fetch.SentinelChannel leaves building its pools to kombu's: the master from the sentinels.
+    kombu_redis.SentinelChannel: ("_get_pool", "_sentinel_managed_pool", "from_transport_options"),
+    kombu_redis.SentinelTransport: ("default_port",),
+    kombu_redis.MultiChannelPoller: ("discard",),
+    virtual.QoS: ("can_consume_max_estimate", "can_consume"),
+    kombu.Connection: ("switch",),  # fetch.PinnedConnection keeps its transport across it
+    AMQP: ("Connection",),
     virtual.Transport: ("_deliver",),
     celery_batches.Batches: ("_do_flush", "flush", "Strategy"),
     celery_batches: ("apply_batches_task", "SimpleRequest"),
-    Consumer: ("create_task_handler", "on_invalid_task", "on_ready", "Blueprint"),
+    Consumer: ("create_task_handler", "on_invalid_task", "on_ready", "shutdown", "Blueprint"),
+    worker_state: ("task_reserved", "task_accepted", "task_ready", "active_requests", "all_total_count",
+                   "SOFTWARE_INFO"),
     Consumer.Blueprint: ("default_steps",),
     BaseBackend: ("_get_result_meta",),
 }
@@ -63,6 +75,9 @@ ASSIGNED: dict[tuple[Any, str], tuple[str, ...]] = {
     (celery_batches.Batches, "__init__"): ("_tref", "_buffer"),  # the flush timer; the buffered requests
     (celery_batches.Batches, "Strategy"): ("_pool",),  # the worker's pool
     (kombu_redis.Channel, "__init__"): ("_queue_cycle",),
+    (kombu_redis.Transport, "__init__"): ("cycle",),  # the poller a channel is taken out of
+    (kombu.Connection, "__init__"): ("alt",),  # the `;`-separated URLs: the sentinels' addresses
+    (kombu.Connection, "_init_params"): ("transport_cls",),
 }
 
 REDIS_MIN = (6, 2)  # BLMOVE

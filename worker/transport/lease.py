@@ -4,7 +4,8 @@ recovery of consumers whose lease ran out.
 Any live worker hands the fetching list and the unacked messages of a consumer whose lease ran
 out back to the queue within seconds, instead of after kombu's visibility timeout (which stays
 as a backstop). A channel lost to a broker outage is such a consumer too: its leftovers come
-back once its lease has run out.
+back once its lease has run out. The thread has a client of its own (`Channel.own_client`: on
+Sentinel, one that follows the master), and rides out a Redis that refuses writes like any outage.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import redis
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
+from ticketq import connections
 from ticketq.names import queue_lists
 from worker import store
 
@@ -44,6 +46,7 @@ class Lease(threading.Thread):
         self.lease_s = float(channel.ticketq_lease_s)
         self.alive_key = store.ALIVE_KEY.format(consumer=channel.consumer)
         self.started = time.time()
+        self.registered = False  # the consumer is in CONSUMERS_KEY: it may fetch (Channel.may_fetch)
         self._queues: set[str] = set()
         self._stopped = threading.Event()
 
@@ -55,8 +58,8 @@ class Lease(threading.Thread):
     def run(self) -> None:
         steady_since: float | None = None
         # Its own pool: kombu disconnects the channel's pools on close, under a running command.
-        pool = redis.ConnectionPool(**self.channel._connparams())
-        with self.channel.Client(connection_pool=pool) as client:
+        client = self.channel.own_client()
+        try:
             while True:
                 try:
                     self.beat(client)
@@ -64,12 +67,13 @@ class Lease(threading.Thread):
                     if time.monotonic() - steady_since >= self.lease_s:
                         self.recover_expired(client)
                 except redis.RedisError as exc:
-                    if steady_since is not None:
+                    if not store.refused(exc, "the lease") and steady_since is not None:
                         log.warning("lease not renewed, Redis unavailable (%s)", exc)
                     steady_since = None
                 if self._stopped.wait(self.lease_s / 4):
                     break
-        pool.disconnect()
+        finally:
+            connections.close(client)
 
     @property
     def queues(self) -> list[str]:
@@ -84,6 +88,8 @@ class Lease(threading.Thread):
         pipe.set(self.alive_key, json.dumps(info), px=int(self.lease_s * 1000))
         pipe.hset(store.CONSUMERS_KEY, self.channel.consumer, json.dumps(info))
         pipe.execute()
+        self.registered = True
+        store.accepted()
 
     def recover_expired(self, client: redis.Redis) -> None:
         consumers = {bytes_to_str(k): json.loads(v) for k, v in client.hgetall(store.CONSUMERS_KEY).items()}
