@@ -88,7 +88,7 @@ class BulkSentinelBackend(BulkRedisBackend, SentinelBackend):
 class BrokerUnavailable(RedisUnavailable):
     """Redis (broker or result backend) cannot be used; the message says where and what to do."""
 
-    fix = "set TICKETQ_BROKER_URL (and TICKETQ_RESULT_BACKEND if results live elsewhere) or pass --broker-url"
+    fix = "set TICKETQ_BROKER_URL (and TICKETQ_RESULT_BACKEND if results live elsewhere)"
 
 
 class NotReplicated(BrokerUnavailable):

@@ -212,8 +212,8 @@ def _run(tickets: list[dict], options: RunOptions, settings: ClientSettings, sou
             results = _send_and_collect(producer, good, malformed + len(refused), options)
         else:
             _error("no valid tickets to send")
-    except BrokerUnavailable as exc:
-        _error(str(exc))
+    except BrokerUnavailable as exc:  # this command has the options too: name them
+        _error(str(exc).replace(BrokerUnavailable.fix, f"{BrokerUnavailable.fix}, or pass --broker-url"))
         return EXIT_UNUSABLE
     finally:
         producer.close()

@@ -273,7 +273,9 @@ def test_redis_errors_say_what_to_do_without_the_password():
     with pytest.raises(BrokerUnavailable) as info:
         connect(DEAD_URL, connect_timeout_s=1.0, error=BrokerUnavailable)
     message = str(info.value)
-    assert "Redis is not reachable at redis://:**@127.0.0.1:1/0" in message and "--broker-url" in message
+    assert "Redis is not reachable at redis://:**@127.0.0.1:1/0" in message and "TICKETQ_BROKER_URL" in message
+    assert "redis-server --port 1)" in message  # the port the URL names, not the default
+    assert "--broker-url" not in message  # the Python API has no such option; ticketq-produce adds it
     assert "s3cret" not in message + repr(info.value) + str(refused) + repr(refused)
     assert not info.value.refused and isinstance(info.value, ConnectionError)
 

@@ -10,7 +10,7 @@ Three layers:
 
 Prometheus/promtool come from the Debian package: `apt-get install -y --no-install-recommends
 prometheus`. Without them those tests skip, except on CI (`CI` set, as CI systems do) or with
-TICKETQ_REQUIRE_PROMETHEUS=1, where a missing Prometheus (or Redis) fails them instead.
+TICKETQ_TEST_REQUIRE_PROMETHEUS=1, where a missing Prometheus (or Redis) fails them instead.
 """
 
 from __future__ import annotations
@@ -509,10 +509,10 @@ def test_k8s_keda_scales_on_the_celery_queue():
 
 
 def _required() -> bool:
-    """On CI (CI=true, set by every CI system) or with TICKETQ_REQUIRE_PROMETHEUS=1, missing tools fail."""
+    """On CI (CI=true, set by every CI system) or with TICKETQ_TEST_REQUIRE_PROMETHEUS=1, missing tools fail."""
     from workers import on_ci
 
-    return on_ci() or os.environ.get("TICKETQ_REQUIRE_PROMETHEUS") == "1"
+    return on_ci() or os.environ.get("TICKETQ_TEST_REQUIRE_PROMETHEUS") == "1"
 
 
 def _skip_or_fail(reason: str) -> None:

@@ -11,7 +11,7 @@ request enters the batch function and deletes it once the request's result is pu
 kill that leaves such keys behind landed while a batch was being classified or published.
 
 Figures (tickets sent, lost, duplicated, time to recover, latency, RSS) are printed: `pytest -s`.
-TICKETQ_FULL_RELIABILITY=1 runs the full sizes (10,000 malformed messages, a 10-minute soak).
+TICKETQ_TEST_FULL_RELIABILITY=1 runs the full sizes (10,000 malformed messages, a 10-minute soak).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from worker.tools.procs import WORKER_COMMAND
 
 pytestmark = pytest.mark.integration
 
-FULL = os.environ.get("TICKETQ_FULL_RELIABILITY") == "1"
+FULL = os.environ.get("TICKETQ_TEST_FULL_RELIABILITY") == "1"
 QUEUE = "reliability"
 ATTEMPTS_PATTERN = store.ATTEMPTS_KEY.format(task_id="*")
 FINAL_STATES = {"SUCCESS", "FAILURE"}

@@ -10,6 +10,7 @@ list and its master name), the queue, the labels, the ticket size limit and the 
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from collections.abc import Mapping
@@ -86,6 +87,20 @@ class ClientSettings(BaseSettings):
         except ValidationError as exc:
             typed = {name: flag for name, flag in (flags or {}).items() if name in given}
             raise SettingsError("\n".join(_describe(error, typed) for error in exc.errors())) from None
+
+    @classmethod
+    def unknown_names(cls, environ: Mapping[str, str]) -> list[str]:
+        """One line per TICKETQ_* variable in `environ` that is none of this class's settings, with
+        the closest setting's name: a misspelt setting would otherwise be ignored in silence.
+        TICKETQ_TEST_* belong to the test suite."""
+        known = {f"TICKETQ_{name.upper()}" for name in cls.model_fields}
+        lines = []
+        for name in sorted(environ):
+            if name.startswith("TICKETQ_") and name not in known and not name.startswith("TICKETQ_TEST_"):
+                close = difflib.get_close_matches(name, known, n=1, cutoff=0.7)
+                hint = f"did you mean {close[0]}?" if close else "see `ticketq config` for every setting"
+                lines.append(f"{name} is not a ticketq setting and is ignored; {hint}")
+        return lines
 
     @field_validator("labels", mode="before")
     @classmethod

@@ -88,7 +88,7 @@ class RedisUnavailable(ConnectionError):
             )
         return (
             f"Redis is not reachable at {self.url} ({self.reason}). Check that it is running "
-            f"(redis-server --port 6379) and that the URL's host, port and db are right; {self.fix}."
+            f"(redis-server --port {_port(self.url)}) and that the URL's host, port and db are right; {self.fix}."
         )
 
     def __repr__(self) -> str:
@@ -107,6 +107,14 @@ class SentinelUrl:
     db: int = 0
     username: str | None = None
     password: str | None = None
+
+
+def _port(url: str) -> int:
+    """The port a Redis URL names (6379 when it names none, or cannot be read)."""
+    try:
+        return urlsplit(url).port or 6379
+    except ValueError:
+        return 6379
 
 
 def parse_sentinel_url(url: str) -> SentinelUrl:

@@ -46,6 +46,19 @@ class ModelNotReady(RuntimeError):
     """The engine could not be built (model missing, bad settings)."""
 
 
+class CannotStart(SystemExit):
+    """The worker cannot start for a reason its operator must fix (Redis unreachable or refusing us,
+    an evicting memory policy, a model that does not load): exit status 2, as for bad settings,
+    with `str()` the one line that says what to do."""
+
+    def __init__(self, message: str, logged: bool = False) -> None:
+        super().__init__(2)  # EXIT_USAGE of the command-line table (producer.clitools)
+        self.message, self.logged = message, logged
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class Runtime:
     """One worker process once started: its settings, service, metrics and readiness."""
 
@@ -219,11 +232,11 @@ def preflight(settings: Settings) -> redis.Redis:
                 clients.append(connect(url, **settings.sentinel, socket_timeout_s=10))
                 problem = _server_problem(clients[-1], url, settings)
             except RedisUnavailable as exc:
-                raise SystemExit(str(exc)) from None
+                raise CannotStart(str(exc)) from None
             except redis.RedisError as exc:
-                raise SystemExit(str(RedisUnavailable(url, exc))) from None
+                raise CannotStart(str(RedisUnavailable(url, exc))) from None
             if problem:
-                raise SystemExit(problem)
+                raise CannotStart(problem)
     except SystemExit:
         for client in clients:
             connections.close(client)
@@ -258,7 +271,7 @@ def wait_for_writes(client: redis.Redis, poll_s: float = 1.0) -> None:
     min-replicas-to-write refuses the writes Celery's consumer starts with. /readyz says why meanwhile."""
     while (problem := connections.write_problem(client)) is not None:
         if not store.refusing(problem, "starting the consumer"):
-            raise SystemExit(f"Redis refuses writes ({problem}): point TICKETQ_BROKER_URL at the master")
+            raise CannotStart(f"Redis refuses writes ({problem}): point TICKETQ_BROKER_URL at the master")
         time.sleep(poll_s)
     store.accepted()
 
@@ -299,8 +312,11 @@ def _connect_signals(app: Celery) -> None:
                 task = app.tasks.get(TASK_CLASSIFY)
                 if runtime.metrics and isinstance(task, batches.Batches):
                     runtime.metrics.watch_requests(task.waiting, task.running)
+        except ModelNotReady as exc:
+            log.critical("ticketq worker cannot start: %s", exc)
+            raise CannotStart(str(exc), logged=True) from exc
         except Exception as exc:
-            log.critical("ticketq worker cannot start: %s", exc, exc_info=not isinstance(exc, ModelNotReady))
+            log.critical("ticketq worker cannot start: %s", exc, exc_info=True)
             raise SystemExit(1) from exc
         except SystemExit as exc:
             log.critical("ticketq worker cannot start: %s", exc)

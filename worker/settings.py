@@ -8,6 +8,8 @@ setting.
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,6 +25,8 @@ DEFAULT_SYSTEM_PROMPT = (
     "word: the team that should handle it."
 )
 
+
+log = logging.getLogger(__name__)
 
 class Settings(ClientSettings):
     """ticketq worker configuration. Every field is `TICKETQ_<FIELD>` in the environment; the
@@ -113,8 +117,17 @@ class Settings(ClientSettings):
 
 def load_settings(flags: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
     """`Settings()` from the environment plus `overrides` (None = not given), or `SettingsError`
-    with one line per problem (see `ClientSettings.from_env`)."""
-    return Settings.from_env(flags, **overrides)
+    with one line per problem (see `ClientSettings.from_env`). A TICKETQ_* variable that is no
+    setting is warned about once per process, with the closest setting's name."""
+    settings = Settings.from_env(flags, **overrides)
+    for line in Settings.unknown_names(os.environ):
+        if line not in _warned:
+            _warned.add(line)
+            log.warning("%s", line)
+    return settings
+
+
+_warned: set[str] = set()
 
 
 # A Hugging Face Hub id: `name` or `org/name`, letters, digits, `-`, `_`, `.`.

@@ -40,14 +40,20 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype):
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=local_only)
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, local_files_only=local_only)
     except (OSError, ValueError) as exc:  # ValueError: a directory without a (complete) model
-        raise ModelNotFound(
-            f"cannot load model {name_or_path!r} ({exc.__class__.__name__}: {str(exc).splitlines()[0]}). "
-            "Without model hub access, build the stand-in and point TICKETQ_MODEL at it:\n"
-            "    ticketq standin --out models/qwen2.5-0.5b-standin\n"
-            "    export TICKETQ_MODEL=models/qwen2.5-0.5b-standin"
-        ) from exc
+        raise ModelNotFound(_not_loaded(name_or_path, exc)) from exc
     model.to(device).eval().requires_grad_(False)
     return model, tokenizer
+
+
+def _not_loaded(name_or_path: str, exc: BaseException) -> str:
+    """One line on why the model did not load, and the fix that applies to what was named."""
+    why = f"{exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    if Path(name_or_path).is_dir():
+        return (f"TICKETQ_MODEL={name_or_path}: the directory holds no loadable model ({why}); it needs the "
+                "files save_pretrained writes (config.json, the tokenizer, the weights)")
+    return (f"TICKETQ_MODEL={name_or_path}: cannot load it from the model hub or its local cache ({why}); "
+            "without hub access, build a stand-in (`ticketq standin --out models/qwen2.5-0.5b-standin`) and "
+            "set TICKETQ_MODEL=models/qwen2.5-0.5b-standin")
 
 
 def cache_class():

@@ -74,9 +74,14 @@ def worker(
     _check_model(settings)
     if problem := port_problem(settings.metrics_host, settings.metrics_port):
         _fail(problem)
-    from worker.app import run_worker
+    from worker.app import CannotStart, run_worker
 
-    run_worker(settings, loglevel, name)
+    try:
+        run_worker(settings, loglevel, name)
+    except CannotStart as exc:  # Redis or the memory policy, before Celery's banner; the model's is logged
+        if exc.logged:
+            raise typer.Exit(EXIT_USAGE) from None
+        _fail(str(exc))
 
 
 @cli.command()
@@ -212,30 +217,59 @@ def demo(
 
 @cli.command()
 def config(markdown: Annotated[bool, typer.Option(help="Print a Markdown table (for docs).")] = False) -> None:
-    """Show every TICKETQ_* setting: its effective value, default and meaning (passwords masked)."""
-    from ticketq.config import mask_url
-    from worker.settings import Settings
-
-    current = _settings()
-    rows = []
-    for name, field in Settings.model_fields.items():
-        value = getattr(current, name)
-        shown = mask_url(value) if isinstance(value, str) and "://" in value else value
-        if isinstance(shown, tuple):
-            shown = ",".join(shown)
-        default = ",".join(field.default) if isinstance(field.default, tuple) else field.default
-        rows.append((f"TICKETQ_{name.upper()}", str(default), str(shown), field.description or ""))
+    """Show every TICKETQ_* setting: its effective value, default and meaning (passwords masked).
+    Invalid ones are marked, with what is allowed, and the exit status is then 2."""
     if markdown:
         from worker.tools.docgen import settings_table
 
         print(settings_table())
         return
+    from ticketq.config import mask_url
+    from worker.settings import Settings
+
+    current, problems = _settings_marking_invalid()
     table = Table(title="ticketq settings (environment)")
     for column in ("setting", "value", "default", "meaning"):
         table.add_column(column, overflow="fold")  # wrap long values, never cut them with "…"
-    for env, default, shown, meaning in rows:
-        table.add_row(env, shown, default, meaning)
+    for name, field in Settings.model_fields.items():
+        env = f"TICKETQ_{name.upper()}"
+        value = getattr(current, name)
+        shown = mask_url(value) if isinstance(value, str) and "://" in value else value
+        shown = ",".join(shown) if isinstance(shown, tuple) else str(shown)
+        if env in problems:
+            shown = f"[red]INVALID[/] {problems[env]}"
+        default = ",".join(field.default) if isinstance(field.default, tuple) else field.default
+        table.add_row(env, shown, str(default), field.description or "")
     Console().print(table)
+    if problems:
+        raise typer.Exit(EXIT_USAGE)
+
+
+def _settings_marking_invalid():
+    """The settings with every invalid TICKETQ_* variable left out, and {variable: what is wrong}."""
+    import os
+
+    from worker.settings import Settings, SettingsError, load_settings
+
+    problems: dict[str, str] = {}
+    saved = dict(os.environ)
+    try:
+        for _ in Settings.model_fields:  # each round drops the variables named invalid
+            try:
+                return load_settings(), problems
+            except SettingsError as exc:
+                lines = str(exc).splitlines()
+                named = {line.split("=", 1)[0]: line.split(": ", 1)[-1]
+                         for line in lines if line.startswith("TICKETQ_")}  # fmt: skip
+                if not named.keys() - problems.keys() or not named.keys() <= os.environ.keys():
+                    _fail(f"invalid settings:\n{exc}" if len(lines) > 1 else str(exc))  # a combination: say it
+                problems.update(named)
+                for env in named:
+                    os.environ.pop(env, None)
+        _fail("invalid settings")
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @cli.command(
@@ -294,7 +328,7 @@ def exporter(
 
     settings = _settings()
     try:
-        client = connect(settings.broker_url, retries=3)
+        client = connect(settings.broker_url, **settings.sentinel, retries=3)
         server = exporter_server(client, settings.queue, host, port)
     except RedisUnavailable as exc:
         _fail(str(exc))
