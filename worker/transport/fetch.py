@@ -3,7 +3,9 @@
 Stock kombu pops a message (BRPOP) and records it as unacked in a second step; a worker killed
 in between loses the message (celery/kombu#305, celery#7950). Here one Redis command moves the
 message from the queue list into this consumer's own `fetching` list (BLMOVE, as Sidekiq's
-reliable fetch and RQ do), and one MULTI moves it from there into kombu's unacked record. A crash
+reliable fetch and RQ do), and one script call moves it from there into kombu's unacked record
+(`worker.transport.state`: every change to the fetch and lease state is one command of
+lua/worker_state.lua). A crash
 at any instant leaves the message in the queue, in a fetching list or in the unacked record,
 never nowhere. A fetch takes up to 64 messages (within the prefetch window) in two round trips,
 and acks are written once per event-loop turn (see QoS). Each consuming channel holds a lease
@@ -49,11 +51,11 @@ from worker import store
 from worker.transport.guards import REDIS_MIN, IncompatibleLibrary
 from worker.transport.lease import Lease
 from worker.transport.lua import script
+from worker.transport.state import WorkerState
 
 log = logging.getLogger(__name__)
 
 FETCH_MORE = script("fetch_more")
-ACK = script("ack")
 REFUSED_PAUSE_S = 1.0  # after a refused write, fetching waits this long before it tries again
 
 
@@ -68,14 +70,15 @@ def new_consumer_id() -> str:
 
 
 class QoS(kombu_redis.QoS):
-    """kombu's unacked record, written in the same MULTI that empties the fetching list.
+    """kombu's unacked record, written in the same script call that empties the fetching list.
 
     Per fetched batch, not per message: the channel records every message of a fetch as unacked
-    in one MULTI before it hands any of them to kombu (`record`). An ack updates kombu's
-    in-memory state at once; its Redis removal waits for the end of the event loop's turn
-    (`flush_acks`, on every tick), where every ack of that turn goes in one MULTI (without an
-    event loop, as in a plain kombu consumer, an ack is written at once). A worker killed before
-    a tick's flush has those messages redelivered; their results are published once (worker.store).
+    in one call (`record`: the worker-state script's `claim`) before it hands any of them to
+    kombu. An ack updates kombu's in-memory state at once; its Redis removal waits for the end of
+    the event loop's turn (`flush_acks`, on every tick), where every ack of that turn goes in one
+    call (without an event loop, as in a plain kombu consumer, an ack is written at once). A
+    worker killed before a tick's flush has those messages redelivered; their results are
+    published once (worker.store).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -90,20 +93,17 @@ class QoS(kombu_redis.QoS):
         virtual.QoS.append(self, message, delivery_tag)  # the in-memory bookkeeping of kombu's QoS
         self.last_appended = delivery_tag
 
-    def record(self, records: Sequence[tuple[str, str, bytes | None]], fetching_key: str = "") -> None:
+    @property
+    def state(self) -> WorkerState:
+        return WorkerState(self.unacked_index_key, self.unacked_key)
+
+    def record(self, records: Sequence[tuple[str, str, bytes | None]], queue: str = "") -> None:
         """(delivery tag, kombu's record, fetched item) as unacked, owned by this consumer, and gone
-        from its fetching list: one MULTI (redis-py pipelines are MULTI/EXEC transactions)."""
+        from its fetching list for `queue`: one script call."""
         if not records:
             return
-        with self.pipe_or_acquire() as pipe:
-            now = time.time()
-            pipe.zadd(self.unacked_index_key, {tag: now for tag, _, _ in records})
-            pipe.hset(self.unacked_key, mapping={tag: record for tag, record, _ in records})
-            pipe.sadd(self.channel.owned_key, *(tag for tag, _, _ in records))
-            for _, _, item in records:
-                if item is not None:
-                    pipe.lrem(fetching_key, 1, item)
-            pipe.execute()
+        with self.channel.conn_or_acquire() as client:
+            self.state.claim(client, self.channel.consumer, queue, time.time(), records)
 
     def can_consume(self) -> bool:
         """kombu's prefetch check, and no fetch while Redis refuses writes or before the lease is held."""
@@ -122,7 +122,7 @@ class QoS(kombu_redis.QoS):
             return
         try:
             with self.channel.conn_or_acquire() as client:
-                client.eval(ACK, 3, self.unacked_index_key, self.unacked_key, self.channel.owned_key, *tags)
+                self.state.ack(client, self.channel.consumer, tags)
         except redis.ResponseError as exc:
             self._acked[:0] = tags  # tried again at the next tick, and at close
             if not self.channel.refused(exc, "acks"):
@@ -303,7 +303,7 @@ class Channel(kombu_redis.Channel):
                     self._deliver_batch(queue, items[::-1])
 
     def _deliver_batch(self, queue: str, items: list[bytes]) -> None:
-        """Record every readable fetched item as unacked (one MULTI), then hand each to kombu.
+        """Record every readable fetched item as unacked (one script call), then hand each to kombu.
 
         A message is handed over only once it is recorded. An item that is not a kombu message is
         dead-lettered, never recorded; one kombu cannot turn into a message is dead-lettered and its
@@ -314,7 +314,7 @@ class Channel(kombu_redis.Channel):
         """
         try:
             batch, records = self._readable(queue, items)
-            self.qos.record(records, self.fetching_key(queue))
+            self.qos.record(records, queue)
         except redis.ResponseError as exc:
             if not self.refused(exc, "recording fetched messages"):
                 raise

@@ -48,7 +48,7 @@ REQUIRED: dict[Any, tuple[str, ...]] = {
         "priority_steps",
         "from_transport_options",
     ),
-    kombu_redis.QoS: ("_remove_from_indices", "pipe_or_acquire", "restore_unacked", "restore_by_tag", "ack",
+    kombu_redis.QoS: ("_remove_from_indices", "restore_unacked", "restore_by_tag", "ack",
                       "restore_visible", "unacked_key", "unacked_index_key"),
     kombu_redis.Transport: ("register_with_event_loop", "connection_errors"),
     # fetch.SentinelChannel leaves building its pools to kombu's: the master from the sentinels.

@@ -16,7 +16,7 @@ import os
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import redis
 from kombu.utils.encoding import bytes_to_str
@@ -25,6 +25,7 @@ from kombu.utils.json import loads
 from ticketq import connections
 from ticketq.names import queue_lists
 from worker import store
+from worker.transport.state import PushRecorder, WorkerState
 
 if TYPE_CHECKING:
     from worker.transport.fetch import Channel
@@ -44,7 +45,6 @@ class Lease(threading.Thread):
         super().__init__(name="ticketq-lease", daemon=True)
         self.channel = channel
         self.lease_s = float(channel.ticketq_lease_s)
-        self.alive_key = store.ALIVE_KEY.format(consumer=channel.consumer)
         self.started = time.time()
         self.registered = False  # the consumer is in CONSUMERS_KEY: it may fetch (Channel.may_fetch)
         self._queues: set[str] = set()
@@ -81,13 +81,14 @@ class Lease(threading.Thread):
         self._queues.update(self.channel.active_queues)
         return sorted(self._queues)
 
+    @property
+    def state(self) -> WorkerState:
+        return self.channel.qos.state
+
     def beat(self, client: redis.Redis) -> None:
         info = {"host": socket.gethostname(), "pid": os.getpid(), "queues": self.queues,
                 "since": round(self.started, 3)}  # fmt: skip
-        pipe = client.pipeline()
-        pipe.set(self.alive_key, json.dumps(info), px=int(self.lease_s * 1000))
-        pipe.hset(store.CONSUMERS_KEY, self.channel.consumer, json.dumps(info))
-        pipe.execute()
+        self.state.beat(client, self.channel.consumer, int(self.lease_s * 1000), json.dumps(info))
         self.registered = True
         store.accepted()
 
@@ -105,45 +106,33 @@ class Lease(threading.Thread):
     def recover(self, client: redis.Redis, consumer: str, queues: list[str]) -> None:
         """Put a dead consumer's fetched and unacked messages back in their queues (safe to race)."""
         started = time.monotonic()
-        fetched = sum(self.requeue_fetching(client, consumer, queue) for queue in queues)
-        owned_key = store.OWNED_KEY.format(consumer=consumer)
-        tags = [bytes_to_str(tag) for tag in client.smembers(owned_key)]
-        restored = sum(self.restore_owned(client, owned_key, tag) for tag in tags)
-        pipe = client.pipeline()
-        pipe.delete(owned_key)
-        pipe.hdel(store.CONSUMERS_KEY, consumer)
-        pipe.execute()
+        fetched = sum(self.state.requeue(client, consumer, queue) for queue in queues)
+        tags = [bytes_to_str(tag) for tag in client.smembers(store.OWNED_KEY.format(consumer=consumer))]
+        restored = sum(self.restore_owned(client, consumer, tag) for tag in tags)
+        self.state.forget(client, consumer)
         if fetched or restored:
             log.warning(
                 "recovered %d unacked and %d fetched message(s) of consumer %s (lease expired) in %.3fs",
                 restored, fetched, consumer, time.monotonic() - started,
             )  # fmt: skip
 
-    def restore_owned(self, client: redis.Redis, owned_key: str, tag: str) -> bool:
+    def restore_owned(self, client: redis.Redis, consumer: str, tag: str) -> bool:
         """Put one unacked message of a dead consumer back in its queue, if that consumer still owns it.
 
-        One WATCH/MULTI on the dead consumer's set: of two workers recovering the same consumer, one
-        restores the message (the other's EXEC fails, and on retry the tag is gone from the set); a
-        message restored, fetched again and recorded by a live consumer (same delivery tag) is no
-        longer in the dead one's set. Watching kombu's unacked hash too would be just as correct and
-        never succeed under load: every fetch and ack of every worker writes it.
+        kombu's restore (`_do_restore_message`: the redelivered flag, the priority list) is worked
+        out here, and made in one script call that checks ownership (`WorkerState.restore`): of two
+        workers recovering the same consumer one restores the message; a message restored, fetched
+        again and recorded by a live consumer (same delivery tag) is the live one's.
         """
-        qos, restored = self.channel.qos, False
-
-        def transaction(pipe: Any) -> None:
-            nonlocal restored
-            owned, record = pipe.sismember(owned_key, tag), pipe.hget(qos.unacked_key, tag)
-            pipe.multi()
-            pipe.srem(owned_key, tag)
-            if owned and record:
-                pipe.zrem(qos.unacked_index_key, tag)
-                pipe.hdel(qos.unacked_key, tag)
-                message, exchange, routing_key = loads(bytes_to_str(record))
-                self.channel._do_restore_message(message, exchange, routing_key, pipe)
-            restored = bool(owned and record)
-
-        client.transaction(transaction, owned_key)
-        return restored
+        record = client.hget(self.channel.qos.unacked_key, tag)
+        pushes = PushRecorder()
+        if record is not None:
+            message, exchange, routing_key = loads(bytes_to_str(record))
+            self.channel._do_restore_message(message, exchange, routing_key, pushes)
+            if not pushes.pushes:  # kombu could not work it out (it logged why): keep the record
+                log.error("unacked message %s of consumer %s kept: it could not be restored", tag, consumer)
+                return False
+        return self.state.restore(client, consumer, tag, pushes.pushes)
 
     def collect_priority_lists(self, client: redis.Redis) -> None:
         """Messages a plain Celery client sent with a priority wait in kombu's per-priority lists,
@@ -157,18 +146,8 @@ class Lease(threading.Thread):
         """Clean shutdown: give back what was fetched, drop the lease (kombu restored the unacked)."""
         try:
             for queue in self.queues:
-                self.requeue_fetching(client, self.channel.consumer, queue)
-            pipe = client.pipeline()
-            pipe.delete(self.alive_key)
-            if not client.scard(self.channel.owned_key):
-                pipe.hdel(store.CONSUMERS_KEY, self.channel.consumer)
-            pipe.execute()
+                self.state.requeue(client, self.channel.consumer, queue)
+            self.state.release(client, self.channel.consumer)
         except redis.RedisError as exc:
             log.warning("could not release the lease (%s); live workers recover it after %.0fs", exc, self.lease_s)
-
-    def requeue_fetching(self, client: redis.Redis, consumer: str, queue: str) -> int:
-        source, moved = self.channel.fetching_key(queue, consumer), 0
-        while client.lmove(source, queue, "RIGHT", "RIGHT"):  # back at the consuming end: it was next
-            moved += 1
-        return moved
 
