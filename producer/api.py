@@ -9,7 +9,12 @@ a ticket is checked here before anything is sent, `submit_many` also refuses a r
 each message goes to task `ticketq.names.TASK_CLASSIFY` on queue `settings.queue`, one ticket or a
 packed list. `wait()` gives one dict per ticket: the worker's `Classified` or `Failed` result;
 a failed task becomes `{"id", "task_id", "status": "failed", "error"}` for each of its tickets,
-and a task with no result by the deadline `status: "timeout"`.
+and a task with no result by the deadline `status: "timeout"`; a Redis that goes away meanwhile is
+asked again until that deadline.
+
+`submit_many(..., idempotent=True)` (what `ticketq-produce file` sends) derives each message's task
+id from its queue and ticket ids, and does not send again a message that already has a result: a
+re-sent ticket is a re-execution of the same task, which the worker publishes once.
 
 The broker may be Redis Sentinel (`sentinel://h1:26379;sentinel://h2:26379` with
 TICKETQ_SENTINEL_MASTER): every client here follows the master through a failover. With
@@ -20,6 +25,7 @@ TICKETQ_REPLICA_ACKS, a send returns once that many replicas hold it (WAIT), els
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import time
 import uuid
@@ -50,8 +56,11 @@ _CONNECTION_ERRORS = (kombu.exceptions.OperationalError, redis.exceptions.RedisE
 _BATCH_ERRORS = tuple(getattr(kombu.exceptions, name) for name in ("BatchPublishError",)
                       if hasattr(kombu.exceptions, name))  # fmt: skip
 PUBLISH_BATCH = 500  # messages per Redis pipeline in submit_many (kombu >= 5.7's Producer.batch)
-POLL_WINDOW = 200  # result keys read per MGET while waiting: the oldest pending first
+POLL_WINDOW = 200  # result keys read per MGET while waiting: the oldest pending, and a window rotating over the rest
 POLL_PAUSE_S = (0.005, 0.1)  # pause between reads: the shortest after a read that found results, the longest
+RECONNECT_PAUSE_S = (0.1, 2.0)  # while waiting on a Redis that went away: the first pause, the longest
+# uuid5 namespace of idempotent task ids: the same (queue, tickets of the message) always names the same task
+TASK_ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://ticketq/task-id")
 
 
 class BulkRedisBackend(RedisBackend):
@@ -114,12 +123,33 @@ class NotReplicated(BrokerUnavailable):
         return self._text
 
 
+class SendInterrupted(KeyboardInterrupt):
+    """Ctrl-C during `submit_many`: `results` are the messages Redis took (their pipelines were
+    flushed), `unconfirmed` the ones of the pipeline being flushed when it came, which Redis may or
+    may not hold. Sent again with the same task ids (idempotent sends), they are classified and
+    published once either way."""
+
+    def __init__(self, results: list[TicketResult], unconfirmed: list[TicketResult]) -> None:
+        super().__init__(f"interrupted after {len(results)} message(s) sent ({len(unconfirmed)} unconfirmed)")
+        self.results, self.unconfirmed = results, unconfirmed
+
+
+def idempotent_task_id(queue: str, ticket_ids: Sequence[str], packed: bool) -> str:
+    """The task id of a message that carries `ticket_ids` to `queue`, the same on every run.
+
+    A message sent again under it is a re-execution of the same task, which the worker publishes
+    once per (task id, slot): so the same ticket, alone or in the same pack, is answered once.
+    """
+    return str(uuid.uuid5(TASK_ID_NAMESPACE, json.dumps([queue, packed, list(ticket_ids)])))
+
+
 class TicketResult(AsyncResult):
     """The `AsyncResult` of one message, remembering which tickets it carried."""
 
     ticket_ids: tuple[str, ...] = ()
     packed: bool = False
     message_args: tuple = ()  # what was sent, so `wait(resend_after=...)` can send it again
+    sent_before: bool = False  # an idempotent send found it sent (or answered) already, and did not send it
 
 
 class Producer:
@@ -203,22 +233,40 @@ class Producer:
             raise
         return ticket.id or uuid.uuid4().hex, ticket.text
 
-    def submit(self, text: str, id: str | int | None = None) -> TicketResult:
+    def submit(self, text: str, id: str | int | None = None, idempotent: bool = False) -> TicketResult:
         """Send one ticket as its own message; returns its Celery `AsyncResult` (`NotReplicated`
-        with it when TICKETQ_REPLICA_ACKS replicas did not confirm it)."""
+        with it when TICKETQ_REPLICA_ACKS replicas did not confirm it).
+
+        `idempotent=True` (with an `id`): the task id comes from (queue, id), and a ticket that
+        already has a result is not sent again; its result is returned as the first time.
+        """
         ticket = self.validate(text, id)
+        if idempotent:
+            return self.submit_many([{"id": ticket[0], "text": ticket[1]}], idempotent=True)[0]
         result = self._send([ticket], packed=False)
         self._confirm_replicas([result])
         return result
 
     def submit_many(
-        self, tickets: Iterable[Ticket], pack: int = 1, progress: bool = False
+        self,
+        tickets: Iterable[Ticket],
+        pack: int = 1,
+        progress: bool = False,
+        idempotent: bool = False,
+        already_sent: Iterable[str] = (),
     ) -> list[TicketResult]:
         """Send tickets (strings or `{"id"?, "text"}` mappings), `pack` per message.
 
         Every ticket is validated before the first is sent, so one bad ticket (or an id given
         twice in `tickets`) sends nothing. With TICKETQ_REPLICA_ACKS, one WAIT after the last send
         covers them all.
+
+        `idempotent=True`: each message's task id comes from (queue, its ticket ids), see
+        `idempotent_task_id`, and a message whose task already has a result in the backend is not
+        sent again (it is in the returned list, and `wait` reads its result at once), nor is one
+        whose task id is in `already_sent` (the task ids an interrupted run reported as sent).
+        Tickets without an id get a random one, so only tickets with ids are idempotent.
+        Ctrl-C raises `SendInterrupted`, which says what was sent.
         """
         if not isinstance(pack, int) or pack < 1:
             raise ValueError(f"pack must be an integer >= 1, got {pack!r}")
@@ -237,24 +285,80 @@ class Producer:
 
         if not self._checked:
             self.check_connection()
-        results = []
-        # One pooled producer (and its broker connection) for the whole run, not one acquire per
-        # message, and its publishes pipelined: one Redis round trip per PUBLISH_BATCH messages.
+        packed = pack > 1
+        chunks = [checked[start : start + pack] for start in range(0, len(checked), pack)]
+        if not idempotent:
+            results = self._send_chunks(chunks, [None] * len(chunks), packed, progress)
+            self._confirm_replicas(results)
+            return results
+        task_ids = [idempotent_task_id(self.settings.queue, [i for i, _ in chunk], packed) for chunk in chunks]
+        skipped = self._answered(task_ids) | (set(already_sent) & set(task_ids))
+        if skipped:
+            log.info("%d message(s) were sent before: not sent again", len(skipped))
+        todo = [index for index, task_id in enumerate(task_ids) if task_id not in skipped]
+        before = [self._result_of(task_ids[i], chunks[i], packed) for i in range(len(chunks)) if task_ids[i] in skipped]
+        try:
+            sent = self._send_chunks([chunks[i] for i in todo], [task_ids[i] for i in todo], packed, progress)
+        except SendInterrupted as stop:
+            stop.results[:0] = before  # what an earlier run sent is sent too
+            raise
+        self._confirm_replicas(sent)
+        by_id = {result.id: result for result in (*before, *sent)}
+        return [by_id[task_id] for task_id in task_ids]
+
+    def _send_chunks(self, chunks: list, task_ids: list, packed: bool, progress: bool) -> list[TicketResult]:
+        """Publish `chunks` one message each, PUBLISH_BATCH per Redis pipeline.
+
+        One pooled producer (and its broker connection) for the whole run, not one acquire per
+        message. A pipeline per block of PUBLISH_BATCH, each flushed before the next starts, so
+        what Redis took is known exactly when the run stops part way.
+        """
+        results: list[TicketResult] = []
+        flushed = 0
         try:
             with (
-                tqdm(total=len(checked), unit="ticket", desc="enqueue", disable=not progress) as bar,
+                tqdm(total=sum(map(len, chunks)), unit="ticket", desc="enqueue", disable=not progress) as bar,
                 self._acquire_producer() as kombu_producer,
-                _publish_batch(kombu_producer),
             ):
-                for start in range(0, len(checked), pack):
-                    chunk = checked[start : start + pack]
-                    results.append(self._send(chunk, packed=pack > 1, producer=kombu_producer))
-                    bar.update(len(chunk))
+                for first in range(0, len(chunks), PUBLISH_BATCH):
+                    block = range(first, min(first + PUBLISH_BATCH, len(chunks)))
+                    with _publish_batch(kombu_producer):
+                        for index in block:
+                            results.append(self._send(chunks[index], packed, kombu_producer, task_ids[index]))
+                    flushed = len(results)
+                    bar.update(sum(len(chunks[index]) for index in block))
+        except KeyboardInterrupt:
+            raise SendInterrupted(results[:flushed], results[flushed:]) from None
         except (*_CONNECTION_ERRORS, *_BATCH_ERRORS) as exc:  # a pipeline flushed at the end of the block
             self._checked = False
-            raise self._unreachable(exc, sent=len(results)) from None
-        self._confirm_replicas(results)
+            raise self._unreachable(exc, sent=flushed) from None
         return results
+
+    def _answered(self, task_ids: Sequence[str]) -> set[str]:
+        """The task ids among `task_ids` that have a finished result in the Redis result backend."""
+        backend = self.app.backend
+        if not isinstance(backend, BulkRedisBackend) or not task_ids:
+            return set()
+        answered = set()
+        try:
+            for first in range(0, len(task_ids), 10 * POLL_WINDOW):
+                window = task_ids[first : first + 10 * POLL_WINDOW]
+                raws = backend.mget([backend.get_key_for_task(task_id) for task_id in window])
+                for task_id, raw in zip(window, raws, strict=True):
+                    if raw is not None and backend.decode_result(raw)["status"] in states.READY_STATES:
+                        answered.add(task_id)
+        except _CONNECTION_ERRORS as exc:
+            raise self._unreachable(exc) from None
+        return answered
+
+    def _result_of(self, task_id: str, chunk: Sequence[tuple[str, str]], packed: bool) -> TicketResult:
+        """The result of a message sent before (under `task_id`), as if this producer had just sent it."""
+        result = self._result_cls(task_id)
+        payload = [{"id": ticket_id, "text": text} for ticket_id, text in chunk]
+        result.ticket_ids, result.packed = tuple(ticket_id for ticket_id, _ in chunk), packed
+        result.message_args = (payload if packed else payload[0],)
+        result.sent_before = True
+        return result
 
     def _confirm_replicas(self, results: list[TicketResult]) -> None:
         """With TICKETQ_REPLICA_ACKS: `NotReplicated` unless that many replicas hold every send so far.
@@ -280,13 +384,22 @@ class Producer:
             self._checked = False
             raise self._unreachable(exc) from None
 
-    def _send(self, tickets: Sequence[tuple[str, str]], packed: bool, producer: object = None) -> TicketResult:
+    def _send(
+        self, tickets: Sequence[tuple[str, str]], packed: bool, producer: object = None, task_id: str | None = None
+    ) -> TicketResult:
+        """Publish one message. An idempotent one (`task_id` given) carries no `submitted_at`: its
+        arguments must be the same on every run, as the worker takes a task id that comes back with
+        other arguments for another message reusing the id (and answers it `duplicate_task_id`)."""
         if not self._checked:
             self.check_connection()
-        now = time.time()
-        payload = [{"id": ticket_id, "text": text, "submitted_at": now} for ticket_id, text in tickets]
+        payload = [{"id": ticket_id, "text": text} for ticket_id, text in tickets]
+        if task_id is None:
+            now = time.time()
+            for ticket in payload:
+                ticket["submitted_at"] = now
         ticket_ids = tuple(ticket_id for ticket_id, _ in tickets)
-        return self._publish(str(uuid.uuid4()), (payload if packed else payload[0],), ticket_ids, packed, producer)
+        args = (payload if packed else payload[0],)
+        return self._publish(task_id or str(uuid.uuid4()), args, ticket_ids, packed, producer)
 
     def _publish(
         self, task_id: str, args: tuple, ticket_ids: tuple[str, ...], packed: bool, producer: object = None
@@ -357,6 +470,9 @@ class Producer:
 
         Blocks until every task is done or `timeout` seconds pass overall; unfinished tickets come
         back as `status: "timeout"`. `on_result` gets each task's ticket dicts as they arrive.
+        A Redis that goes away meanwhile (a restart, a failover) is asked again, pausing 0.1 s
+        doubling up to 2 s, until it answers or the timeout passes; results stored meanwhile are
+        read once it is back. Refused credentials still raise `BrokerUnavailable` at once.
         With `resend_after`, a message still without a result after that many seconds (and again
         after each further period) is sent again with the same task id: covers a message lost
         on its way (a Redis that lost its last writes), at the cost of a duplicate computation.
@@ -367,6 +483,7 @@ class Producer:
         sent = {result.id: result for result in results}
         total = sum(len(_ticket_ids(result)) or 1 for result in results)
         deadline = None if timeout is None else time.monotonic() + timeout
+        outage = _Outage(deadline)
         with tqdm(total=total, unit="ticket", desc="results", disable=not progress) as bar, _collector_paused():
             try:
                 while len(by_task) < len(sent):
@@ -378,6 +495,7 @@ class Producer:
                     period = min(periods) if periods else None
                     try:
                         for task_id, state, value in self._iter_ready(pending, period):
+                            outage.over()
                             tickets = ticket_results(sent[task_id], state, value)
                             by_task[task_id] = tickets
                             bar.update(len(tickets))
@@ -387,13 +505,20 @@ class Producer:
                                 # ResultSet can miss that it is complete when some results arrived
                                 # over pub/sub during an earlier wait; stop once every task is in.
                                 break
+                        outage.over()
                     except CeleryTimeoutError:
-                        pass  # what is missing is re-sent below, or reported as a timeout
+                        outage.over()  # what is missing is re-sent below, or reported as a timeout
+                    except (*_CONNECTION_ERRORS, RuntimeError) as exc:
+                        if not outage.ride_out(self._unreachable(exc)):
+                            break
+                        continue
                     if resend_after is None or len(by_task) == len(sent):
                         break
-                    self._resend_missing(results, by_task)
-            except (*_CONNECTION_ERRORS, RuntimeError) as exc:
-                raise self._unreachable(exc) from None
+                    try:
+                        self._resend_missing(results, by_task)
+                    except (*_CONNECTION_ERRORS, RuntimeError) as exc:
+                        if not outage.ride_out(self._unreachable(exc)):
+                            break
             finally:
                 self._unsubscribe(result for result in results if result.id not in by_task)
 
@@ -451,24 +576,32 @@ class Producer:
     def _poll_ready(self, results: Sequence[AsyncResult], timeout: float | None) -> Iterator[tuple[str, str, object]]:
         """`_iter_ready` on a Redis backend: MGET the oldest POLL_WINDOW pending result keys, again
         at once while results come, pausing (5 ms, doubling up to 100 ms) while none does. Results
-        mostly finish in send order, and one that never comes holds one place of the window only."""
+        mostly finish in send order, so the oldest window finds most of them in one read. When it
+        finds none (its messages are slow, or lost), the same read also takes the next window of
+        one that rotates over the other pending keys: every result behind a head that never comes
+        is found, in one pass over the pending per POLL_WINDOW of them."""
         backend = self.app.backend
         keys = {result.id: backend.get_key_for_task(result.id) for result in results}
         pending = list(keys)
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = POLL_PAUSE_S[0]
+        cursor = POLL_WINDOW  # where the rotating window starts, in `pending`
+        rotate = False  # the last read of the oldest window found nothing
         while pending:
+            if cursor >= len(pending):
+                cursor = POLL_WINDOW
             window = pending[:POLL_WINDOW]
-            done = set()
-            for task_id, raw in zip(window, backend.mget([keys[task_id] for task_id in window]), strict=True):
-                if raw is None:
-                    continue
-                meta = backend.decode_result(raw)
-                if meta["status"] in states.READY_STATES:
-                    done.add(task_id)
-                    yield task_id, meta["status"], meta["result"]
+            if rotate:
+                window += pending[cursor : cursor + POLL_WINDOW]
+                cursor += POLL_WINDOW
+            ready = self._read_ready(window, keys)
+            yield from ready
+            done = {task_id for task_id, _, _ in ready}
+            rotate = not any(task_id in done for task_id in window[:POLL_WINDOW])
             if done:
+                head = sum(task_id in done for task_id in pending[:cursor])
                 pending = [task_id for task_id in pending if task_id not in done]
+                cursor -= head  # the rotating window keeps its place among the pending that remain
                 pause = POLL_PAUSE_S[0]
             else:
                 pause = min(2 * pause, POLL_PAUSE_S[1])
@@ -477,6 +610,17 @@ class Producer:
             if deadline is not None and time.monotonic() >= deadline:
                 raise CeleryTimeoutError(f"{len(pending)} results not ready within {timeout:g} s")
             time.sleep(pause if deadline is None else max(0.0, min(pause, deadline - time.monotonic())))
+
+    def _read_ready(self, window: list[str], keys: Mapping[str, str]) -> list[tuple[str, str, object]]:
+        """`(task_id, state, result)` of the finished tasks among `window`: one MGET."""
+        backend = self.app.backend
+        ready = []
+        for task_id, raw in zip(window, backend.mget([keys[task_id] for task_id in window]), strict=True):
+            if raw is not None:
+                meta = backend.decode_result(raw)
+                if meta["status"] in states.READY_STATES:
+                    ready.append((task_id, meta["status"], meta["result"]))
+        return ready
 
     # --- observing ---
 
@@ -514,6 +658,39 @@ class Producer:
             return sum(pipe.execute())
         except (redis.exceptions.RedisError, OSError) as exc:
             raise BrokerUnavailable(self.settings.broker_url, exc) from None
+
+
+class _Outage:
+    """While `Producer.wait` cannot reach Redis: how long to pause before asking again, up to its deadline."""
+
+    def __init__(self, deadline: float | None) -> None:
+        self.deadline, self.pause, self.since = deadline, RECONNECT_PAUSE_S[0], None
+
+    def ride_out(self, error: BaseException) -> bool:
+        """Pause before the next try; False when the deadline leaves no time for one. Raises
+        `error` at once when asking again cannot help (refused credentials)."""
+        if not _is_lost_connection(error):
+            raise error
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+            log.warning("lost Redis while waiting for results (%s); trying again until the timeout", error)
+        if self.deadline is not None and now >= self.deadline:
+            return False
+        time.sleep(self.pause if self.deadline is None else min(self.pause, self.deadline - now))
+        self.pause = min(2 * self.pause, RECONNECT_PAUSE_S[1])
+        return True
+
+    def over(self) -> None:
+        if self.since is not None:
+            log.warning("Redis is back after %.1f s; reading results again", time.monotonic() - self.since)
+            self.since, self.pause = None, RECONNECT_PAUSE_S[0]
+
+
+def _is_lost_connection(error: BaseException) -> bool:
+    """Worth asking again: Redis went away (a restart, a failover) or refuses writes for now (full,
+    too few replicas), as the worker's outbox rides them out; refused credentials are not."""
+    return isinstance(error, BrokerUnavailable) and not error.refused
 
 
 @contextmanager

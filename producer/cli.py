@@ -6,6 +6,7 @@ collect with a progress bar, print a summary, write results JSONL.
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections import Counter
@@ -18,7 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from producer.api import BrokerUnavailable, Producer
+from producer.api import BrokerUnavailable, Producer, SendInterrupted, TicketResult
 from producer.clitools import (
     CONTEXT_SETTINGS,
     EXIT_FAILED,
@@ -36,6 +37,9 @@ from ticketq.contract import TicketRejected, validate_ticket
 
 EXIT_PROBLEMS = EXIT_FAILED  # some tickets were rejected, failed or timed out
 EXIT_UNUSABLE = EXIT_USAGE  # bad configuration, unreadable input, Redis unreachable
+EXIT_INTERRUPTED = 130  # Ctrl-C: what was sent and what came back is written (--out) and said
+PENDING = "pending"  # a row sent, without a result yet (Ctrl-C, --timeout): its task id says which message
+UNSENT = "unsent"  # a row Ctrl-C stopped before it was sent
 
 app = typer.Typer(
     name="ticketq-produce",
@@ -91,6 +95,12 @@ BackendUrl = Annotated[
     typer.Option("--backend-url", help="Result backend URL (default: TICKETQ_RESULT_BACKEND, else the broker)."),
 ]
 Progress = Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars on stderr.")]
+Resume = Annotated[
+    bool,
+    typer.Option("--resume", help="Go on from the --out file of an interrupted or timed-out run (replacing it): "
+                 "its pending tickets are waited for, not sent again; tickets answered before are read back, "
+                 "not sent again; the rest are sent."),
+]
 
 
 @dataclass
@@ -102,6 +112,18 @@ class RunOptions:
     progress: bool
     force: bool = False
     resend_after: float | None = None
+    idempotent: bool = False  # task ids from the ticket ids: a ticket sent again is answered once
+    already_sent: frozenset[str] = frozenset()  # task ids an interrupted run sent (--resume)
+
+
+@dataclass
+class Outcome:
+    """What `_send_and_collect` got: every row it has, and the line saying what an interrupted or
+    timed-out run left ("" when nothing is pending)."""
+
+    results: list[dict] | None  # None: not waiting
+    stopped: str = ""
+    interrupted: bool = False
 
 
 @dataclass
@@ -127,25 +149,49 @@ def file_command(
     force: Force = False,
     timeout: Timeout = 600.0,
     resend_after: ResendAfter = None,
+    resume: Resume = False,
     broker_url: BrokerUrl = None,
     backend_url: BackendUrl = None,
     progress: Progress = True,
 ) -> None:
     """Send the tickets in a JSONL or CSV file. Malformed rows are reported with file:line, not sent,
-    and (with --out) written as failed rows."""
+    and (with --out) written as failed rows.
+
+    A ticket id is sent once: running the same file again (with the same --pack) sends only the
+    tickets that have no result yet, under the same task ids, and reads back the others."""
     settings = _settings(broker_url, backend_url)
     if fmt not in ("auto", "jsonl", "csv"):
         _exit_error(f"--format {fmt}: must be auto, jsonl or csv")
+    if resume and not out:
+        _exit_error("--resume needs --out: the results file of the run to go on from")
     try:
+        already_sent = _sent_before(out) if resume else frozenset()
         if out:
-            check_output(out, [path], force)
+            check_output(out, [path], force or resume)
         parsed = read_tickets(path, fmt, settings.max_ticket_bytes)  # type: ignore[arg-type]
     except (TicketFileError, OutputError) as exc:
         _exit_error(str(exc))
     _report_errors([str(error) for error in parsed.errors], f"{len(parsed.errors)} rows refused, not sent:",
                    _kept_hint(out))  # fmt: skip
-    options = RunOptions(pack, wait, out, timeout, progress, force, resend_after)
+    options = RunOptions(pack, wait, out, timeout, progress, force or resume, resend_after, True, already_sent)
     raise typer.Exit(_run(parsed.tickets, options, settings, parsed))
+
+
+def _sent_before(out: Path) -> frozenset[str]:
+    """The task ids of the `pending` rows in the results file of an earlier run (none if it is not
+    there), but for those that were being sent when it was interrupted."""
+    if not out.exists():
+        return frozenset()
+    sent, number = set(), 0
+    try:
+        with out.open(encoding="utf-8") as rows:
+            for number, line in enumerate(rows, 1):  # noqa: B007 (named in the error)
+                row = json.loads(line) if line.strip() else {}
+                if row.get("status") == PENDING and row.get("task_id") and row.get("sent") != "maybe":
+                    sent.add(str(row["task_id"]))
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as exc:
+        raise OutputError(f"--resume: cannot read {out} as a results file (line {number}: {exc})") from None
+    return frozenset(sent)
 
 
 @app.command("synthetic")
@@ -206,10 +252,10 @@ def _run(tickets: list[dict], options: RunOptions, settings: ClientSettings, sou
         _report_errors([f"{row['id']}: {row['error']}" for row in refused],
                        f"{len(refused)} tickets rejected, not sent:", _kept_hint(options.out))  # fmt: skip
         malformed = len(source.errors) if source else 0
-        results = None
+        outcome = Outcome(None)
         if good:
             producer.check_connection()
-            results = _send_and_collect(producer, good, malformed + len(refused), options)
+            outcome = _send_and_collect(producer, good, malformed + len(refused), options)
         else:
             _error("no valid tickets to send")
     except BrokerUnavailable as exc:  # this command has the options too: name them
@@ -217,7 +263,11 @@ def _run(tickets: list[dict], options: RunOptions, settings: ClientSettings, sou
         return EXIT_UNUSABLE
     finally:
         producer.close()
-    return _finish(refused + (results or []), options, source, sent=len(good), waited=results is not None)
+    results = outcome.results
+    status = _finish(refused + (results or []), options, source, sent=len(good), waited=results is not None)
+    if outcome.stopped:
+        err_console.print(outcome.stopped, highlight=False, markup=False, soft_wrap=True)
+    return EXIT_INTERRUPTED if outcome.interrupted and status != EXIT_UNUSABLE else status
 
 
 def _finish(results: list[dict], options: RunOptions, source: TicketFile | None, sent: int, waited: bool) -> int:
@@ -255,31 +305,92 @@ def _validate(tickets: list[dict], max_bytes: int) -> tuple[list[dict], list[dic
     return good, refused
 
 
-def _send_and_collect(producer: Producer, tickets: list[dict], rejected: int, options: RunOptions) -> list[dict] | None:
-    """Send; with --wait or --out also collect and print the summary table. None when not waiting."""
+def _send_and_collect(producer: Producer, tickets: list[dict], rejected: int, options: RunOptions) -> Outcome:
+    """Send; with --wait or --out also collect and print the summary table.
+
+    Ctrl-C while sending gives a `pending` row (with its task id) for each ticket Redis took and an
+    `unsent` row for the others; Ctrl-C or --timeout while waiting, a `pending` row for each ticket
+    still without a result: `--resume` goes on from either.
+    """
     settings = producer.settings
     started = time.monotonic()
-    sent = producer.submit_many(tickets, pack=options.pack, progress=options.progress)
+    try:
+        sent = producer.submit_many(tickets, pack=options.pack, progress=options.progress,
+                                    idempotent=options.idempotent, already_sent=options.already_sent)  # fmt: skip
+    except SendInterrupted as stop:
+        return _interrupted_send(tickets, stop, options)
     elapsed = time.monotonic() - started
+    before = [result for result in sent if result.sent_before]
+    now = len(tickets) - sum(len(result.ticket_ids) for result in before)
+    again = f"; {len(tickets) - now} sent before, not sent again" if before else ""
     out_console.print(
-        f"enqueued {len(tickets)} tickets in {len(sent)} messages to queue '{settings.queue}' at "
-        f"{mask_url(settings.broker_url)} in {elapsed:.2f} s ({len(tickets) / max(elapsed, 1e-9):,.0f} tickets/s); "
+        f"enqueued {now} tickets in {len(sent) - len(before)} messages to queue '{settings.queue}' at "
+        f"{mask_url(settings.broker_url)} in {elapsed:.2f} s ({now / max(elapsed, 1e-9):,.0f} tickets/s){again}; "
         f"queue depth now {producer.queue_depth()}",
         highlight=False,
         markup=False,
     )
     if not (options.wait or options.out):
-        return None
+        return Outcome(None)
 
     collected = Collected()
-    results = producer.wait(sent, timeout=options.timeout, progress=options.progress, on_result=collected.add,
-                            resend_after=options.resend_after)  # fmt: skip
+    interrupted = False
+    try:
+        results = producer.wait(sent, timeout=options.timeout, progress=options.progress, on_result=collected.add,
+                                resend_after=options.resend_after)  # fmt: skip
+    except KeyboardInterrupt:
+        interrupted = True
+        results = collected.results + _pending_rows(sent, {row.get("task_id") for row in collected.results})
+    for result in results:
+        if result.get("status") == "timeout":
+            result["status"] = PENDING
     expected = {ticket["id"]: ticket["expected"] for ticket in tickets if "expected" in ticket}
     for result in results:
         if result.get("id") in expected:
             result["expected"] = expected[result["id"]]
     _print_summary(results, rejected, started, collected.last_at)
-    return results
+    pending = sum(result.get("status") == PENDING for result in results)
+    if not pending:
+        return Outcome(results)
+    what = "interrupted" if interrupted else f"timed out after {options.timeout:g} s"
+    line = (f"{what}: {len(results) - pending} tickets answered, {pending} pending (sent, no result yet)"
+            f"{_where(options)}")  # fmt: skip
+    return Outcome(results, line, interrupted)
+
+
+def _interrupted_send(tickets: list[dict], stop: SendInterrupted, options: RunOptions) -> Outcome:
+    """Ctrl-C while sending: a `pending` row (with its task id) for each ticket Redis took, or may
+    have taken (the pipeline being flushed), and an `unsent` row for each of the others."""
+    rows = _pending_rows(stop.results, set())
+    for row in _pending_rows(stop.unconfirmed, set()):
+        # --resume sends these again, under the same task id: answered once either way
+        rows.append({**row, "sent": "maybe", "error": "being sent when interrupted: Redis may or may not have it"})
+    named = {row["id"] for row in rows}
+    rows += [{"id": t["id"], "status": UNSENT, "reason": UNSENT, "error": "not sent: interrupted"}
+             for t in tickets if t["id"] not in named]  # fmt: skip
+    maybe = sum(len(result.ticket_ids) for result in stop.unconfirmed)
+    unsure = f" ({maybe} of them maybe: they were being sent)" if maybe else ""
+    line = (f"interrupted while sending: {len(named)} of {len(tickets)} tickets sent{unsure}, "
+            f"{len(tickets) - len(named)} not sent{_where(options)}")  # fmt: skip
+    return Outcome(rows if options.wait or options.out else None, line, interrupted=True)
+
+
+def _pending_rows(sent: list[TicketResult], answered: set) -> list[dict]:
+    """A `pending` row for each ticket of a message in `sent` whose task id is not in `answered`."""
+    return [{"id": ticket_id, "task_id": result.id, "status": PENDING, "reason": PENDING,
+             "error": "sent, no result yet"}
+            for result in sent if result.id not in answered for ticket_id in result.ticket_ids]  # fmt: skip
+
+
+def _where(options: RunOptions) -> str:
+    """Where the rows are, and how to go on."""
+    if options.out and options.idempotent:
+        return f"; every row is in {options.out}: run the same command with --resume to go on"
+    if options.out:
+        return f"; every row is in {options.out}"
+    if options.idempotent:
+        return "; running the same command again sends each ticket id once; pass --out FILE to keep every row"
+    return "; pass --out FILE to keep every row"
 
 
 def _print_summary(results: list[dict], rejected: int, started: float, last_at: float | None) -> None:

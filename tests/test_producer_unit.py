@@ -19,7 +19,7 @@ import redis
 from celery import states
 from typer.testing import CliRunner
 
-from producer.api import BrokerUnavailable, Producer, ticket_results
+from producer.api import POLL_WINDOW, BrokerUnavailable, Producer, idempotent_task_id, ticket_results
 from producer.cli import app as cli_app
 from producer.synthetic import awkward_texts, generate_tickets
 from producer.tickets import TicketFileError, read_tickets, write_results
@@ -371,3 +371,58 @@ def test_messages_on_the_wire(redis_db15):
         stream = list(producer.results_stream())
         assert [r["id"] for _, r in stream] == ["s1", "p1"]
         assert list(producer.results_stream(since_id=stream[0][0])) == stream[1:]
+
+
+def test_wait_asks_an_unreachable_redis_again_until_its_timeout():
+    """A lost connection is not the end of a wait: it asks again (with backoff) until its timeout."""
+    with Producer(ClientSettings(), broker_url=DEAD_URL, connect_timeout_s=0.2) as producer:
+        started = time.monotonic()
+        [row] = producer.wait([producer.app.AsyncResult("never-answered")], timeout=0.6)
+        took = time.monotonic() - started
+    assert row["status"] == "timeout" and row["task_id"] == "never-answered"
+    assert 0.6 <= took < 5
+
+
+@pytest.mark.filterwarnings("ignore:Call to deprecated setex:DeprecationWarning")
+def test_wait_reads_results_behind_a_head_that_never_comes(redis_db15):
+    with Producer(ClientSettings(), broker_url=REDIS_URL) as producer:
+        sent = producer.submit_many([f"ticket {i}" for i in range(3 * POLL_WINDOW)])
+        for result in sent[POLL_WINDOW:]:  # the oldest POLL_WINDOW never get a result
+            producer.app.backend.store_result(result.id, {"id": result.ticket_ids[0], "status": "ok"}, states.SUCCESS)
+        results = producer.wait(sent, timeout=0.5)
+    assert Counter(row["status"] for row in results) == {"ok": 2 * POLL_WINDOW, "timeout": POLL_WINDOW}
+
+
+@pytest.mark.filterwarnings("ignore:Call to deprecated setex:DeprecationWarning")
+def test_idempotent_sends_reuse_task_ids_and_skip_what_was_sent(redis_db15):
+    tickets = [{"id": "k1", "text": "my invoice is wrong"}, {"id": "k2", "text": "reset my password"}, "no id"]
+    with Producer(ClientSettings(), broker_url=REDIS_URL) as producer:
+        queue = producer.settings.queue
+        plain = [producer.submit("the same ticket", id="k0") for _ in range(2)]
+        assert plain[0].id != plain[1].id, "submit is not idempotent unless asked"
+        once = producer.submit("the same ticket", id="k0", idempotent=True)
+        assert once.id == idempotent_task_id(queue, ["k0"], False)
+        redis_db15.flushdb()
+
+        first = producer.submit_many(tickets[:2], pack=2, idempotent=True)
+        [(headers, args)] = [decode_message(raw) for raw in redis_db15.lrange(queue, 0, -1)]
+        assert first[0].id == headers["id"] == idempotent_task_id(queue, ["k1", "k2"], True)
+        assert args == [[{"id": "k1", "text": tickets[0]["text"]}, {"id": "k2", "text": tickets[1]["text"]}]], (
+            "no submitted_at: the arguments of an idempotent message are the same on every run"
+        )
+        assert idempotent_task_id(queue, ["k1"], False) != idempotent_task_id("other", ["k1"], False)
+
+        producer.app.backend.store_result(first[0].id, [{"id": "k1", "status": "ok"}, {"id": "k2", "status": "ok"}],
+                                          states.SUCCESS)  # fmt: skip
+        again = producer.submit_many(tickets, pack=2, idempotent=True)
+        assert [r.sent_before for r in again] == [True, False] and again[0].id == first[0].id
+        assert redis_db15.llen(queue) == 2, "the answered message is not sent again"
+        assert [row["status"] for row in producer.wait(again[:1], timeout=1)] == ["ok", "ok"]
+
+        k3 = [{"id": "k3", "text": "the export button does nothing"}]
+        [pending] = producer.submit_many(k3, idempotent=True)
+        assert redis_db15.llen(queue) == 3
+        [resumed] = producer.submit_many(k3, idempotent=True, already_sent=[pending.id])
+        assert resumed.sent_before and resumed.id == pending.id and redis_db15.llen(queue) == 3
+        # a ticket without an id gets a random one: sent again, it is another ticket
+        assert producer.submit_many(tickets[2:], idempotent=True)[0].id != again[1].id
