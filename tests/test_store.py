@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import uuid
 from collections import Counter
@@ -12,7 +13,17 @@ import redis
 from workers import redis_or_skip
 
 from ticketq.names import RESULTS_STREAM
-from worker.store import ATTEMPTS_KEY, DONE_KEY, Outbox
+from worker.store import (
+    ATTEMPTS_KEY,
+    DEAD_LETTER_MIN_BYTES,
+    DIGEST_KEY,
+    DONE_KEY,
+    Outbox,
+    dead_letter_bound,
+    payload_digest,
+    raw_entry,
+    ticket_entry,
+)  # fmt: skip
 
 REDIS_URL = "redis://127.0.0.1:6379/6"  # a database of its own: its stream entries are not ticket results
 
@@ -46,12 +57,13 @@ def test_each_result_is_streamed_once_and_repeats_are_named(client: redis.Redis)
     client.set(ATTEMPTS_KEY.format(task_id=b), 1)
 
     # slots of two messages interleaved, as a length-sorted forward batch mixes them
-    assert outbox.publish([result(a, 2), result(b, 0), result(a, 0)], finished=[b]) == []
+    assert outbox.publish([result(a, 2), result(b, 0), result(a, 0)], finished=[b]) == ([], [])
     assert not client.exists(ATTEMPTS_KEY.format(task_id=b)) and client.exists(ATTEMPTS_KEY.format(task_id=a))
     assert 0 < client.ttl(DONE_KEY.format(task_id=a)) <= 600
 
     # a re-execution publishes only what was not out yet, and says which were
-    repeated = outbox.publish([result(a, 0), result(a, 1), result(b, 0), result(a, 2)], finished=[a])
+    repeated, conflicts = outbox.publish([result(a, 0), result(a, 1), result(b, 0), result(a, 2)], finished=[a])
+    assert conflicts == []
     assert sorted(repeated) == sorted([(a, 0), (b, 0), (a, 2)])
     assert not client.exists(ATTEMPTS_KEY.format(task_id=a))
     assert streamed(client, {a, b}) == Counter({(a, 0): 1, (a, 1): 1, (a, 2): 1, (b, 0): 1})
@@ -61,8 +73,46 @@ def test_a_large_message_spans_several_bitfield_calls(client: redis.Redis) -> No
     outbox = Outbox(client, stream_maxlen=100_000, result_expires_s=600, worst_batch_s=5)
     task = f"store-big-{uuid.uuid4()}"
     slots = [result(task, slot) for slot in range(2500)]  # the script sets 1,000 bits per BITFIELD call
-    assert outbox.publish(slots[:1700], finished=[]) == []
-    repeated = outbox.publish(slots, finished=[task])
+    assert outbox.publish(slots[:1700], finished=[]) == ([], [])
+    repeated, _ = outbox.publish(slots, finished=[task])
     assert repeated == [(task, slot) for slot in range(1700)]
     counts = streamed(client, {task})
     assert len(counts) == 2500 and set(counts.values()) == {1}
+
+
+def test_another_payload_under_a_used_task_id_is_a_conflict_not_a_repeat(client: redis.Redis) -> None:
+    outbox = Outbox(client, stream_maxlen=100_000, result_expires_s=600, worst_batch_s=5)
+    task, other = f"store-reused-{uuid.uuid4()}", f"store-other-{uuid.uuid4()}"
+    first, second = payload_digest([{"text": "first"}]), payload_digest([{"text": "second"}])
+    assert first != second and first == payload_digest(({"text": "first"},))  # tuple or list: the same JSON
+    assert outbox.publish([(*result(task, 0), first)], finished=[task]) == ([], [])
+    assert client.get(DIGEST_KEY.format(task_id=task)).decode() == first
+    assert 0 < client.ttl(DIGEST_KEY.format(task_id=task)) <= 600
+
+    # the same message again: a repeat; another payload under that id: a conflict, nothing written
+    assert outbox.publish([(*result(task, 0), first)], finished=[]) == ([(task, 0)], [])
+    published = outbox.publish([(*result(task, 0), second), (*result(task, 1), second), (*result(other, 0), second)],
+                               finished=[])  # fmt: skip
+    assert published == ([], [(task, 0), (task, 1)])
+    assert client.bitcount(DONE_KEY.format(task_id=task)) == 1, "the reused id's marks are untouched"
+    assert streamed(client, {task, other}) == Counter({(task, 0): 1, (other, 0): 1})
+
+    # results published before digests existed (no digest key) are checked by the marks alone
+    legacy = f"store-legacy-{uuid.uuid4()}"
+    assert outbox.publish([result(legacy, 0)], finished=[]) == ([], [])
+    assert not client.exists(DIGEST_KEY.format(task_id=legacy))
+    assert outbox.publish([(*result(legacy, 0), second)], finished=[]) == ([(legacy, 0)], [])
+
+
+def test_dead_letters_keep_an_oversize_ticket_whole_and_flag_a_cut() -> None:
+    text = "\u00e9\x01" * 70_000 + "\udce9"  # escapes to far more than 65,536 characters; a lone surrogate
+    ticket = {"id": "big", "text": text, "submitted_at": 1.5}
+    limit = dead_letter_bound(65536)
+    entry = ticket_entry("t", 0, "oversize", "oversize: too big", ticket, "w", limit)
+    assert len(entry["payload"]) > 65536 and entry["truncated"] == "false"
+    assert json.loads(entry["payload"]) == ticket, "exactly the ticket that came, lone surrogate included"
+    cut = ticket_entry("t", 0, "oversize", "oversize: too big", ticket, "w", 1000)
+    assert len(cut["payload"]) == 1000 and cut["truncated"] == "true"
+    assert dead_letter_bound(10 * 1024 * 1024) == 80 * 1024 * 1024 and limit == DEAD_LETTER_MIN_BYTES
+    raw = raw_entry("decode_error", None, {"id": "t"}, "application/x-python-serialize", b"x" * (limit + 1), limit)
+    assert raw["truncated"] == "true" and len(base64.b64decode(raw["payload_b64"])) == limit

@@ -49,6 +49,7 @@ class Reason(str, Enum):
     WORKER_ERROR = "worker_error"  # an unexpected error in the worker around the model
     TOO_MANY_DELIVERIES = "too_many_deliveries"  # redelivered past TICKETQ_MAX_RETRIES: it may crash workers
     EXPIRED = "expired"  # its Celery `expires` deadline passed before its batch started
+    DUPLICATE_TASK_ID = "duplicate_task_id"  # its message reused the task id of another, answered message
     # a message Celery or the transport refused before it became a ticket (raw bytes dead-lettered)
     DECODE_ERROR = "decode_error"
     UNKNOWN_MESSAGE = "unknown_message"
@@ -69,7 +70,7 @@ class Reason(str, Enum):
 DEAD_LETTER_REASONS: tuple[Reason, ...] = (
     Reason.BAD_PAYLOAD, Reason.MISSING_FIELD, Reason.WRONG_TYPE, Reason.EMPTY_ID, Reason.INVALID_UTF8,
     Reason.OVERSIZE, Reason.EMPTY_TEXT, Reason.ENGINE_ERROR, Reason.TOO_MANY_DELIVERIES, Reason.WORKER_ERROR,
-    Reason.DECODE_ERROR, Reason.UNKNOWN_MESSAGE, Reason.UNKNOWN_TASK, Reason.INVALID_TASK,
+    Reason.DUPLICATE_TASK_ID, Reason.DECODE_ERROR, Reason.UNKNOWN_MESSAGE, Reason.UNKNOWN_TASK, Reason.INVALID_TASK,
     Reason.UNREADABLE_MESSAGE,
 )  # fmt: skip
 

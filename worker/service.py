@@ -37,7 +37,7 @@ from worker.metrics import Metrics
 from worker.results import BatchReport, Prediction
 from worker.settings import Settings
 from worker.shadow import ShadowChecker
-from worker.store import Outbox, ticket_entry
+from worker.store import Outbox, dead_letter_bound, payload_digest, ticket_entry
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,7 @@ class Work:
     slots: list[Slot] = field(default_factory=list)
     by_task: dict[str, list[Slot]] = field(default_factory=dict)
     packed: dict[str, bool] = field(default_factory=dict)  # task id -> message carried a list
+    digests: dict[str, str] = field(default_factory=dict)  # task id -> payload_digest of its arguments
     published: set[str] = field(default_factory=set)  # task ids whose backend result is written
     first_out: bool = False  # the run's first result is published (time-to-first-result observed)
 
@@ -139,6 +140,7 @@ class TicketService:
         self.model_fields = _model_fields(classifier, settings)
         self.shadow = ShadowChecker(classifier, metrics, settings.shadow_rate) if settings.shadow_rate > 0 else None
         self.job_limit = 4 * settings.effective_prefetch  # tickets one job takes in before it ends
+        self.dead_letter_limit = dead_letter_bound(settings.max_ticket_bytes)
 
     # ----- the batch function --------------------------------------------------------------
 
@@ -251,6 +253,7 @@ class TicketService:
             payload = args[0] if len(args) == 1 else list(args)
             packed = len(args) == 1 and isinstance(payload, list)
             work.packed[request.id] = packed
+            work.digests[request.id] = payload_digest(args)
             raws = payload if packed else [payload]
             if packed and not raws:
                 raws = [None]
@@ -402,24 +405,46 @@ class TicketService:
         for slot in slots:
             slot.encoded = codec.dumps(slot.result)
         complete = work.completed_by(slots)
-        self._publish_stream(slots, complete)
-        failures = self._publish_backend(work, complete)
+        repeated, reused = self._publish_stream(work, slots, complete)
+        failures = self._publish_backend(work, [task_id for task_id in complete if task_id not in reused])
         work.published.update(complete)
         if work.feed is not None and complete:
             work.feed.done(complete, failures)
         self.metrics.publish.observe(time.perf_counter() - begun)
-        self._count_outcomes(slots)
+        self._count_outcomes([slot for slot in slots if (slot.request.id, slot.index) not in repeated])
         if not work.first_out:
             work.first_out = True
             self.metrics.first_result.observe(max(0.0, time.time() - work.started))
 
-    def _publish_stream(self, slots: list[Slot], complete: list[str]) -> None:
-        """Stream the slots' results once each, closing the attempts of the messages they complete."""
-        repeated = self.outbox.publish([(slot.request.id, slot.index, slot.encoded) for slot in slots], complete)
+    def _publish_stream(self, work: Work, slots: list[Slot], complete: list[str]) -> tuple[set, set[str]]:
+        """Stream the slots' results once each, closing the attempts of the messages they complete.
+
+        Returns the (task id, slot) already published by the same message (re-executions: counted
+        apart, not as tickets done), and the task ids of messages that reused another message's
+        task id, whose tickets are answered `duplicate_task_id` instead.
+        """
+        digests = work.digests
+        entries = [(slot.request.id, slot.index, slot.encoded, digests.get(slot.request.id, "")) for slot in slots]
+        repeated, conflicts = self.outbox.publish(entries, complete)
         if repeated:
             self.metrics.duplicates.inc(len(repeated))
             tasks = sorted({task_id for task_id, _ in repeated})
             log.info("re-executed: %d result(s) of %s already published, not repeated", len(repeated), tasks[:5])
+        if conflicts:
+            self._answer_reused_ids(slots, set(conflicts))
+        return set(repeated), {task_id for task_id, _ in conflicts}
+
+    def _answer_reused_ids(self, slots: list[Slot], conflicts: set[tuple[str, int]]) -> None:
+        """Tickets of a message whose task id already answered another payload: failed
+        `duplicate_task_id`, dead-lettered, and streamed without publish-once marks (the id's marks
+        and its backend result belong to the message answered first)."""
+        reused = [slot for slot in slots if (slot.request.id, slot.index) in conflicts]
+        for slot in reused:
+            detail = f"task id {slot.request.id} already answered another message; send this one under a new id"
+            raw = _payload(slot)
+            slot.result = self._reject(slot, raw, TicketRejected(Reason.DUPLICATE_TASK_ID, detail))
+            slot.encoded = codec.dumps(slot.result)
+        self.outbox.stream_results([slot.encoded for slot in reused])
 
     def _publish_backend(self, work: Work, complete: list[str]) -> dict[str, str]:
         """The backend state producers wait on: successes pipelined, failures one by one (rare).
@@ -455,14 +480,26 @@ class TicketService:
             self.metrics.tickets.labels(label=label, outcome=outcome).inc(count)
 
     def _dead_letter(self, request: Any, index: int | None, raw: Any, rejection: TicketRejected) -> None:
-        entry = ticket_entry(request.id, index, rejection.reason, str(rejection), raw, self.worker_name)
+        entry = ticket_entry(request.id, index, rejection.reason, str(rejection), raw, self.worker_name,
+                             self.dead_letter_limit)  # fmt: skip
         self.outbox.dead_letter(entry)
         self.metrics.dead_letters.labels(reason=rejection.reason).inc()
         log.warning("dead-lettered task %s slot %s: %s", request.id, entry["slot"], rejection)
 
     def _fail_open(self, requests: Sequence[Any], backend: Backend, exc: Exception) -> None:
+        """FAILURE and a dead letter for each request without a final result. A worker cut off from
+        Redis for longer than its lease meets requests another worker has answered meanwhile: those
+        keep their answer (a FAILURE would overwrite it, a requeue of the dead letter repeat it). One
+        whose every ticket is in the results stream but whose backend result is not written yet is
+        left alone too: a FAILURE would contradict the stream and block the SUCCESS that follows."""
         error = TicketRejected(Reason.WORKER_ERROR, f"{type(exc).__name__}: {exc}")
-        for request in requests:
+        try:
+            answered = self.outbox.answered(backend, [(request.id, _ticket_count(request)) for request in requests])
+        except Exception:  # Redis away past worst_batch_s: nothing to check against; each failure below logs its own
+            answered = set()
+        if answered:
+            log.info("not failing %d message(s) answered meanwhile: %s", len(answered), sorted(answered)[:5])
+        for request in (request for request in requests if request.id not in answered):
             try:
                 self.outbox.mark_failed(backend, request, error)
                 self._dead_letter(request, None, request.args, error)
@@ -506,6 +543,19 @@ def _outcome(result: dict) -> str:
 
 def _result_id(slot: Slot, given: object) -> str:
     return result_id(given, slot.request.id, slot.index, slot.packed)
+
+
+def _ticket_count(request: Any) -> int:
+    """How many tickets a message carries (a packed list's length; else one)."""
+    args = request.args if isinstance(request.args, list | tuple) else ()
+    return len(args[0]) if len(args) == 1 and isinstance(args[0], list) else 1
+
+
+def _payload(slot: Slot) -> Any:
+    """The ticket of `slot` exactly as its message carried it."""
+    args = tuple(slot.request.args) if isinstance(slot.request.args, list | tuple) else ()
+    payload = args[0] if len(args) == 1 else list(args)
+    return payload[slot.index] if slot.packed and isinstance(payload, list) and slot.index < len(payload) else payload
 
 
 def _raw(ticket: Ticket) -> dict:

@@ -5,12 +5,19 @@ below; <task> is a Celery task id, <slot> a ticket's place in its message, <cons
 consuming channel, host:pid:random):
 
 - `ticketq:results` (stream) — one entry per final ticket result (ok, failed, expired), field
-  `data` = the result JSON; capped with MAXLEN ~ TICKETQ_STREAM_MAXLEN. `Outbox.publish`.
-- `ticketq:dead` (stream) — one entry per refused ticket or message: reason, error, payload (raw
-  bytes as `payload_b64` when it never became a ticket). `Outbox.dead_letter`; `drop_dead_letter`
-  (operator requeue).
+  `data` = the result JSON; capped with MAXLEN ~ TICKETQ_STREAM_MAXLEN. `Outbox.publish`
+  (`Outbox.stream_results` for the answers of a message that reused a task id).
+- `ticketq:dead` (stream) — one entry per refused ticket or message: reason, error, payload (the
+  ticket or arguments as JSON, or the raw bytes as `payload_b64` when it never became a ticket),
+  whole up to `dead_letter_bound`, `truncated` when cut. `Outbox.dead_letter`; `drop_dead_letter`
+  (operator requeue, once the re-sent message is answered).
+- `ticketq:requeued` (hash) — dead-letter entry id -> the task id it was re-sent as, until that task
+  has a result and the entry is dropped. `mark_requeued`, `settle_requeued` (operator commands).
 - `ticketq:done:<task>` (bit string, TTL = result expiry) — bit <slot> is set once that ticket's
   final result is streamed, so a re-executed message never publishes twice. `Outbox.publish`.
+- `ticketq:digest:<task>` (string, TTL = result expiry) — a hash of the message's arguments, written
+  with its first published result: a re-delivery of the same message is published once, another
+  message under the same task id is answered `duplicate_task_id`. `Outbox.publish`.
 - `ticketq:attempts:<task>` (counter, TTL = result expiry) — deliveries of an unfinished message;
   bounds crash loops on poison tickets, deleted when the message is finished.
   `Outbox.count_deliveries`, `Outbox.publish`; `forget_message` (operator requeue).
@@ -27,8 +34,8 @@ consuming channel, host:pid:random):
 - `unacked`, `unacked_index` (hash, zset) — kombu's own record of delivered, unacknowledged
   messages. kombu, through worker.transport.fetch.QoS.
 
-The fetch keys are written inside kombu's channel and QoS objects (their MULTI blocks must share
-kombu's pipelines), so that code stays in worker.transport; their names live here with the rest.
+The fetch and lease keys are written by one script, worker/transport/lua/worker_state.lua
+(dispatched by worker.transport.state); their names live here with the rest.
 
 Every write here is idempotent or counted, so a re-executed message never publishes twice, and
 goes through `Outbox.retrying`, which rides out a Redis restart or a failover (a vanished or
@@ -45,15 +52,17 @@ named by /readyz while it lasts (`write_problems`).
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import redis
 
+from ticketq import codec
 from ticketq.connections import NOT_ENOUGH_REPLICAS, OUT_OF_MEMORY, confirm_replicas, write_refusal
 from ticketq.names import DEAD_LETTER_STREAM, RESULTS_STREAM
 from worker.transport.lua import script
@@ -64,13 +73,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DONE_KEY = "ticketq:done:{task_id}"
+DIGEST_KEY = "ticketq:digest:{task_id}"
+REQUEUED_KEY = "ticketq:requeued"
 ATTEMPTS_KEY = "ticketq:attempts:{task_id}"
 FETCHING_KEY = "ticketq:fetching:{consumer}:{queue}"
 OWNED_KEY = "ticketq:owned:{consumer}"
 ALIVE_KEY = "ticketq:alive:{consumer}"
 CONSUMERS_KEY = "ticketq:consumers"
 
-MAX_PAYLOAD_BYTES = 65536  # a dead letter keeps at most this much of a refused payload
+# A dead letter keeps a refused payload whole up to this many bytes (at least; see `dead_letter_bound`).
+DEAD_LETTER_MIN_BYTES = 4 * 1024 * 1024
 
 # The outbox's Redis scripts (worker/transport/lua/: each file's header lists its keys and arguments).
 PUBLISH_ONCE = script("publish_once")  # one forward batch's results, each (task, slot) streamed once
@@ -167,6 +179,23 @@ def write_problems() -> list[str]:
 _UNSET = object()
 
 
+class Published(NamedTuple):
+    """What `Outbox.publish` did not stream: (task id, slot) of each result already published by the
+    same message (a re-execution), and of each result of another message under a used task id."""
+
+    repeats: list[tuple[str, int]]
+    conflicts: list[tuple[str, int]]
+
+
+def payload_digest(args: Any) -> str:
+    """A short hash of a message's arguments, as decoded: equal for every delivery of one message
+    (a re-send keeps its arguments), different for another message that reuses its task id."""
+    try:
+        return hashlib.blake2b(codec.dumps(args), digest_size=12).hexdigest()
+    except (TypeError, ValueError):  # not JSON-shaped (a hand-built request): not checked
+        return ""
+
+
 class Outbox:
     """The worker's Redis writes: results stream, Celery backend results, attempts counters, dead letters."""
 
@@ -208,22 +237,28 @@ class Outbox:
 
     # ----- results -------------------------------------------------------------------------
 
-    def publish(self, slots: Sequence[tuple[str, int, bytes]], finished: Sequence[str]) -> list[tuple[str, int]]:
-        """Stream each (task id, slot, result JSON) once, and drop the attempts keys of `finished` messages.
+    def publish(self, slots: Sequence[tuple], finished: Sequence[str]) -> Published:
+        """Stream each (task id, slot, result JSON[, payload digest]) once, and drop the attempts keys
+        of `finished` messages.
 
         One script call. EVAL, not a registered Script: redis-py checks SCRIPT EXISTS before
         every pipeline that holds a Script (a second round trip per forward batch, a third of the
         publish time in a profile); EVAL of a short body costs a few hundred bytes and Redis caches
         the compiled script. Deleting an attempts key before the backend write is safe: a crash in
         between only makes the redelivered message look fresh, and its results are published once
-        anyway. Returns the (task id, slot) of results that were published before (re-executions).
+        anyway. The digest is the message's `payload_digest` (omitted or "": not checked); a message
+        whose task id already streamed another payload's results gets nothing written, and its
+        results come back as conflicts.
         """
         by_task: dict[str, list[tuple[int, bytes]]] = {}
-        for task_id, slot, encoded in slots:
+        digests: dict[str, str] = {}
+        for task_id, slot, encoded, *digest in slots:
             by_task.setdefault(task_id, []).append((slot, encoded))
+            digests.setdefault(task_id, digest[0] if digest else "")
         keys = [
             RESULTS_STREAM,
             *(DONE_KEY.format(task_id=task_id) for task_id in by_task),
+            *(DIGEST_KEY.format(task_id=task_id) for task_id in by_task),
             *(ATTEMPTS_KEY.format(task_id=task_id) for task_id in finished),
         ]
         groups = by_task.values()
@@ -232,15 +267,50 @@ class Outbox:
             self.result_expires_s,
             len(by_task),
             *(",".join([str(slot) for slot, _ in group]) for group in groups),
+            *digests.values(),
             *(encoded for group in groups for _, encoded in group),
         ]
         # Durable only when it finishes a message: an ack follows, and must not outrun the replicas.
         command = lambda target: target.eval(PUBLISH_ONCE, len(keys), *keys, *args)  # noqa: E731
-        repeats = self._durable(self.redis, command) if finished else self.retrying(lambda: command(self.redis))
-        if not repeats:
-            return []
+        if finished:
+            repeats, conflicts = self._durable(self.redis, command)
+        else:
+            repeats, conflicts = self.retrying(lambda: command(self.redis))
+        if not repeats and not conflicts:
+            return Published([], [])
         order = [(task_id, slot) for task_id, group in by_task.items() for slot, _ in group]
-        return [order[position - 1] for position in repeats]
+        return Published([order[p - 1] for p in repeats], [order[p - 1] for p in conflicts])
+
+    def stream_results(self, encoded: Sequence[bytes]) -> None:
+        """Append results to the stream without publish-once marks: the answers of messages that
+        reused another message's task id (the id's marks belong to that one)."""
+        if not encoded:
+            return
+
+        def append() -> None:
+            pipe = self.redis.pipeline(transaction=True)  # all or none: a retry never appends twice
+            for data in encoded:
+                pipe.xadd(RESULTS_STREAM, {"data": data}, maxlen=self.stream_maxlen, approximate=True)
+            pipe.execute()
+
+        self.retrying(append)
+
+    def answered(self, backend: Any, requests: Sequence[tuple[str, int]]) -> set[str]:
+        """Task ids among (task id, ticket count) that have a final result: a result in the backend,
+        or every ticket's result streamed (one pipelined round trip)."""
+        if not requests:
+            return set()
+        client = getattr(backend, "client", None)
+        pipe = self.redis.pipeline(transaction=False)
+        for task_id, _ in requests:
+            pipe.bitcount(DONE_KEY.format(task_id=task_id))
+        streamed = self.retrying(pipe.execute, write=False)
+        stored = [False] * len(requests)
+        if isinstance(client, redis.Redis):
+            keys = [backend.get_key_for_task(task_id) for task_id, _ in requests]
+            stored = self.retrying(lambda: [bool(v) for v in client.mget(keys)], write=False)
+        return {task_id for (task_id, count), done, kept in zip(requests, streamed, stored, strict=True)
+                if kept or done >= max(count, 1)}  # fmt: skip
 
     def store_successes(self, backend: Any, successes: Sequence[tuple[Any, bytes]]) -> None:
         """Celery SUCCESS results for (request, value as JSON) pairs: one STORE_ONCE call on a Redis backend.
@@ -380,26 +450,47 @@ def success_meta_json(task_id: str, value_json: bytes, date_done: str) -> bytes:
     return head.encode() + value_json + tail.encode()
 
 
-def ticket_entry(task_id: str, slot: int | None, reason: str, error: str, payload: Any, worker: str) -> dict[str, str]:
-    """Dead-letter fields for a ticket (one slot) or a whole message (slot None) refused by the service."""
+def dead_letter_bound(max_ticket_bytes: int) -> int:
+    """How much of a refused payload a dead letter keeps whole: 8x TICKETQ_MAX_TICKET_BYTES (a ticket
+    at the limit is at most 6x that as ASCII JSON, every byte a \\u00XX escape, plus its other
+    fields), and never under DEAD_LETTER_MIN_BYTES, so an oversize ticket survives to be re-sent once
+    the limit is raised."""
+    return max(DEAD_LETTER_MIN_BYTES, 8 * max_ticket_bytes)
+
+
+def ticket_entry(
+    task_id: str, slot: int | None, reason: str, error: str, payload: Any, worker: str,
+    limit: int = DEAD_LETTER_MIN_BYTES,
+) -> dict[str, str]:  # fmt: skip
+    """Dead-letter fields for a ticket (one slot) or a whole message (slot None) refused by the service.
+
+    `payload` is the ticket (or the message's arguments) as decoded, written as ASCII JSON, which
+    gives back exactly that value (lone surrogates included); cut at `limit` bytes only, and then
+    flagged `truncated`, which `ticketq dead requeue` refuses to re-send.
+    """
+    dumped = _dump(payload)
     return {
         "task_id": task_id,
         "slot": "" if slot is None else str(slot),
         "reason": str(reason),
         "error": error,
-        "payload": _dump(payload),
+        "payload": dumped[:limit],
+        "truncated": str(len(dumped) > limit).lower(),
         "worker": worker,
         "at": f"{time.time():.3f}",
     }
 
 
-def raw_entry(reason: str, exc: BaseException | None, headers: Any, content_type: Any, body: Any) -> dict[str, str]:
+def raw_entry(
+    reason: str, exc: BaseException | None, headers: Any, content_type: Any, body: Any,
+    limit: int = DEAD_LETTER_MIN_BYTES,
+) -> dict[str, str]:  # fmt: skip
     """Dead-letter fields for a message refused before it became a ticket, raw bytes kept.
 
     Written by the transport (an unreadable queue item) and by the Celery consumer (pickle/YAML
-    content, unknown or invalid task). `payload_b64` holds the message exactly as it came, so
-    nothing is lost and `ticketq dead requeue` can resend it. `headers` may be anything a sender
-    put there.
+    content, unknown or invalid task). `payload_b64` holds the message exactly as it came (up to
+    `limit` bytes, else `truncated`), so nothing is lost and `ticketq dead requeue` can resend it.
+    `headers` may be anything a sender put there.
     """
     headers = headers if isinstance(headers, dict) else {}
     raw = body if isinstance(body, bytes) else str(body).encode("utf-8", "backslashreplace")
@@ -409,24 +500,47 @@ def raw_entry(reason: str, exc: BaseException | None, headers: Any, content_type
         "reason": str(reason),
         "error": f"{type(exc).__name__}: {exc}"[:2000] if exc else str(reason),
         "content_type": str(content_type or ""),
-        "payload_b64": base64.b64encode(raw[:MAX_PAYLOAD_BYTES]).decode(),
-        "truncated": str(len(raw) > MAX_PAYLOAD_BYTES).lower(),
+        "payload_b64": base64.b64encode(raw[:limit]).decode(),
+        "truncated": str(len(raw) > limit).lower(),
         "at": f"{time.time():.3f}",
     }
 
 
-def forget_message(client: redis.Redis, task_id: str) -> None:
-    """Drop a message's attempts and done keys, so a requeued copy is classified and published afresh."""
-    client.delete(ATTEMPTS_KEY.format(task_id=task_id), DONE_KEY.format(task_id=task_id))
+def forget_message(client: redis.Redis, task_id: str, streamed: bool = True) -> None:
+    """Drop a message's attempts key, and with `streamed` its publish-once marks, so a requeued copy
+    is classified and its results published afresh. Only for a message none of whose results is an
+    answer to keep (`ticketq dead requeue` checks first)."""
+    keys = [ATTEMPTS_KEY.format(task_id=task_id)]
+    if streamed:
+        keys += [DONE_KEY.format(task_id=task_id), DIGEST_KEY.format(task_id=task_id)]
+    client.delete(*keys)
+
+
+def done_count(client: redis.Redis, task_id: str) -> int:
+    """How many of a message's tickets have a result in the stream (its publish-once marks)."""
+    return int(client.bitcount(DONE_KEY.format(task_id=task_id)))
+
+
+def mark_requeued(client: redis.Redis, entry_id: str, task_id: str) -> None:
+    """Remember that a dead letter was re-sent as `task_id`; it stays until that task is answered."""
+    client.hset(REQUEUED_KEY, entry_id, task_id)
+
+
+def requeued(client: redis.Redis) -> dict[str, str]:
+    """Dead-letter entry id -> the task id it was re-sent as, for entries awaiting that answer."""
+    return {k.decode(): v.decode() for k, v in client.hgetall(REQUEUED_KEY).items()}
 
 
 def drop_dead_letter(client: redis.Redis, entry_id: str) -> None:
-    """Remove one dead-letter entry (once it has been re-sent)."""
-    client.xdel(DEAD_LETTER_STREAM, entry_id)
+    """Remove one dead-letter entry (its re-sent message is answered) and its requeue record."""
+    pipe = client.pipeline(transaction=True)
+    pipe.xdel(DEAD_LETTER_STREAM, entry_id)
+    pipe.hdel(REQUEUED_KEY, entry_id)
+    pipe.execute()
 
 
 def _dump(raw: Any) -> str:
     try:
-        return json.dumps(raw, ensure_ascii=True)[:MAX_PAYLOAD_BYTES]
+        return json.dumps(raw, ensure_ascii=True)
     except (TypeError, ValueError):
-        return repr(raw)[:MAX_PAYLOAD_BYTES]
+        return repr(raw)

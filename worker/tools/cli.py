@@ -237,12 +237,13 @@ def config(markdown: Annotated[bool, typer.Option(help="Print a Markdown table (
         shown = mask_url(value) if isinstance(value, str) and "://" in value else value
         shown = ",".join(shown) if isinstance(shown, tuple) else str(shown)
         if env in problems:
-            shown = f"[red]INVALID[/] {problems[env]}"
+            shown = f"[red]INVALID[/] {problems[env].split(': ', 1)[-1]}"
         default = ",".join(field.default) if isinstance(field.default, tuple) else field.default
         table.add_row(env, shown, str(default), field.description or "")
     Console().print(table)
-    if problems:
-        raise typer.Exit(EXIT_USAGE)
+    if problems:  # and the usual one line per problem on stderr, exit 2
+        lines = [f"{env}={why}" for env, why in problems.items()]
+        _fail("invalid settings:\n" + "\n".join(lines) if len(lines) > 1 else lines[0])
 
 
 def _settings_marking_invalid():
@@ -259,7 +260,7 @@ def _settings_marking_invalid():
                 return load_settings(), problems
             except SettingsError as exc:
                 lines = str(exc).splitlines()
-                named = {line.split("=", 1)[0]: line.split(": ", 1)[-1]
+                named = {line.split("=", 1)[0]: line.split("=", 1)[1]
                          for line in lines if line.startswith("TICKETQ_")}  # fmt: skip
                 if not named.keys() - problems.keys() or not named.keys() <= os.environ.keys():
                     _fail(f"invalid settings:\n{exc}" if len(lines) > 1 else str(exc))  # a combination: say it
@@ -358,10 +359,14 @@ def status(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] 
 
 @dead.command("list")
 def dead_list(reason: Annotated[str | None, typer.Option(help="Only this reason.")] = None) -> None:
-    """One line per dead letter: entry id, reason, task id, error."""
+    """One line per dead letter: entry id, reason, task id, error; a requeued one awaiting its
+    result says so (a letter leaves the list once its re-sent task is answered)."""
     with _ops() as ops:
         for letter in ops.dead_letters(reason):
-            print(f"{letter.entry_id}  {letter.reason}  {letter.task_id}  {letter.fields.get('error', '')}")
+            requeued = f"  [requeued as {letter.requeued_as}, awaiting its result]" if letter.requeued_as else ""
+            cut = "  [payload truncated: not requeueable]" if letter.truncated else ""
+            error_text = letter.fields.get("error", "")
+            print(f"{letter.entry_id}  {letter.reason}  {letter.task_id}  {error_text}{requeued}{cut}")
 
 
 @dead.command("show")
@@ -373,6 +378,7 @@ def dead_show(key: Annotated[str, typer.Argument(help="Stream entry id or task i
         _fail(f"no dead letter with entry id or task id {key}", EXIT_FAILED)
     for letter in letters:
         fields = {k: v for k, v in letter.fields.items() if k not in ("payload", "payload_b64")}
+        fields.update({"requeued_as": letter.requeued_as} if letter.requeued_as else {})
         payload = letter.payload
         shown = payload.decode("utf-8", "backslashreplace") if isinstance(payload, bytes) else payload
         print(json.dumps({"entry_id": letter.entry_id, **fields, "payload": shown}, indent=2, ensure_ascii=False))
@@ -383,7 +389,11 @@ def dead_requeue(
     keys: Annotated[list[str] | None, typer.Argument(help="Stream entry ids or task ids.")] = None,
     reason: Annotated[str | None, typer.Option(help="Every dead letter with this reason.")] = None,
 ) -> None:
-    """Re-send dead letters with their original task id (a ticket of a pack: <task id>:<slot>)."""
+    """Re-send dead letters with their original task id (a ticket of a pack: <task id>:<slot>).
+
+    A letter stays listed until its re-sent task has a result (then any dead-letter command drops
+    it). Nothing is sent for a ticket that already has a result, nor for a payload cut when it was
+    dead-lettered; each says so (exit status 1, or 3 when nothing was re-sent)."""
     from worker.tools.ops import NotRequeueable
 
     if not keys and not reason:
@@ -393,7 +403,7 @@ def dead_requeue(
         letters = ops.dead_letters(reason) if reason else [x for key in keys or [] for x in ops.find_dead(key)]
         for letter in letters:
             try:
-                print(f"requeued {letter.entry_id} as task {ops.requeue(letter)}")
+                print(f"requeued {letter.entry_id} as task {ops.requeue(letter)} (listed until it is answered)")
             except NotRequeueable as exc:
                 failed += 1
                 error(console, f"{letter.entry_id}: {exc}")

@@ -12,10 +12,13 @@ import json
 from collections import Counter
 from dataclasses import dataclass
 
+import redis
+from celery import states
 from kombu.transport.redis import Channel
 
 from producer.api import Producer
 from ticketq import connections, names
+from ticketq.contract import Reason
 from worker import store
 from worker.settings import Settings
 
@@ -26,6 +29,15 @@ class DeadLetter:
 
     entry_id: str
     fields: dict[str, str]
+    requeued_as: str = ""  # the task id it was re-sent as, while that task has no result
+
+    @property
+    def truncated(self) -> bool:
+        """The payload was cut when dead-lettered. Entries that predate the flag cut the ticket's
+        JSON at LEGACY_CUT characters."""
+        if "truncated" in self.fields:
+            return self.fields["truncated"] == "true"
+        return len(self.fields.get("payload", "")) >= LEGACY_CUT and not isinstance(self.payload, list | dict)
 
     @property
     def reason(self) -> str:
@@ -46,6 +58,16 @@ class DeadLetter:
         return base64.b64decode(self.fields.get("payload_b64", ""))
 
 
+LEGACY_CUT = 65536  # where dead letters without a `truncated` field cut the payload's JSON
+
+# Reasons whose failed result was streamed with the dead letter (bit <slot> of the done key set): a
+# requeue clears those marks. The others never streamed: a mark means another delivery answered.
+_STREAMED = frozenset({
+    Reason.BAD_PAYLOAD, Reason.MISSING_FIELD, Reason.WRONG_TYPE, Reason.EMPTY_ID, Reason.INVALID_UTF8,
+    Reason.OVERSIZE, Reason.EMPTY_TEXT, Reason.ENGINE_ERROR, Reason.EXPIRED,
+})  # fmt: skip
+
+
 class Ops:
     """Operator commands over one broker; a thin layer on `Producer` (its Celery app and Redis client)."""
 
@@ -59,23 +81,41 @@ class Ops:
 
     def status(self, ping_timeout: float = 1.0) -> dict:
         replies = self.producer.app.control.ping(timeout=ping_timeout) or []
+        letters = self.dead_letters()
         return {
             "queue": self.settings.queue,
             "queue_depth": self.producer.queue_depth(),
-            # delivered to a worker, not yet acknowledged (kombu's Redis transport keeps them in one hash)
-            "in_flight": self.redis.hlen(Channel.unacked_key),
+            "in_flight": self.in_flight(),
             "leases": self.leases(),
             "workers": sorted(name for reply in replies for name in reply),
-            "dead_letters": dict(Counter(letter.reason for letter in self.dead_letters()).most_common()),
+            "dead_letters": dict(Counter(letter.reason for letter in letters).most_common()),
+            "requeued_awaiting_result": sum(bool(letter.requeued_as) for letter in letters),
             "results_stream": self.redis.xlen(names.RESULTS_STREAM),
             # noeviction is the only safe policy: any other may drop the queue, unacked messages, results
             "redis": connections.memory_state(self.redis),
         }
 
+    def in_flight(self) -> int:
+        """Messages of the ticket queue delivered to a worker and not yet acknowledged. kombu's
+        unacked hash holds every queue's (Celery's control replies, `*.reply.celery.pidbox`, and
+        event queues too, once Flower or `celery inspect` talk to the workers): each record is
+        [message, exchange, routing key], and only the ticket queue's routing key is counted."""
+        count = 0
+        for _, record in self.redis.hscan_iter(Channel.unacked_key, count=1000):
+            try:
+                routing_key = json.loads(record)[2]
+            except (ValueError, IndexError, TypeError):  # not kombu's record: not a ticket message
+                continue
+            count += routing_key == self.settings.queue
+        return count
+
     def leases(self) -> dict[str, int]:
-        """Consumers of the atomic fetch (worker.transport): holding a lease, or expired and awaiting
-        recovery by a live worker (their messages go back to the queue within a lease period)."""
-        names = self.redis.hkeys(store.CONSUMERS_KEY)
+        """Consumers of the ticket queue (worker.transport's atomic fetch): holding a lease, or expired
+        and awaiting recovery by a live worker (their messages go back to the queue within a lease
+        period). A consumer record names its queues; those of control and event queues only are
+        Celery's own, not workers of this queue."""
+        names = [name for name, info in self.redis.hgetall(store.CONSUMERS_KEY).items()
+                 if self.settings.queue in _queues(info)]  # fmt: skip
         pipe = self.redis.pipeline(transaction=False)
         for name in names:
             pipe.exists(store.ALIVE_KEY.format(consumer=name.decode()))
@@ -83,38 +123,101 @@ class Ops:
         return {"alive": alive, "expired": len(names) - alive}
 
     def dead_letters(self, reason: str | None = None) -> list[DeadLetter]:
+        """The dead letters (with `reason`), after dropping those whose re-sent message is answered."""
+        pending = self.settle_requeued()
         entries = self.redis.xrange(names.DEAD_LETTER_STREAM)
-        letters = [DeadLetter(raw_id.decode(), {k.decode(): v.decode() for k, v in fields.items()})
-                   for raw_id, fields in entries]  # fmt: skip
+        letters = [DeadLetter(raw_id.decode(), {k.decode(): v.decode() for k, v in fields.items()},
+                              pending.get(raw_id.decode(), "")) for raw_id, fields in entries]  # fmt: skip
         return [letter for letter in letters if reason is None or letter.reason == reason]
+
+    def settle_requeued(self) -> dict[str, str]:
+        """Drop each requeued dead letter whose re-sent task has a result now (in the backend: a
+        requeue removed the old FAILURE first). Returns the entries still waiting (entry -> task id).
+
+        Every operator command that reads dead letters runs this, so a letter leaves the stream the
+        first time one looks after its ticket was answered, and never before: a re-sent message that
+        is lost leaves its letter to requeue again.
+        """
+        pending = store.requeued(self.redis)
+        if not pending:
+            return {}
+        backend = self.producer.app.backend
+        if isinstance(getattr(backend, "client", None), redis.Redis):  # the backend may be another Redis
+            pipe = backend.client.pipeline(transaction=False)
+            for task_id in pending.values():
+                pipe.exists(backend.get_key_for_task(task_id))
+            results = pipe.execute()
+        else:
+            results = [backend.get_task_meta(task).get("status") in states.READY_STATES for task in pending.values()]
+        for (entry_id, _), answered in zip(list(pending.items()), results, strict=True):
+            if answered:
+                store.drop_dead_letter(self.redis, entry_id)
+                del pending[entry_id]
+        return pending
 
     def find_dead(self, key: str) -> list[DeadLetter]:
         """Dead letters by stream entry id or by task id."""
         return [letter for letter in self.dead_letters() if key in (letter.entry_id, letter.task_id)]
 
     def requeue(self, letter: DeadLetter) -> str:
-        """Re-send a dead letter's payload; returns the task id used. Removes the entry once sent.
+        """Re-send a dead letter's payload exactly as it came; returns the task id used.
 
         A whole message (or a single-ticket one) goes back with its original task id, so waiting
         clients get the new result. A ticket of a packed message goes alone as `<task id>:<slot>`:
-        the pack's other results stand. The message's attempt counter and its publish-once marks
-        are cleared first, or the retry would be refused or its result not streamed.
+        the pack's other results stand. The entry stays until the re-sent task has a result
+        (`settle_requeued`). Raises `NotRequeueable` for a payload that was cut, and `Answered`
+        (sending nothing, clearing nothing) for a ticket that has a result already.
+
+        Before sending: the attempts counter goes (or the retry would be refused), the old FAILURE
+        goes (or the new result could not be stored, and waiters would keep the failure), and the
+        publish-once marks go only where they mark this dead letter's own failed result.
         """
+        if letter.truncated:
+            kept = len(letter.fields.get("payload", letter.fields.get("payload_b64", "")))
+            raise NotRequeueable(f"the payload was cut at {kept} bytes when dead-lettered; it cannot be re-sent "
+                                 "whole: send the ticket again from its source")  # fmt: skip
+        if letter.reason == Reason.DUPLICATE_TASK_ID:
+            raise NotRequeueable(f"task id {letter.task_id} belongs to another message, answered; "
+                                 "send this ticket again under a new id")  # fmt: skip
         args, task_id = self._resend_args(letter)
-        store.forget_message(self.redis, task_id)
+        streamed = self._check_unanswered(letter, task_id, args)
+        store.forget_message(self.redis, task_id, streamed=streamed)
+        backend = self.producer.app.backend
+        if backend.get_task_meta(task_id).get("status") == "FAILURE":
+            backend.forget(task_id)
         self.producer.app.send_task(names.TASK_CLASSIFY, args=args, queue=self.settings.queue, task_id=task_id)
-        store.drop_dead_letter(self.redis, letter.entry_id)
+        store.mark_requeued(self.redis, letter.entry_id, task_id)
         return task_id
+
+    def _check_unanswered(self, letter: DeadLetter, task_id: str, args: list) -> bool:
+        """Raise `Answered` when `task_id` has a result a requeue would repeat; else whether its
+        publish-once marks are this letter's own (a failure streamed with it) and may go."""
+        meta = self.producer.app.backend.get_task_meta(task_id)
+        if meta.get("status") == "SUCCESS":  # a ticket answered ok, or a pack finished (every slot answered)
+            raise Answered(f"task {task_id} already has a result (ticketq result {task_id}); nothing re-sent")
+        done = store.done_count(self.redis, task_id)
+        own = task_id != letter.task_id or (letter.fields.get("slot") == "0" and letter.reason in _STREAMED)
+        if own:
+            return True
+        tickets = len(args[0]) if isinstance(args[0], list) else 1
+        if done >= tickets:  # every ticket streamed, by a delivery other than the one that failed
+            raise Answered(f"every ticket of task {task_id} already has a result in the results stream "
+                           f"(ticketq result {task_id}); nothing re-sent")  # fmt: skip
+        return False  # some streamed: their marks stay, so the re-sent message publishes only the rest
 
     def _resend_args(self, letter: DeadLetter) -> tuple[list, str]:
         payload = letter.payload
+        if isinstance(payload, str):
+            raise NotRequeueable("the payload is not JSON (it was not a ticket's); nothing to re-send")
         if isinstance(payload, bytes):
             payload = _celery_args(payload, letter.fields.get("task", ""))
             return payload, letter.task_id
         slot = letter.fields.get("slot", "")
         if slot == "":  # the whole message: payload is its args
             return (payload if isinstance(payload, list) else [payload]), letter.task_id
-        single = self.producer.app.AsyncResult(letter.task_id).state == "FAILURE"  # packs never end FAILURE
+        meta = self.producer.app.backend.get_task_meta(letter.task_id)
+        # packs never end FAILURE, and end SUCCESS with a list; a single ticket's result is one dict
+        single = meta.get("status") == "FAILURE" or isinstance(meta.get("result"), dict)
         return [payload], letter.task_id if single and slot == "0" else f"{letter.task_id}:{slot}"
 
     def result(self, key: str) -> list[dict]:
@@ -133,7 +236,21 @@ class Ops:
 
 
 class NotRequeueable(ValueError):
-    """A dead letter whose bytes are not a ticketq task's JSON arguments."""
+    """A dead letter that cannot be re-sent: its bytes are not a ticketq task's JSON arguments, or
+    were cut, or its task id belongs to another message."""
+
+
+class Answered(NotRequeueable):
+    """A dead letter whose ticket has a result already: re-sending it would answer it twice."""
+
+
+def _queues(info: bytes) -> list[str]:
+    """The queues a consumer record (`ticketq:consumers`) names."""
+    try:
+        queues = json.loads(info).get("queues", [])
+    except (ValueError, AttributeError):
+        return []
+    return queues if isinstance(queues, list) else []
 
 
 def _celery_args(body: bytes, task: str) -> list:
