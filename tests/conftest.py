@@ -38,3 +38,16 @@ def tiny_engine(tiny_settings):
     from worker.engine import Engine
 
     return Engine.from_settings(tiny_settings)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A private redis-server with AOF (fsync always): what a client saw acknowledged survives a
+    kill, and the test may kill and restart it."""
+    from workers import RedisServer
+
+    workdir = tmp_path / "redis"
+    workdir.mkdir()
+    server = RedisServer(workdir, aof=True).start()
+    yield server
+    server.kill()

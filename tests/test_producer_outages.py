@@ -31,16 +31,6 @@ QUEUE = "outages"
 
 
 @pytest.fixture
-def redis_server(tmp_path) -> Iterator[RedisServer]:
-    """A private redis-server with AOF (fsync always): what a client saw acknowledged survives a kill."""
-    workdir = tmp_path / "redis"
-    workdir.mkdir()
-    server = RedisServer(workdir, aof=True).start()
-    yield server
-    server.kill()
-
-
-@pytest.fixture
 def workers(tmp_path) -> Iterator[Callable[[RedisServer], Worker]]:
     """`start(server)` -> a ready null-classifier worker on QUEUE; every one is stopped at the end."""
     started: list[Worker] = []

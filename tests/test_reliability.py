@@ -60,16 +60,6 @@ FINAL_STATES = {"SUCCESS", "FAILURE"}
 
 
 @pytest.fixture
-def redis_server(tmp_path) -> Iterator[RedisServer]:
-    """A private redis-server with AOF (fsync always); the test may kill and restart it."""
-    workdir = tmp_path / "redis"
-    workdir.mkdir()
-    server = RedisServer(workdir, aof=True).start()
-    yield server
-    server.kill()
-
-
-@pytest.fixture
 def workers(tmp_path) -> Iterator[Callable[..., Worker]]:
     """`start(env, name)` -> a ready Worker; every worker started is stopped (or reaped) at the end."""
     started: list[Worker] = []
