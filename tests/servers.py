@@ -15,9 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
 import redis
-from workers import RedisServer, free_port, on_ci, wait_for
+from workers import RedisServer, free_port, skip_or_fail, wait_for
 
 MASTER_NAME = "ticketq"  # the name the sentinels monitor: TICKETQ_SENTINEL_MASTER
 DOWN_AFTER_MS = 2000  # a master silent this long is down for a sentinel
@@ -26,10 +25,7 @@ DOWN_AFTER_MS = 2000  # a master silent this long is down for a sentinel
 def require_redis_server() -> None:
     """Skip without redis-server; under CI (CI=true) a missing redis-server fails instead."""
     if shutil.which("redis-server") is None:
-        reason = "redis-server is not installed (apt-get install redis-server)"
-        if on_ci():
-            pytest.fail(reason)
-        pytest.skip(reason)
+        skip_or_fail("redis-server is not installed (apt-get install redis-server)")
 
 
 class SentinelServer(RedisServer):

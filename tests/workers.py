@@ -27,7 +27,7 @@ from worker.tools.procs import WorkerProcess as Worker
 # What the tests import from here; ROOT, free_port, wait_for and Worker come from worker.tools.procs.
 __all__ = [
     "ROOT", "RedisServer", "Worker", "free_port", "null_classifier_service", "on_ci", "redis_or_skip", "running_worker",
-    "wait_for", "worker_env",
+    "skip_or_fail", "wait_for", "worker_env",
 ]  # fmt: skip
 
 
@@ -129,8 +129,12 @@ def redis_or_skip(url: str) -> redis.Redis:
     try:
         client.ping()
     except redis.RedisError as exc:
-        reason = f"no Redis at {url} ({exc}); start one with `redis-server --port 6379`"
-        if on_ci():
-            pytest.fail(reason)
-        pytest.skip(reason)
+        skip_or_fail(f"no Redis at {url} ({exc}); start one with `redis-server --port 6379`")
     return client
+
+
+def skip_or_fail(reason: str) -> None:
+    """Skip the test for a missing service; under CI (CI=true) a missing service fails it instead."""
+    if on_ci():
+        pytest.fail(reason)
+    pytest.skip(reason)
