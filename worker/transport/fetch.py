@@ -218,6 +218,17 @@ class Channel(kombu_redis.Channel):
         self._refused_until = time.monotonic() + REFUSED_PAUSE_S
         return True
 
+    def maybe_refresh_binding_expiry(self) -> None:
+        """kombu >= 5.7 refreshes the bindings of expiring queues (Celery's pidbox) every few
+        seconds, by script, and logs a traceback each time Redis refuses it. A refused write is an
+        episode here, logged once; kombu refreshes again once Redis takes writes (an expired
+        binding table is re-created by the next refresh)."""
+        try:
+            super().maybe_refresh_binding_expiry()
+        except redis.ResponseError as exc:
+            if not self.refused(exc, "refreshing the control bindings"):
+                raise
+
     def own_client(self) -> redis.Redis:
         """A client on a pool of its own, as the channel's: for a thread whose commands must not be
         cut by kombu, which disconnects the channel's pools on close."""
