@@ -37,7 +37,7 @@ from worker.metrics import Metrics
 from worker.results import BatchReport, Prediction
 from worker.settings import Settings
 from worker.shadow import ShadowChecker
-from worker.store import Outbox, dead_letter_bound, payload_digest, ticket_entry
+from worker.store import Outbox, Unconfirmed, dead_letter_bound, payload_digest, ticket_entry
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,11 @@ class Feed(Protocol):
     def done(self, task_ids: Sequence[str], failures: Mapping[str, str] | None = None) -> None:
         """These messages' results are out: acknowledge them (never raises). `failures`: the error
         of each that ended in state FAILURE."""
+        ...
+
+    def taken_over(self, task_ids: Sequence[str]) -> set[str]:
+        """Those of these messages that another worker took over (this worker's lease lapsed):
+        theirs to answer, not this worker's to fail. May raise Redis' errors."""
         ...
 
 
@@ -148,7 +153,7 @@ class TicketService:
         """Classify and publish one buffer (and what `feed` adds while it runs); never raises (see
         module docstring)."""
         self.metrics.flushes.inc()
-        triaged = self._triage_or_fail(requests, backend)
+        triaged = self._triage_or_fail(requests, backend, feed)
         if triaged is None:
             return
         fresh, redelivered = triaged
@@ -166,7 +171,29 @@ class TicketService:
             work = Work(backend, time.time(), feed)
             run(work)
         except Exception as exc:  # last line of defence: what is already published stays published
-            self._fail_batch(requests if work is None else work.unfinished(), backend, exc)
+            self._fail_batch(requests if work is None else work.unfinished(), backend, exc, feed)
+            if work is not None:
+                self._settle_unconfirmed(work, exc)
+
+    def _settle_unconfirmed(self, work: Work, exc: Exception) -> None:
+        """A publish that gave up may have run after all (sent into a partition, it arrives when
+        the link heals): count the results it streamed, which every later publish finds repeated."""
+        cause = exc.__cause__ if isinstance(exc, PublishFailed) else exc
+        if not isinstance(cause, Unconfirmed):
+            return
+        try:
+            landed = self.outbox.landed(cause)
+        except Exception as error:  # Redis still away: those results are counted by no one
+            log.warning("could not learn whether %d unconfirmed result(s) were published (%s)", len(cause.order), error)
+            return
+        if landed is None:
+            return
+        skipped = {*landed.repeats, *landed.conflicts}
+        by_place = {(slot.request.id, slot.index): slot for slot in work.slots}
+        streamed = [by_place[place] for place in cause.order if place not in skipped and place in by_place]
+        self._count_outcomes([slot for slot in streamed if slot.result is not None])
+        log.info("an unconfirmed publish of %d result(s) ran after all: %d streamed by this worker",
+                 len(cause.order), len(streamed))  # fmt: skip
 
     def _run_batch(self, work: Work, requests: Sequence[Any], redelivered: list[Any]) -> None:
         """First deliveries as one batch; arrivals through the feed join it between forwards (the
@@ -200,7 +227,7 @@ class TicketService:
             requests = work.feed.more()
             if not requests:
                 return []
-            triaged = self._triage_or_fail(requests, work.backend)
+            triaged = self._triage_or_fail(requests, work.backend, work.feed)
             if triaged is None:
                 return []
             fresh, again = triaged
@@ -212,17 +239,23 @@ class TicketService:
 
         return more
 
-    def _triage_or_fail(self, requests: Sequence[Any], backend: Backend) -> tuple[list[Any], list[Any]] | None:
+    def _triage_or_fail(self, requests: Sequence[Any], backend: Backend,
+                        feed: Feed | None) -> tuple[list[Any], list[Any]] | None:  # fmt: skip
         """`_triage`, or None once every request is failed (Redis away for longer than worst_batch_s)."""
         try:
             return self._triage(requests)
         except Exception as exc:
-            self._fail_batch(requests, backend, exc)
+            self._fail_batch(requests, backend, exc, feed)
             return None
 
-    def _fail_batch(self, requests: Sequence[Any], backend: Backend, exc: Exception) -> None:
-        log.exception("batch of %d requests failed outside the engine", len(requests))
-        self._fail_open(requests, backend, exc)
+    def _fail_batch(self, requests: Sequence[Any], backend: Backend, exc: Exception, feed: Feed | None) -> None:
+        cause = exc.__cause__ if isinstance(exc, PublishFailed) else exc
+        if isinstance(cause, redis.ConnectionError | redis.TimeoutError):  # an outage, not a bug: no traceback
+            log.error("batch of %d requests stopped: Redis unreachable for longer than TICKETQ_WORST_BATCH_S "
+                      "(%ss): %s", len(requests), self.settings.worst_batch_s, cause)  # fmt: skip
+        else:
+            log.exception("batch of %d requests failed outside the engine", len(requests))
+        self._fail_open(requests, backend, exc, feed)
 
     def _triage(self, requests: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         """Split the buffer into first deliveries (counted now) and redelivered messages.
@@ -486,12 +519,14 @@ class TicketService:
         self.metrics.dead_letters.labels(reason=rejection.reason).inc()
         log.warning("dead-lettered task %s slot %s: %s", request.id, entry["slot"], rejection)
 
-    def _fail_open(self, requests: Sequence[Any], backend: Backend, exc: Exception) -> None:
-        """FAILURE and a dead letter for each request without a final result. A worker cut off from
-        Redis for longer than its lease meets requests another worker has answered meanwhile: those
-        keep their answer (a FAILURE would overwrite it, a requeue of the dead letter repeat it). One
-        whose every ticket is in the results stream but whose backend result is not written yet is
-        left alone too: a FAILURE would contradict the stream and block the SUCCESS that follows."""
+    def _fail_open(self, requests: Sequence[Any], backend: Backend, exc: Exception, feed: Feed | None = None) -> None:
+        """FAILURE and a dead letter for each request without a final result, except where another
+        worker has it. A worker cut off from Redis for longer than its lease meets requests that a
+        live worker took over (recovered as a dead consumer's) and may have answered meanwhile:
+        those are left to it, answered or not (a FAILURE would overwrite or pre-empt its answer, a
+        requeue of the dead letter repeat it). One whose every ticket is in the results stream but
+        whose backend result is not written yet is left alone too: a FAILURE would contradict the
+        stream and block the SUCCESS that follows."""
         error = TicketRejected(Reason.WORKER_ERROR, f"{type(exc).__name__}: {exc}")
         try:
             answered = self.outbox.answered(backend, [(request.id, _ticket_count(request)) for request in requests])
@@ -499,12 +534,28 @@ class TicketService:
             answered = set()
         if answered:
             log.info("not failing %d message(s) answered meanwhile: %s", len(answered), sorted(answered)[:5])
-        for request in (request for request in requests if request.id not in answered):
+        open_ids = [request.id for request in requests if request.id not in answered]
+        taken = self._taken_over(feed, open_ids)
+        if taken:
+            log.warning("not failing %d message(s) another worker took over while this worker's lease had "
+                        "lapsed (theirs to answer): %s", len(taken), sorted(taken)[:5])  # fmt: skip
+        for request in (request for request in requests if request.id not in answered and request.id not in taken):
             try:
                 self.outbox.mark_failed(backend, request, error)
                 self._dead_letter(request, None, request.args, error)
             except Exception:  # Redis gone too: the message is acked; log loudly so it is visible
                 log.exception("could not mark task %s failed", request.id)
+
+
+    def _taken_over(self, feed: Feed | None, task_ids: list[str]) -> set[str]:
+        """`feed.taken_over`, with Redis given worst_batch_s to answer; an empty set when it cannot."""
+        if feed is None or not task_ids:
+            return set()
+        try:
+            return self.outbox.retrying(lambda: feed.taken_over(task_ids), write=False)
+        except Exception as exc:  # Redis still away: nothing to check against; the failures below log their own
+            log.warning("could not check whether another worker took over %d message(s) (%s)", len(task_ids), exc)
+            return set()
 
 
 def message_deadline(request: Any) -> float | None:

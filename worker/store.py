@@ -18,6 +18,11 @@ consuming channel, host:pid:random):
 - `ticketq:digest:<task>` (string, TTL = result expiry) — a hash of the message's arguments, written
   with its first published result: a re-delivery of the same message is published once, another
   message under the same task id is answered `duplicate_task_id`. `Outbox.publish`.
+- `ticketq:publish:<call>` (string, TTL PUBLISH_CALL_TTL_S) — the answer of one publish call,
+  so that the call repeated after a lost reply (a timeout, a partition) gets the first answer
+  again instead of "all repeats": each result is counted once, by the worker that published it;
+  `cancelled` when the call gave up before it ran, so a copy that arrives late does nothing.
+  `Outbox.publish`, `Outbox.landed`.
 - `ticketq:attempts:<task>` (counter, TTL = result expiry) — deliveries of an unfinished message;
   bounds crash loops on poison tickets, deleted when the message is finished.
   `Outbox.count_deliveries`, `Outbox.publish`; `forget_message` (operator requeue).
@@ -57,10 +62,12 @@ import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import redis
+from celery import states
 
 from ticketq import codec
 from ticketq.connections import NOT_ENOUGH_REPLICAS, OUT_OF_MEMORY, confirm_replicas, write_refusal
@@ -76,6 +83,10 @@ DONE_KEY = "ticketq:done:{task_id}"
 DIGEST_KEY = "ticketq:digest:{task_id}"
 REQUEUED_KEY = "ticketq:requeued"
 ATTEMPTS_KEY = "ticketq:attempts:{task_id}"
+PUBLISH_CALL_KEY = "ticketq:publish:{call}"
+# Longer than any retrying of one call, and than TCP holds an unsent command (tcp_retries2: ~15 min).
+PUBLISH_CALL_TTL_S = 1800
+CANCELLED = b"cancelled"  # a publish call's key when the call gave up before it ran (`Outbox.landed`)
 FETCHING_KEY = "ticketq:fetching:{consumer}:{queue}"
 OWNED_KEY = "ticketq:owned:{consumer}"
 ALIVE_KEY = "ticketq:alive:{consumer}"
@@ -187,13 +198,25 @@ class Published(NamedTuple):
     conflicts: list[tuple[str, int]]
 
 
+DIGEST_FORMAT = "2:"  # digests of another format (an older worker's) are never taken for conflicts
+
+
 def payload_digest(args: Any) -> str:
-    """A short hash of a message's arguments, as decoded: equal for every delivery of one message
-    (a re-send keeps its arguments), different for another message that reuses its task id."""
+    """A short hash of a message's arguments, as decoded, less each ticket's `submitted_at` (when
+    it was sent, not what): equal for every delivery of one message and for the same tickets sent
+    again under their idempotent task ids, different for another message that reuses a task id."""
     try:
-        return hashlib.blake2b(codec.dumps(args), digest_size=12).hexdigest()
+        return DIGEST_FORMAT + hashlib.blake2b(codec.dumps(_without_send_time(args)), digest_size=12).hexdigest()
     except (TypeError, ValueError):  # not JSON-shaped (a hand-built request): not checked
         return ""
+
+
+def _without_send_time(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: item for key, item in value.items() if key != "submitted_at"}
+    if isinstance(value, list | tuple):
+        return [_without_send_time(item) for item in value]
+    return value
 
 
 class Outbox:
@@ -259,6 +282,7 @@ class Outbox:
             RESULTS_STREAM,
             *(DONE_KEY.format(task_id=task_id) for task_id in by_task),
             *(DIGEST_KEY.format(task_id=task_id) for task_id in by_task),
+            PUBLISH_CALL_KEY.format(call=uuid.uuid4().hex),  # the same for every retry of this call
             *(ATTEMPTS_KEY.format(task_id=task_id) for task_id in finished),
         ]
         groups = by_task.values()
@@ -266,20 +290,36 @@ class Outbox:
             self.stream_maxlen,
             self.result_expires_s,
             len(by_task),
+            PUBLISH_CALL_TTL_S,
             *(",".join([str(slot) for slot, _ in group]) for group in groups),
             *digests.values(),
             *(encoded for group in groups for _, encoded in group),
         ]
         # Durable only when it finishes a message: an ack follows, and must not outrun the replicas.
         command = lambda target: target.eval(PUBLISH_ONCE, len(keys), *keys, *args)  # noqa: E731
-        if finished:
-            repeats, conflicts = self._durable(self.redis, command)
-        else:
-            repeats, conflicts = self.retrying(lambda: command(self.redis))
-        if not repeats and not conflicts:
-            return Published([], [])
         order = [(task_id, slot) for task_id, group in by_task.items() for slot, _ in group]
-        return Published([order[p - 1] for p in repeats], [order[p - 1] for p in conflicts])
+        try:
+            if finished:
+                repeats, conflicts = self._durable(self.redis, command)
+            else:
+                repeats, conflicts = self.retrying(lambda: command(self.redis))
+        except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError, OSError) as exc:
+            raise Unconfirmed(keys[2 * len(by_task) + 1], order, exc) from exc
+        return _published(order, repeats, conflicts)
+
+    def landed(self, unconfirmed: Unconfirmed) -> Published | None:
+        """What a publish call that gave up did after all (its command may have reached Redis, and
+        run, after its reply was lost): its answer, or None if it has not run, in which case it is
+        cancelled: a copy still in flight does nothing when it arrives. Retries while Redis is
+        away, up to worst_batch_s."""
+        key = unconfirmed.call_key
+        # Fenced in one step: if the call has not run, it never will (arriving late, it finds the key).
+        fenced = self.retrying(lambda: self.redis.set(key, CANCELLED, nx=True, ex=PUBLISH_CALL_TTL_S))
+        if fenced:
+            return None
+        answer = self.retrying(lambda: self.redis.get(key), write=False)
+        repeats, conflicts = (part or [] for part in json.loads(answer))
+        return _published(unconfirmed.order, repeats, conflicts)
 
     def stream_results(self, encoded: Sequence[bytes]) -> None:
         """Append results to the stream without publish-once marks: the answers of messages that
@@ -335,17 +375,21 @@ class Outbox:
     def mark_failed(self, backend: Any, request: Any, exc: BaseException) -> None:
         """Celery FAILURE result for one request.
 
-        call_errbacks=False: Celery's mark_as_failure reads `request.errbacks` after storing the
-        state, and celery-batches' SimpleRequest has no such attribute. The AttributeError used to
-        reach the service's last line of defence, which then marked the whole buffer failed
-        (successes included) and dead-lettered every ticket in it a second time. Batch tasks carry
-        no errbacks.
+        On a Redis backend it is stored only where no result is yet (STORE_ONCE, as successes
+        are), in Celery's format (`_get_result_meta`): a failure never overwrites the answer of a
+        worker that took the message over (Celery's own check, a GET then a SET, leaves a window).
+        Elsewhere Celery's mark_as_failure, with call_errbacks=False: it reads `request.errbacks`,
+        which celery-batches' SimpleRequest lacks, and batch tasks carry no errbacks.
         """
-        mark = lambda: backend.mark_as_failure(request.id, exc, request=request, call_errbacks=False)  # noqa: E731
-        self.retrying(mark)
         client = getattr(backend, "client", None)
-        if self.replica_acks and isinstance(client, redis.Redis):
-            self._confirm_stored(client, backend.get_key_for_task(request.id), mark)
+        if isinstance(client, redis.Redis):  # set if absent, like a SUCCESS: never over another worker's answer
+            meta = backend._get_result_meta(result=backend.prepare_exception(exc), state=states.FAILURE,
+                                            traceback=None, request=request)  # fmt: skip
+            meta["task_id"] = request.id
+            keys, expires = [backend.get_key_for_task(request.id)], int(backend.expires or 0)
+            self._durable(client, lambda target: target.eval(STORE_ONCE, 1, *keys, expires, backend.encode(meta)))
+            return
+        self.retrying(lambda: backend.mark_as_failure(request.id, exc, request=request, call_errbacks=False))
 
     # ----- dead letters --------------------------------------------------------------------
 
@@ -392,8 +436,7 @@ class Outbox:
 
         The whole pipeline runs again after a short WAIT, not the WAIT alone: after a failover the
         new master may lack the write, and a WAIT there would confirm its own history, not ours.
-        The writes are idempotent, so a re-run only finds them done (its own answer, "already
-        published", is not the real one and is dropped).
+        The writes are idempotent, so a re-run only finds them done (the first answer is kept).
         """
         if not self.replica_acks:
             return self.retrying(lambda: command(client))
@@ -414,19 +457,18 @@ class Outbox:
         replies = pipe.execute()
         return replies[0], int(replies[-1])
 
-    def _confirm_stored(self, client: redis.Redis, key: str, write: Callable[[], Any]) -> None:
-        """`_durable` for a write made by Celery's backend (not a command of ours): confirm that
-        `key` is on the master the WAIT runs on, and write again where it is not."""
-        while True:
-            present, acked = self.retrying(lambda: self._with_wait(client, lambda pipe: pipe.exists(key)))
-            if not present:
-                self.retrying(write)
-            elif acked >= self.replica_acks:
-                REPLICAS_BEHIND.end()
-                return
-            else:
-                REPLICAS_BEHIND.begin(f"{acked} of {self.replica_acks} replica(s) confirmed within "
-                                      f"{self.replica_timeout_s:g}s")  # fmt: skip
+
+class Unconfirmed(redis.ConnectionError):
+    """A publish call that Redis did not answer within worst_batch_s: it may still have run (a
+    command sent into a partition arrives when it heals). `Outbox.landed` finds out."""
+
+    def __init__(self, call_key: str, order: list[tuple[str, int]], cause: BaseException) -> None:
+        super().__init__(f"publishing {len(order)} result(s) unconfirmed: {cause}")
+        self.call_key, self.order = call_key, order
+
+
+def _published(order: list[tuple[str, int]], repeats: Sequence[int], conflicts: Sequence[int]) -> Published:
+    return Published([order[p - 1] for p in repeats], [order[p - 1] for p in conflicts])
 
 
 def success_meta(task_id: str, value: Any, date_done: str) -> dict:

@@ -12,6 +12,9 @@ import celery_batches
 from celery import signals
 from celery.concurrency.thread import TaskPool as ThreadTaskPool
 
+from worker.transport.fetch import Channel as AtomicChannel
+from worker.transport.state import WorkerState
+
 if TYPE_CHECKING:
     from worker.transport.events import WorkerEvents
 
@@ -97,6 +100,27 @@ class Batches(celery_batches.Batches):
         if self.events is not None:
             for request in requests:
                 self.events.finished(request, (failures or {}).get(request.id))
+
+    def taken_over(self, task_ids: Any) -> set[str]:
+        """Task ids of the running job whose every message another worker has taken over: this
+        worker's lease lapsed (a partition, a stall) and a live worker recovered the consumer that
+        fetched them. Those are the other worker's to answer: not this one's to fail. Asks Redis
+        (raises its errors); a message fetched some other way than the atomic fetch counts as held."""
+        with self._job_lock:
+            requests = {task_id: list(self._unacked.get(task_id, ())) for task_id in task_ids}
+        by_channel: dict[Any, list[str]] = {}
+        for held in requests.values():
+            for request in held:
+                channel = request.message.channel
+                if isinstance(channel, AtomicChannel):
+                    by_channel.setdefault(channel, []).append(request.message.delivery_tag)
+        lost: set[str] = set()
+        for channel, tags in by_channel.items():
+            with channel.conn_or_acquire() as client:
+                owned = WorkerState.owned(client, channel.consumer, tags)
+            lost.update(tag for tag, flag in zip(tags, owned, strict=True) if not flag)
+        return {task_id for task_id, held in requests.items()
+                if held and all(request.message.delivery_tag in lost for request in held)}  # fmt: skip
 
     def _submit(self, requests: list[Any]) -> Any:
         """celery_batches.Batches.flush, with `_run_job` as the pool target so we learn when it ends."""

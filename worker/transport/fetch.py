@@ -122,7 +122,7 @@ class QoS(kombu_redis.QoS):
             return
         try:
             with self.channel.conn_or_acquire() as client:
-                self.state.ack(client, self.channel.consumer, tags)
+                acked = self.state.ack(client, self.channel.consumer, tags)
         except redis.ResponseError as exc:
             self._acked[:0] = tags  # tried again at the next tick, and at close
             if not self.channel.refused(exc, "acks"):
@@ -130,6 +130,12 @@ class QoS(kombu_redis.QoS):
         except Exception:
             self._acked[:0] = tags
             raise
+        if acked < len(tags):
+            log.warning(
+                "%d of %d acked message(s) were no longer this consumer's (%s): its lease lapsed and "
+                "another worker took them over; theirs to answer and ack", len(tags) - acked, len(tags),
+                self.channel.consumer,
+            )  # fmt: skip
 
     def restore_visible(self, *args: Any, **kwargs: Any) -> Any:
         """kombu's sweep of messages past the visibility timeout; skipped while Redis refuses writes
@@ -229,10 +235,18 @@ class Channel(kombu_redis.Channel):
             if not self.refused(exc, "refreshing the control bindings"):
                 raise
 
-    def own_client(self) -> redis.Redis:
+    def own_client(self, timeout_s: float | None = None) -> redis.Redis:
         """A client on a pool of its own, as the channel's: for a thread whose commands must not be
-        cut by kombu, which disconnects the channel's pools on close."""
-        return self.Client(connection_pool=redis.ConnectionPool(**self._connparams()))
+        cut by kombu, which disconnects the channel's pools on close. `timeout_s`: for connecting
+        and for each command (kombu's channel sets none: across a partition a command would wait
+        for as long as TCP holds the connection)."""
+        return self.Client(connection_pool=redis.ConnectionPool(**self._own_params(timeout_s)))
+
+    def _own_params(self, timeout_s: float | None) -> dict[str, Any]:
+        params = self._connparams()
+        if timeout_s is not None:
+            params.update(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        return params
 
     def _brpop_start(self, timeout: float | None = None) -> None:
         # BLMOVE reads one list; with several queues the cycle watches each in turn (1 s each).
@@ -412,8 +426,8 @@ class SentinelChannel(Channel, kombu_redis.SentinelChannel):
     sentinel_kwargs: dict | None = None
     min_other_sentinels = 0
 
-    def own_client(self) -> redis.Redis:
-        params = self._connparams()
+    def own_client(self, timeout_s: float | None = None) -> redis.Redis:
+        params = self._own_params(timeout_s)
         host, port = params.pop("host"), params.pop("port")
         urls = self.connection.client.alt  # kombu's list of the `;`-separated URLs (empty for one)
         sentinels = connections.parse_sentinel_url(";".join(urls)).sentinels if urls else ((host, port),)

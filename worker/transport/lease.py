@@ -47,6 +47,8 @@ class Lease(threading.Thread):
         self.lease_s = float(channel.ticketq_lease_s)
         self.started = time.time()
         self.registered = False  # the consumer is in CONSUMERS_KEY: it may fetch (Channel.may_fetch)
+        self.renewed_at: float | None = None  # monotonic time of the last renewal
+        self.lapsed = False  # not renewed for a whole lease period: others may recover this consumer
         self._queues: set[str] = set()
         self._stopped = threading.Event()
 
@@ -58,7 +60,8 @@ class Lease(threading.Thread):
     def run(self) -> None:
         steady_since: float | None = None
         # Its own pool: kombu disconnects the channel's pools on close, under a running command.
-        client = self.channel.own_client()
+        # Each command within half a lease: cut off, the thread knows its lease is lapsing.
+        client = self.channel.own_client(timeout_s=max(1.0, self.lease_s / 2))
         try:
             while True:
                 try:
@@ -70,6 +73,7 @@ class Lease(threading.Thread):
                     if not store.refused(exc, "the lease") and steady_since is not None:
                         log.warning("lease not renewed, Redis unavailable (%s)", exc)
                     steady_since = None
+                    self.check_lapse()
                 if self._stopped.wait(self.lease_s / 4):
                     break
         finally:
@@ -88,9 +92,33 @@ class Lease(threading.Thread):
     def beat(self, client: redis.Redis) -> None:
         info = {"host": socket.gethostname(), "pid": os.getpid(), "queues": self.queues,
                 "since": round(self.started, 3)}  # fmt: skip
-        self.state.beat(client, self.channel.consumer, int(self.lease_s * 1000), json.dumps(info))
-        self.registered = True
+        new = self.state.beat(client, self.channel.consumer, int(self.lease_s * 1000), json.dumps(info))
+        now = time.monotonic()
+        if self.registered and (new or self.lapsed):
+            gap = now - (self.renewed_at or now)
+            if new:
+                log.warning(
+                    "lease of consumer %s renewed after %.1fs (lease %.0fs): another worker had recovered "
+                    "it as dead and answers the messages it held; their acks here are skipped",
+                    self.channel.consumer, gap, self.lease_s,
+                )  # fmt: skip
+            else:  # a beat sent into the partition may have landed late and registered it again
+                log.warning("lease of consumer %s renewed after %.1fs (lease %.0fs): other workers may have "
+                            "recovered the messages it held meanwhile; its acks of those are skipped",
+                            self.channel.consumer, gap, self.lease_s)  # fmt: skip
+        self.registered, self.renewed_at, self.lapsed = True, now, False
         store.accepted()
+
+    def check_lapse(self) -> None:
+        """Log once when the lease has gone a whole period without renewal."""
+        if self.lapsed or self.renewed_at is None or time.monotonic() - self.renewed_at < self.lease_s:
+            return
+        self.lapsed = True
+        log.warning(
+            "lease of consumer %s lapsed: not renewed for %.1fs (lease %.0fs); other workers may now "
+            "recover the messages it holds, and this worker leaves those to them",
+            self.channel.consumer, time.monotonic() - self.renewed_at, self.lease_s,
+        )  # fmt: skip
 
     def recover_expired(self, client: redis.Redis) -> None:
         consumers = {bytes_to_str(k): json.loads(v) for k, v in client.hgetall(store.CONSUMERS_KEY).items()}

@@ -48,10 +48,21 @@ class WorkerState:
         return self._call(client, "claim", consumer, queue, now, *args)
 
     def ack(self, client: redis.Redis, consumer: str, tags: Sequence[str]) -> int:
+        """Forget the records of acked messages that `consumer` still owns; returns how many. A
+        message another worker took over when `consumer`'s lease ran out is left to its new owner."""
         return self._call(client, "ack", consumer, "", *tags)
 
-    def beat(self, client: redis.Redis, consumer: str, ttl_ms: int, info: str) -> None:
-        self._call(client, "beat", consumer, "", ttl_ms, info)
+    def beat(self, client: redis.Redis, consumer: str, ttl_ms: int, info: str) -> bool:
+        """Renew `consumer`'s lease; True when it was not registered (its first beat, or another
+        worker recovered it as dead meanwhile)."""
+        return bool(self._call(client, "beat", consumer, "", ttl_ms, info))
+
+    @staticmethod
+    def owned(client: redis.Redis, consumer: str, tags: Sequence[str]) -> list[bool]:
+        """Whether `consumer` still owns each of these delivery tags (read only)."""
+        if not tags:
+            return []
+        return [bool(flag) for flag in client.smismember(store.OWNED_KEY.format(consumer=consumer), list(tags))]
 
     def requeue(self, client: redis.Redis, consumer: str, queue: str) -> int:
         """`consumer`'s fetching list for `queue` back at the queue's consuming end (it was next)."""

@@ -2,26 +2,39 @@
 -- the first final result for (task, slot) goes to the stream, repeats do not, and a message whose
 -- task id already streamed results of another payload (its digest differs) writes nothing: its
 -- results are named as conflicts. One call per forward batch, one BITFIELD per message in it.
+-- The call itself is idempotent too: its answer is kept under its own key, and the same call
+-- repeated (its reply lost to a timeout or a partition) gets that answer again, not "all repeats";
+-- a call its caller cancelled (it gave up before the call ran) does nothing.
 -- KEYS[1] results stream; KEYS[2..m+1] each message's done key (bit <slot> set once published);
--- KEYS[m+2..2m+1] each message's digest key; KEYS[2m+2..] attempts keys to delete.
--- ARGV[1] stream MAXLEN (approximate), ARGV[2] key expiry in seconds, ARGV[3] m, ARGV[4..m+3] each
--- message's slots, comma-separated; ARGV[m+4..2m+3] each message's digest ('' = not checked);
--- ARGV[2m+4..] the result JSON of each of those slots, message by message, in the same order.
+-- KEYS[m+2..2m+1] each message's digest key; KEYS[2m+2] this call's key; KEYS[2m+3..] attempts
+-- keys to delete.
+-- ARGV[1] stream MAXLEN (approximate), ARGV[2] key expiry in seconds, ARGV[3] m, ARGV[4] the call
+-- key's expiry in seconds, ARGV[5..m+4] each message's slots, comma-separated; ARGV[m+5..2m+4]
+-- each message's digest ('' = not checked); ARGV[2m+5..] the result JSON of each of those slots,
+-- message by message, in the same order.
 -- Returns {repeats, conflicts}: positions (1-based, in that order) of results published before by
 -- the same message (re-executions), and of results of another message under a used task id.
 local m = tonumber(ARGV[3])
-local result, position, repeats, conflicts = 2 * m + 4, 1, {}, {}
+local call_key = KEYS[2 * m + 2]
+local answered = redis.call('GET', call_key)
+if answered == 'cancelled' then  -- the caller gave up on this call (Outbox.landed): a late copy
+  return redis.error_reply('ticketq: publish call cancelled by its caller')
+elseif answered then
+  return cjson.decode(answered)
+end
+local result, position, repeats, conflicts = 2 * m + 5, 1, {}, {}
 for i = 1, m do
   local fields = {}
-  for slot in string.gmatch(ARGV[i + 3], '%d+') do
+  for slot in string.gmatch(ARGV[i + 4], '%d+') do
     local n = #fields
     fields[n + 1], fields[n + 2], fields[n + 3], fields[n + 4] = 'SET', 'u1', '#' .. slot, 1
   end
-  local digest_key, digest = KEYS[m + 1 + i], ARGV[m + 3 + i]
+  local digest_key, digest = KEYS[m + 1 + i], ARGV[m + 4 + i]
   local known = false  -- the digest stored by an earlier call, where it differs from this one
   if digest ~= '' and not redis.call('SET', digest_key, digest, 'NX', 'EX', ARGV[2]) then
     known = redis.call('GET', digest_key)  -- only for a task id seen before: a repeat, or a conflict
-    known = known ~= digest and known
+    -- a digest of another format (an older worker's) cannot be compared: never a conflict
+    known = known ~= digest and string.sub(known, 1, 2) == string.sub(digest, 1, 2) and known
   end
   if known then
     for _ = 1, #fields / 4 do
@@ -44,7 +57,9 @@ for i = 1, m do
   end
 end
 redis.call('XTRIM', KEYS[1], 'MAXLEN', '~', ARGV[1])  -- once per call, not per entry
-for i = 2 * m + 2, #KEYS do
+for i = 2 * m + 3, #KEYS do
   redis.call('DEL', KEYS[i])
 end
+-- cjson writes an empty table as {}; the caller reads a missing list as empty either way.
+redis.call('SET', call_key, cjson.encode({repeats, conflicts}), 'EX', ARGV[4])
 return {repeats, conflicts}

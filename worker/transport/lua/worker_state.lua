@@ -14,7 +14,8 @@
 -- ARGV[1] the command, ARGV[2] the consumer <c>, then its arguments:
 --   claim    now, (tag, record, item)…   record fetched messages unacked and owned by <c>, and take
 --                                        each from <c>'s fetching list (item '' when not fetched)
---   ack      tag…                        forget acked messages (deletions only: a full Redis runs it)
+--   ack      tag…                        forget acked messages <c> still owns (deletions only: a full
+--                                        Redis runs it)
 --   beat     ttl_ms, info                renew <c>'s lease and its consumer entry
 --   requeue                              <c>'s fetching list back to the queue, at its consuming end
 --   release                              drop <c>'s lease; forget <c> when it owns nothing
@@ -22,7 +23,8 @@
 --                                        KEYS[8…], in order), only while <c> still owns it and its
 --                                        record exists; the tag leaves <c>'s set either way
 --   forget                               drop <c>'s owned set and consumer entry (after its recovery)
--- Each returns a count: messages claimed, acked, moved or restored (1 for beat, release, forget).
+-- Each returns a count: messages claimed, acked, moved or restored (1 for release, forget; for
+-- beat 1 when <c> was not registered: its first beat, or it was recovered as dead meanwhile).
 
 local command, consumer = ARGV[1], ARGV[2]
 
@@ -41,19 +43,21 @@ if command == 'claim' then
   return claimed
 
 elseif command == 'ack' then
-  local step = 1000  -- unpack() is bounded by Lua's stack
-  for first = 3, #ARGV, step do
-    local last = math.min(first + step - 1, #ARGV)
-    redis.call('ZREM', KEYS[1], unpack(ARGV, first, last))
-    redis.call('HDEL', KEYS[2], unpack(ARGV, first, last))
-    redis.call('SREM', KEYS[3], unpack(ARGV, first, last))
+  -- Only what <c> still owns: a message another worker took over (restored when <c>'s lease
+  -- ran out, perhaps fetched again under the same tag) is the new owner's to ack.
+  local acked = 0
+  for i = 3, #ARGV do
+    if redis.call('SREM', KEYS[3], ARGV[i]) == 1 then
+      redis.call('ZREM', KEYS[1], ARGV[i])
+      redis.call('HDEL', KEYS[2], ARGV[i])
+      acked = acked + 1
+    end
   end
-  return #ARGV - 2
+  return acked
 
 elseif command == 'beat' then
   redis.call('SET', KEYS[5], ARGV[4], 'PX', ARGV[3])
-  redis.call('HSET', KEYS[6], consumer, ARGV[4])
-  return 1
+  return redis.call('HSET', KEYS[6], consumer, ARGV[4])
 
 elseif command == 'requeue' then
   local moved = 0
