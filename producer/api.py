@@ -387,16 +387,14 @@ class Producer:
     def _send(
         self, tickets: Sequence[tuple[str, str]], packed: bool, producer: object = None, task_id: str | None = None
     ) -> TicketResult:
-        """Publish one message. An idempotent one (`task_id` given) carries no `submitted_at`: its
-        arguments must be the same on every run, as the worker takes a task id that comes back with
-        other arguments for another message reusing the id (and answers it `duplicate_task_id`)."""
+        """Publish one message. `submitted_at` (the send time, for the queue-wait figures) is left
+        out of the worker's comparison of an idempotent message (`task_id` given) sent again: the
+        same tickets under the same id are one message, other tickets under it another message
+        reusing the id (answered `duplicate_task_id`)."""
         if not self._checked:
             self.check_connection()
-        payload = [{"id": ticket_id, "text": text} for ticket_id, text in tickets]
-        if task_id is None:
-            now = time.time()
-            for ticket in payload:
-                ticket["submitted_at"] = now
+        now = time.time()
+        payload = [{"id": ticket_id, "text": text, "submitted_at": now} for ticket_id, text in tickets]
         ticket_ids = tuple(ticket_id for ticket_id, _ in tickets)
         args = (payload if packed else payload[0],)
         return self._publish(task_id or str(uuid.uuid4()), args, ticket_ids, packed, producer)

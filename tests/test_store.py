@@ -116,3 +116,11 @@ def test_dead_letters_keep_an_oversize_ticket_whole_and_flag_a_cut() -> None:
     assert dead_letter_bound(10 * 1024 * 1024) == 80 * 1024 * 1024 and limit == DEAD_LETTER_MIN_BYTES
     raw = raw_entry("decode_error", None, {"id": "t"}, "application/x-python-serialize", b"x" * (limit + 1), limit)
     assert raw["truncated"] == "true" and len(base64.b64decode(raw["payload_b64"])) == limit
+
+
+def test_a_digest_ignores_the_send_time_but_not_the_tickets():
+    ticket = {"id": "T-1", "text": "my card was charged twice", "submitted_at": 1.5}
+    again = {**ticket, "submitted_at": 99.0}
+    other = {**ticket, "text": "reset my password"}
+    assert payload_digest((ticket,)) == payload_digest((again,)) != payload_digest((other,))
+    assert payload_digest(([ticket, other],)) == payload_digest(([again, other],)) != payload_digest(([other, ticket],))
