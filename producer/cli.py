@@ -7,6 +7,7 @@ collect with a progress bar, print a summary, write results JSONL.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from collections import Counter
@@ -229,10 +230,13 @@ def _settings(broker_url: str | None = None, backend_url: str | None = None) -> 
     Only what a producer uses is read: a worker-only setting is the worker's to check.
     """
     try:
-        return ClientSettings.from_env({"broker_url": "--broker-url", "result_backend": "--backend-url"},
-                                       broker_url=broker_url, result_backend=backend_url)  # fmt: skip
+        settings = ClientSettings.from_env({"broker_url": "--broker-url", "result_backend": "--backend-url"},
+                                           broker_url=broker_url, result_backend=backend_url)  # fmt: skip
     except SettingsError as exc:
         _exit_error(str(exc))
+    for line in ClientSettings.unknown_names(os.environ):
+        err_console.print(f"[yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
+    return settings
 
 
 def _exit_error(message: str) -> NoReturn:

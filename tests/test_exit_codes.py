@@ -89,3 +89,18 @@ def test_a_misspelt_setting_is_named_with_the_closest_one(tmp_path):
     result = run(["ticketq", "config"], {"TICKETQ_MODLE": "models/x"}, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "TICKETQ_MODLE is not a ticketq setting and is ignored; did you mean TICKETQ_MODEL?" in result.stderr
+
+
+def test_a_producer_names_a_misspelt_setting_but_not_a_worker_setting(tmp_path):
+    env = {"TICKETQ_QEUE": "billing", "TICKETQ_MODEL": "models/x", "TICKETQ_BROKER_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    result = run(["ticketq-produce", "synthetic", "3"], env, cwd=tmp_path, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr  # nothing listens there
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == ["warning: TICKETQ_QEUE is not a ticketq setting and is ignored; did you mean TICKETQ_QUEUE?"]
+
+
+def test_the_contract_names_exactly_the_settings_a_worker_adds():
+    from ticketq.config import WORKER_SETTINGS, ClientSettings
+    from worker.settings import Settings
+
+    assert set(Settings.model_fields) - set(ClientSettings.model_fields) == WORKER_SETTINGS

@@ -33,6 +33,17 @@ class SettingsError(ValueError):
     """Invalid settings; `str()` has one line per problem: `TICKETQ_X=value: what is allowed`."""
 
 
+# The settings only a worker reads (`worker.settings.Settings` adds them): named here so that a
+# producer or an operator command, which never loads them, does not take them for misspellings.
+# tests/test_config.py checks that this is exactly what the worker adds.
+WORKER_SETTINGS = frozenset({
+    "allow_eviction", "autotune", "autotune_s", "batch_window", "cost_fixed_ms", "cost_quad_ms", "cost_token_ms",
+    "device", "dtype", "fetch", "lease_s", "matmul", "max_batch_size", "max_batch_tokens", "max_retries",
+    "max_ticket_tokens", "max_wait_ms", "metrics_host", "metrics_port", "model", "null_classifier",
+    "prefetch_multiplier", "shadow_rate", "system_prompt", "threads", "worst_batch_s",
+})  # fmt: skip
+
+
 class ClientSettings(BaseSettings):
     """What producers and workers share. Every field is `TICKETQ_<FIELD>` in the environment."""
 
@@ -90,10 +101,10 @@ class ClientSettings(BaseSettings):
 
     @classmethod
     def unknown_names(cls, environ: Mapping[str, str]) -> list[str]:
-        """One line per TICKETQ_* variable in `environ` that is none of this class's settings, with
-        the closest setting's name: a misspelt setting would otherwise be ignored in silence.
-        TICKETQ_TEST_* belong to the test suite."""
-        known = {f"TICKETQ_{name.upper()}" for name in cls.model_fields}
+        """One line per TICKETQ_* variable in `environ` that is no ticketq setting (neither this
+        class's nor a worker's), with the closest setting's name: a misspelt setting would
+        otherwise be ignored in silence. TICKETQ_TEST_* belong to the test suite."""
+        known = {f"TICKETQ_{name.upper()}" for name in (*cls.model_fields, *WORKER_SETTINGS)}
         lines = []
         for name in sorted(environ):
             if name.startswith("TICKETQ_") and name not in known and not name.startswith("TICKETQ_TEST_"):
