@@ -203,6 +203,90 @@ def _report_classified(summary, path: Path, out: Path) -> None:
     console.print(f"{summary.line()}; results in {out}", highlight=False, markup=False, soft_wrap=True)
 
 
+@cli.command(name="eval")
+def evaluate(
+    path: Annotated[Path, typer.Argument(help="Labelled tickets: JSONL or CSV rows with text and expected.")],
+    fmt: Annotated[str, typer.Option("--format", help="auto (by extension, then content), jsonl or csv.")] = "auto",
+    thresholds: Annotated[
+        str, typer.Option(help="Margin thresholds for the coverage table, comma-separated.")
+    ] = "0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9",
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write every figure to this JSON file.")] = None,
+    model: Annotated[str | None, typer.Option(help="Hub id or local dir (default TICKETQ_MODEL).")] = None,
+    dtype: Annotated[str | None, typer.Option(help="auto|float32|bfloat16|float16|int8.")] = None,
+    device: Annotated[str | None, typer.Option(help="auto|cpu|cuda|mps.")] = None,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
+) -> None:
+    """Score the model on your own labelled tickets: accuracy, per-label precision and recall, the
+    confusion matrix, and accuracy against coverage per margin threshold (to choose a threshold).
+
+    Each row needs an `expected` label (a field in JSONL, a column in CSV). Rows without one, and
+    refused rows, are counted and not scored. Exit status 3 when no row could be scored.
+    """
+    settings = _settings(ENGINE_FLAGS, model=model, dtype=dtype, device=device)
+    if fmt not in ("auto", "jsonl", "csv"):
+        _fail(f"--format {fmt}: must be auto, jsonl or csv")
+    try:
+        cuts = sorted({float(part) for part in thresholds.split(",") if part.strip()})
+    except ValueError:
+        _fail(f"--thresholds {thresholds!r}: must be numbers between 0 and 1, comma-separated")
+    if not cuts or not all(0 <= cut <= 1 for cut in cuts):
+        _fail(f"--thresholds {thresholds!r}: must be numbers between 0 and 1, comma-separated")
+    try:
+        reader = TicketReader(path, fmt, settings.max_ticket_bytes)  # type: ignore[arg-type]
+    except TicketFileError as exc:
+        _fail(str(exc))
+    with reader:
+        _check_model(settings)
+        engine = _load_engine(settings)
+        from tqdm import tqdm
+
+        from worker.tools.evaluate import evaluate as run_eval
+
+        with tqdm(desc="scoring", unit="row", disable=not progress, file=None) as bar:
+            evaluation = run_eval(engine, reader, on_chunk=bar.update)
+    _report_evaluation(evaluation, cuts, engine.info.standin, json_out)
+    if evaluation.scores.scored == 0:
+        raise typer.Exit(3)
+
+
+def _report_evaluation(evaluation, cuts: list[float], standin: bool, json_out: Path | None) -> None:
+    scores = evaluation.scores
+    out = Console()
+    report(console, evaluation.refused, f"{len(evaluation.refused)} rows refused (not scored):")
+    if scores.unknown:
+        unknown = ", ".join(f"{label!r} x{count}" for label, count in scores.unknown.most_common())
+        console.print(f"not scored: expected labels the model does not have: {unknown} (labels: "
+                      f"{', '.join(scores.labels)})", highlight=False, markup=False, soft_wrap=True)  # fmt: skip
+    out.print(f"scored {scores.scored} of {evaluation.rows} rows ({evaluation.unlabelled} without `expected`); "
+              f"accuracy {scores.accuracy:.1%}", highlight=False)  # fmt: skip
+    table = Table(title="per label")
+    for column in ("label", "precision", "recall", "F1", "support"):
+        table.add_column(column, justify="left" if column == "label" else "right")
+    for label, row in scores.per_label().items():
+        table.add_row(label, f"{row['precision']:.1%}", f"{row['recall']:.1%}", f"{row['f1']:.1%}", str(row["support"]))
+    out.print(table)
+    matrix = Table(title="confusion: expected (rows) x predicted")
+    matrix.add_column("expected")
+    for label in scores.labels:
+        matrix.add_column(label, justify="right")
+    for expected in scores.labels:
+        matrix.add_row(expected, *(str(scores.confusion[expected, predicted]) for predicted in scores.labels))
+    out.print(matrix)
+    coverage = Table(title="auto-answered at margin >= threshold")
+    for column in ("threshold", "coverage", "accuracy", "answered"):
+        coverage.add_column(column, justify="right")
+    for row in scores.coverage(cuts):
+        accuracy = f"{row['accuracy']:.1%}" if row["answered"] else "-"
+        coverage.add_row(f"{row['threshold']:g}", f"{row['coverage']:.1%}", accuracy, str(row["answered"]))
+    out.print(coverage)
+    if standin:
+        console.print("[yellow]stand-in model (random weights): these figures mean nothing about a real model[/]")
+    if json_out is not None:
+        figures = {**scores.as_dict(cuts), "rows": evaluation.rows, "unlabelled": evaluation.unlabelled,
+                   "refused": len(evaluation.refused), "standin": standin}  # fmt: skip
+        json_out.write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
+
+
 @cli.command()
 def demo(
     tickets: Annotated[int, typer.Option(help="Synthetic tickets to send.")] = 600,
