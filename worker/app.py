@@ -89,7 +89,8 @@ class Runtime:
             metrics.serve(settings.metrics_host, settings.metrics_port, ready=self.ready_problem, about=about)
             log.info("metrics on http://%s:%d/metrics", settings.metrics_host, settings.metrics_port)
         self.metrics = metrics
-        self.service = TicketService(settings, classifier, metrics, client)
+        learner = live_cost_model(settings, classifier, metrics)
+        self.service = TicketService(settings, classifier, metrics, client, learner)
         wait_for_writes(client)
         return self.service
 
@@ -116,6 +117,14 @@ def build_classifier(settings: Settings) -> Classifier:
         from worker.engine.autotune import autotune
 
         autotune(engine, budget_s=settings.autotune_s)
+    elif settings.live_cost:
+        from worker.engine.autotune import load_cached
+
+        cached = load_cached(engine)
+        if cached is not None:
+            engine.cost = cached
+            log.info("cost model: this machine's last fit, %.2f ms + %.4f ms x tokens",
+                     cached.fixed_ms, cached.token_ms)  # fmt: skip
     info = engine.info
     log.info(
         "model %s ready on %s/%s%s in %.1fs (prefix %d tokens cached)%s",
@@ -124,6 +133,23 @@ def build_classifier(settings: Settings) -> Classifier:
         " — STAND-IN: labels are meaningless" if info.standin else "",
     )  # fmt: skip
     return engine
+
+
+def live_cost_model(settings: Settings, classifier: Classifier, metrics: Metrics) -> Callable[[Any], None] | None:
+    """The forward observer that refits the planner's cost model while serving (TICKETQ_LIVE_COST),
+    its fits exported; None for a classifier that plans with no cost model (the null classifier)."""
+    cost = getattr(classifier, "cost", None)
+    if cost is not None:
+        metrics.observe_cost_model(cost.fixed_ms, cost.token_ms, cost.quad_ms)
+    if not settings.live_cost or cost is None:
+        return None
+    from worker.engine.autotune import LiveCostModel
+
+    def on_fit(fit: Any, error: float) -> None:
+        metrics.observe_cost_model(fit.fixed_ms, fit.token_ms, fit.quad_ms, error)
+
+    learner = LiveCostModel(classifier, on_fit)
+    return lambda report: learner.observe(report.rows, report.width, report.seconds)
 
 
 def create_app(settings: Settings, classifier_factory: ClassifierFactory | None = None) -> Celery:

@@ -36,6 +36,9 @@ M_EXPORTER_REDIS_UP = "ticketq_exporter_redis_up"  # gauge: `ticketq exporter` r
 M_DEAD_LETTER_ENTRIES = "ticketq_dead_letter_entries"  # gauge (exporter): length of the dead-letter stream
 M_RESULT_ENTRIES = "ticketq_result_entries"  # gauge (exporter): length of the results stream
 M_CONSUMERS_ALIVE = "ticketq_consumers_alive"  # gauge (exporter): consumers holding a live lease
+M_COST_MODEL = "ticketq_cost_model_ms"  # gauge, labels: term (fixed, token, quad): the planner's cost model now
+M_COST_MODEL_ERROR = "ticketq_cost_model_error_ratio"  # gauge: median relative error of the last live fit
+M_COST_MODEL_FITS = "ticketq_cost_model_fits"  # counter: live refits kept
 
 # A shadow disagreement where the reference's margin is below this is a near-tie: another summation
 # order (bfloat16, oneDNN) may flip it without anything being wrong. The alert pages on the rest.

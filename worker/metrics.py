@@ -168,6 +168,13 @@ class Metrics:
                           registry=r)  # fmt: skip
         self.build.info(build_versions())
         self.duplicates = Counter(c.M_DUPLICATES, "Re-executed tickets whose result was already out.", registry=r)
+        self.cost_model = Gauge(
+            c.M_COST_MODEL, "The planner's cost model of one forward: fixed ms, ms per computed token (token), "
+            "attention ms per row x width^2 (quad).", ["term"], registry=r,
+        )  # fmt: skip
+        self.cost_model_error = Gauge(c.M_COST_MODEL_ERROR, "Median relative error of the last live cost fit "
+                                      "over the recent forwards' shapes.", registry=r)  # fmt: skip
+        self.cost_model_fits = Counter(c.M_COST_MODEL_FITS, "Live refits of the planner's cost model kept.", registry=r)
         self.flushes = Counter(c.M_FLUSHES, "Buffer drains (micro-batches handed to the engine).", registry=r)
         self.first_result = Histogram(
             c.M_FIRST_RESULT, "Batch start to its first result published, seconds.", buckets=LATENCY_BUCKETS, registry=r
@@ -206,6 +213,14 @@ class Metrics:
         self.batch_tokens.observe(computed)
         self.forward.observe(seconds)
         self.prefix_reuses.inc()
+
+    def observe_cost_model(self, fixed_ms: float, token_ms: float, quad_ms: float, error: float | None = None) -> None:
+        """The planner's cost model now; `error`: a live fit's, which counts as one more fit."""
+        for term, value in (("fixed", fixed_ms), ("token", token_ms), ("quad", quad_ms)):
+            self.cost_model.labels(term=term).set(value)
+        if error is not None:
+            self.cost_model_error.set(error)
+            self.cost_model_fits.inc()
 
     def watch_queue(self, depth: Callable[[], int]) -> None:
         self.registry.register(QueueDepthCollector(depth))

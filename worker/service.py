@@ -135,8 +135,11 @@ class PublishFailed(RuntimeError):
 class TicketService:
     """Owns a classifier, the Redis side-channels (results stream, dead letters) and the metrics."""
 
-    def __init__(self, settings: Settings, classifier: Classifier, metrics: Metrics, client: redis.Redis) -> None:
+    def __init__(self, settings: Settings, classifier: Classifier, metrics: Metrics, client: redis.Redis,
+                 on_forward: Callable[[BatchReport], None] | None = None) -> None:  # fmt: skip
+        """`on_forward` hears every forward's report too (the live cost model)."""
         self.settings = settings
+        self.on_forward = on_forward
         self.classifier = classifier
         self.metrics = metrics
         self.redis = client
@@ -395,6 +398,8 @@ class TicketService:
 
     def _observe(self, report: BatchReport) -> None:
         self.metrics.observe_batch(report.rows, report.width, report.real_tokens, report.seconds)
+        if self.on_forward is not None:
+            self.on_forward(report)
 
     # ----- results -------------------------------------------------------------------------
 

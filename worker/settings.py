@@ -62,6 +62,10 @@ class Settings(ClientSettings):
     cost_quad_ms: float = Field(0.0, ge=0, description="Planner: attention term, per row x width^2.")
     autotune: bool = Field(False, description="Measure the planner's cost model on this device at start-up.")
     autotune_s: float = Field(20.0, gt=0, description="Seconds of timed forward passes for autotune.")
+    live_cost: bool = Field(
+        True, description="Refit the planner's cost model from the forwards the worker serves, and start from the "
+        "fit cached for this machine (~/.cache/ticketq/cost) when there is one; off: the TICKETQ_COST_* values.",
+    )
 
     # --- queue service ---
     batch_window: int = Field(64, ge=1, description="Messages drained into one micro-batch at most.")

@@ -1,19 +1,35 @@
 """Measure this device's forward-pass cost and fit the planner's cost model to it.
 
-A few seconds of timed forward passes over a grid of (rows, width) shapes, through the same
-cached, label-only path that serves tickets, then:
+At start-up (`autotune`, TICKETQ_AUTOTUNE): a few seconds of timed forward passes over a grid of
+(rows, width) shapes, through the same cached, label-only path that serves tickets, then:
 
 - `CostModel.fit` — fixed cost per forward + cost per computed token (+ a quadratic attention
   term when the fit wants one); the DP planner minimises the sum of these.
 - the token budget: the smallest padded-token size whose throughput is within 5% of the best
   measured, so batches stay as small (low latency, low padding) as this device allows.
+
+While serving (`LiveCostModel`, TICKETQ_LIVE_COST): the worker times every forward anyway; every
+REFIT_EVERY forwards the model is refitted from the recent ones (the fastest time of each shape,
+then, one at a time, the shape the fit misses most dropped while it misses it by more than half:
+a neighbour's burst moves one shape, not the fit). A fit is kept only where it is sound (positive fixed and
+per-token cost, enough shapes); each kept fit is cached per machine, model, device, dtype, GEMM and
+threads (`~/.cache/ticketq/cost`, or $XDG_CACHE_HOME), and the next start on the same machine
+begins from it instead of the configured defaults.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import platform
+import statistics
 import time
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from worker.engine.batching import CostModel
 from worker.engine.prompt import EncodedTicket
@@ -83,10 +99,14 @@ def autotune(engine, budget_s: float = 20.0) -> Tuning:
     """Measure, fit, and apply the cost model and token budget to `engine`; returns what it chose."""
     samples = measure(engine, budget_s=budget_s)
     cost = CostModel.fit(samples)
-    if cost.fixed_ms <= 0 or cost.token_ms <= 0:
+    if sound(cost):
+        save_cached(engine, cost, "autotune")
+    else:
         # A zero term would make the DP favour batches of one (or one giant batch): noise, not the device.
-        log.warning("autotune fit %s looks like noise; keeping the configured cost model", cost)
-        cost = engine.cost
+        cached = load_cached(engine)
+        log.warning("autotune fit %s looks like noise; keeping %s", cost,
+                    "this machine's cached fit" if cached else "the configured cost model")  # fmt: skip
+        cost = cached or engine.cost
     floor = engine.prompt.max_ticket_tokens + len(engine.prompt.suffix_ids)
     tuning = Tuning(cost, choose_budget(samples, floor), tuple(samples))
     engine.cost, engine.max_batch_tokens = tuning.cost, tuning.max_batch_tokens
@@ -97,3 +117,137 @@ def autotune(engine, budget_s: float = 20.0) -> Tuning:
 def _row(engine, token: int, width: int) -> EncodedTicket:
     ticket = max(1, width - len(engine.prompt.suffix_ids))
     return EncodedTicket(ids=(*([token] * ticket), *engine.prompt.suffix_ids), ticket_tokens=ticket, truncated=False)
+
+
+def sound(cost: CostModel) -> bool:
+    """A fit the planner can use: a positive fixed and per-token cost (a zero term is noise)."""
+    return cost.fixed_ms > 0 and cost.token_ms > 0
+
+
+# ----- the fit cache ------------------------------------------------------------------------
+
+
+def cache_path(engine) -> Path:
+    """Where this machine's fit for this engine lives: keyed by CPU, model, device, dtype, GEMM, threads."""
+    import torch
+
+    info = engine.info
+    key = json.dumps([_cpu_name(), platform.machine(), info.name, info.device, info.dtype, info.matmul,
+                      torch.get_num_threads(), torch.__version__])  # fmt: skip
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "ticketq" / "cost" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def load_cached(engine) -> CostModel | None:
+    """This machine's last sound fit for `engine`, or None (none yet, unreadable, or unsound)."""
+    path = cache_path(engine)
+    try:
+        fit = json.loads(path.read_text(encoding="utf-8"))
+        cost = CostModel(fit["fixed_ms"], fit["token_ms"], fit["quad_ms"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return cost if sound(cost) else None
+
+
+def save_cached(engine, cost: CostModel, source: str) -> None:
+    """Keep `cost` as this machine's fit (atomically: a reader never sees half a file); never raises."""
+    path = cache_path(engine)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps({**asdict(cost), "source": source, "at": time.time()}), encoding="utf-8")
+        partial.replace(path)
+    except OSError as exc:
+        log.debug("could not cache the cost model in %s (%s)", path, exc)
+
+
+def _cpu_name() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return next((line.partition(":")[2].strip() for line in lines if line.startswith("model name")), "")
+
+
+# ----- learning while serving ---------------------------------------------------------------
+
+REFIT_EVERY = 50  # forwards between two refits
+WINDOW = 400  # the most recent forwards a refit looks at
+MIN_SHAPES = 5  # distinct (rows, width) shapes a refit needs (at least 2 widths and 2 row counts)
+OUTLIER = 0.5  # a shape whose median the first fit misses by more than this share is left out
+
+
+class LiveCostModel:
+    """Refits `engine.cost` from the forwards it serves (`observe`, once per forward).
+
+    `on_fit(cost, error)` hears every kept fit and its median relative error over the window.
+    Runs on the thread that classifies (the service's batch callback), as the planner does, so
+    the engine's cost model changes between two plans, never during one.
+    """
+
+    def __init__(self, engine, on_fit: Callable[[CostModel, float], None] | None = None,
+                 refit_every: int = REFIT_EVERY, window: int = WINDOW) -> None:  # fmt: skip
+        self.engine = engine
+        self.on_fit = on_fit
+        self.refit_every = refit_every
+        self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self.seen = 0
+        self.fits = 0
+
+    def observe(self, rows: int, width: int, seconds: float) -> None:
+        self.samples.append((rows, width, seconds * 1000))
+        self.seen += 1
+        if self.seen % self.refit_every == 0:
+            self.refit()
+
+    def refit(self) -> CostModel | None:
+        """Fit the window; apply and cache a sound fit. Returns it, or None (kept the current one)."""
+        shapes: dict[tuple[int, int], list[float]] = {}
+        for rows, width, ms in self.samples:
+            shapes.setdefault((rows, width), []).append(ms)
+        # The fastest of each shape: a neighbour's burst only ever slows a forward down.
+        medians = [(rows, width, min(times)) for (rows, width), times in shapes.items()]
+        cost = _robust_fit(medians)
+        if cost is None or not sound(cost):
+            log.debug("live cost fit over %d shapes not kept (%s)", len(medians), cost)
+            return None
+        error = statistics.median(abs(cost.batch_ms(r, w) - ms) / ms for r, w, ms in medians if ms > 0)
+        previous, self.engine.cost = self.engine.cost, cost
+        self.fits += 1
+        save_cached(self.engine, cost, "live")
+        if self.fits == 1 or _moved(previous, cost):
+            log.info("cost model refitted from %d served forwards (%d shapes, median error %.0f%%): "
+                     "%.2f ms + %.4f ms x tokens%s", len(self.samples), len(medians), 100 * error, cost.fixed_ms,
+                     cost.token_ms, f" + {cost.quad_ms:.2e} ms x rows x width^2" if cost.quad_ms else "")  # fmt: skip
+        if self.on_fit is not None:
+            self.on_fit(cost, error)
+        return cost
+
+
+def _robust_fit(shapes: list[tuple[int, int, float]]) -> CostModel | None:
+    """CostModel.fit, again and again without the shape it misses most, until it misses none by
+    more than OUTLIER of its own prediction (a burst triples a forward: 200% over, where a true
+    shape under a skewed fit is off by far less); None when too few shapes are left."""
+    kept = list(shapes)
+    while _spans(kept):
+        try:
+            cost = CostModel.fit(kept)
+        except ValueError:  # degenerate shapes
+            return None
+        misses = [abs(ms - cost.batch_ms(r, w)) / max(cost.batch_ms(r, w), 1e-9) for r, w, ms in kept]
+        worst = max(range(len(kept)), key=misses.__getitem__)
+        if misses[worst] <= OUTLIER:
+            return cost
+        del kept[worst]
+    return None
+
+
+def _spans(samples: list[tuple[int, int, float]]) -> bool:
+    return (len(samples) >= MIN_SHAPES and len({w for _, w, _ in samples}) >= 2
+            and len({r for r, _, _ in samples}) >= 2)  # fmt: skip
+
+
+def _moved(before: CostModel, after: CostModel, share: float = 0.1) -> bool:
+    """A change worth a log line: a term moved by more than `share`."""
+    pairs = ((before.fixed_ms, after.fixed_ms), (before.token_ms, after.token_ms))
+    return any(abs(b - a) > share * max(abs(a), 1e-9) for a, b in pairs)

@@ -1,0 +1,92 @@
+"""The planner's cost model learnt while serving: robust to bursts, kept only when sound, cached per machine."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from worker.engine import autotune
+from worker.engine.autotune import LiveCostModel, load_cached
+from worker.engine.batching import CostModel
+
+TRUE = CostModel(fixed_ms=12.0, token_ms=0.35, quad_ms=2e-5)
+GRID = [(rows, width) for rows in (1, 2, 4, 8, 16, 32) for width in (16, 48, 96, 192, 384) if rows * width <= 4096]
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def fake_engine(cost: CostModel = CostModel(25.0, 0.8)) -> SimpleNamespace:
+    info = SimpleNamespace(name="models/test", device="cpu", dtype="float32", matmul="torch")
+    return SimpleNamespace(cost=cost, info=info)
+
+
+def served(rng: random.Random, forwards: int, burst_share: float = 0.15):
+    """(rows, width, seconds) as a busy worker sees them: the true cost, 5% jitter, and bursts
+    (a neighbour taking the CPU) that triple a forward's time."""
+    for _ in range(forwards):
+        rows, width = rng.choice(GRID)
+        ms = TRUE.batch_ms(rows, width) * rng.uniform(0.95, 1.05)
+        if rng.random() < burst_share:
+            ms *= 3
+        yield rows, width, ms / 1000
+
+
+def worst_error(cost: CostModel) -> float:
+    return max(abs(cost.batch_ms(r, w) - TRUE.batch_ms(r, w)) / TRUE.batch_ms(r, w) for r, w in GRID)
+
+
+def test_a_hundred_served_forwards_with_bursts_fit_within_15_percent():
+    engine, fits = fake_engine(), []
+    learner = LiveCostModel(engine, on_fit=lambda cost, error: fits.append((cost, error)))
+    for rows, width, seconds in served(random.Random(7), 100):
+        learner.observe(rows, width, seconds)
+    assert len(fits) == 2 and engine.cost is fits[-1][0]  # one refit every 50 forwards
+    assert worst_error(engine.cost) < 0.15, (engine.cost, worst_error(engine.cost))
+    assert worst_error(CostModel(25.0, 0.8)) > 1  # the defaults it started from describe another machine
+    assert load_cached(fake_engine()) == engine.cost  # the next start on this machine begins from it
+
+
+def test_a_fit_without_enough_shapes_is_not_kept():
+    engine = fake_engine()
+    learner = LiveCostModel(engine, refit_every=10)
+    for _ in range(30):  # one width only: the per-token and fixed costs cannot be told apart
+        learner.observe(8, 64, TRUE.batch_ms(8, 64) / 1000)
+    assert engine.cost == CostModel(25.0, 0.8) and learner.fits == 0
+    assert load_cached(engine) is None
+
+
+def test_an_unsound_cache_file_is_ignored(tmp_path):
+    engine = fake_engine()
+    path = autotune.cache_path(engine)
+    path.parent.mkdir(parents=True)
+    path.write_text('{"fixed_ms": 0, "token_ms": 0.5, "quad_ms": 0}')
+    assert load_cached(engine) is None
+    path.write_text("not json")
+    assert load_cached(engine) is None
+
+
+@pytest.mark.integration
+def test_the_engine_plans_with_what_it_learnt_from_its_own_forwards(tiny_engine):
+    """The real engine's forward reports, fed as the service feeds them: their shapes span enough
+    for a fit, and the next plan is costed by it. (The tiny model's own times are a few ms, mostly
+    noise on a busy machine: each forward is timed here as the full-size model's would be.)"""
+    texts = [("my invoice is wrong " * (1 + n % 23)).strip() for n in range(160)]
+    learner = LiveCostModel(tiny_engine, refit_every=20)
+    timed = lambda r: learner.observe(r.rows, r.width, TRUE.batch_ms(r.rows, r.width) / 1000)  # noqa: E731
+    before = tiny_engine.cost
+    try:
+        for job in range(60):  # jobs of varied sizes and lengths, as a worker's buffers come
+            start = (job * 7) % 140
+            tiny_engine.classify(texts[start:start + 1 + job % 12], on_batch=timed)
+        assert learner.seen >= 60 and learner.fits >= 1
+        assert worst_error(tiny_engine.cost) < 0.01
+        plan = tiny_engine.plan(tiny_engine.encode(texts[:40]))
+        assert plan.predicted_ms(tiny_engine.cost) == pytest.approx(
+            sum(TRUE.batch_ms(batch.rows, batch.width) for batch in plan.batches), rel=0.01)
+    finally:
+        tiny_engine.cost = before  # the fixture is shared
