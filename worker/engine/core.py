@@ -19,6 +19,9 @@ GEMM (MKL), or oneDNN on weights prepacked once (`PackedLinear`). Both are IEEE 
 summation order differs); where oneDNN measures faster at start-up it serves every path, the
 reference included.
 
+`fields(schema)` answers several closed questions per ticket in one pass over its tokens
+(`worker.engine.fields`); the engine's own `schema` is the single field `classify` answers.
+
 Both produce trie-constrained label probabilities: at every point where labels diverge, the
 softmax over the allowed next tokens (exactly what constrained decoding would choose from). A label
 that is a prefix of another ends with the template's end-of-answer token, one of those choices.
@@ -36,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from ticketq.schema import Schema, default_schema
 from worker.engine import batching
 from worker.engine.int8 import INT8, quantize_linears_int8
 from worker.engine.kernels import pack_linears, resolve_device, resolve_dtype, resolve_matmul
@@ -81,12 +85,18 @@ class Engine:
         cost: batching.CostModel | None = None,
         info: ModelInfo | None = None,
         int8: bool = False,
+        truncation: str = "head",
+        schema: Schema | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.labels = labels
         _check_chat_template(tokenizer)
-        self.prompt = PromptTemplate(tokenizer, system, labels, max_ticket_tokens)
+        self.prompt = PromptTemplate(tokenizer, system, labels, max_ticket_tokens, truncation)
+        # the single field `classify` answers, as a schema (`fields(schema)` answers it too); None
+        # where the engine was built from a ready system text rather than a system prompt and labels
+        self.schema = schema
+        self._fields: dict[str, object] = {}  # schema name -> its FieldsEngine, built on first use
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
         self.cost = cost or batching.CostModel(fixed_ms=25.0, token_ms=0.8)
@@ -111,7 +121,7 @@ class Engine:
         # full-vocabulary logits, but only at the last position (older transformers compute all)
         forward_params = inspect.signature(model.forward).parameters
         self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in forward_params else {}
-        self._prefix_kv = self._prime_prefix()
+        self._prefix_kv = self.prime(self.prompt.prefix_ids)
         self._branch_rows = {
             path: self.label_head.weight[list(kids)].detach()  # (C, H)
             for path, kids in self.prompt.trie.branches.items()
@@ -152,6 +162,7 @@ class Engine:
             cost=batching.CostModel(settings.cost_fixed_ms, settings.cost_token_ms, settings.cost_quad_ms),
             info=info,
             int8=int8,
+            schema=default_schema(labels, settings.system_prompt, settings.label_descriptions),
         )
 
     def with_int8(self) -> Engine:
@@ -167,14 +178,28 @@ class Engine:
             cost=self.cost,
             info=replace(self.info, dtype=INT8),
             int8=True,
+            truncation=self.prompt.truncation,
+            schema=self.schema,
         )
+
+    def fields(self, schema: Schema | None = None):
+        """The `FieldsEngine` for `schema` (default: the engine's own) on this model, built once per schema name."""
+        from worker.engine.fields import FieldsEngine
+
+        schema = schema or self.schema
+        if schema is None:
+            raise ValueError("this engine was built without a schema: pass one (ticketq.schema.load_schema)")
+        runner = self._fields.get(schema.name)
+        if runner is None or runner.schema != schema:
+            runner = self._fields[schema.name] = FieldsEngine(self, schema)
+        return runner
 
     # ----- prefix cache -------------------------------------------------------------------
 
     @torch.inference_mode()
-    def _prime_prefix(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Run the shared prompt prefix once; its per-layer K/V are reused by every batch."""
-        ids = torch.tensor([self.prompt.prefix_ids], device=self.device)  # (1, P)
+    def prime(self, prefix_ids: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Run a shared prompt prefix once, in float32; its per-layer K/V are reused by every batch."""
+        ids = torch.tensor([list(prefix_ids)], device=self.device)  # (1, P)
         out = self.float_decoder(input_ids=ids, use_cache=True)
         cache = getattr(out, "cache", None) or out.past_key_values
         # (1, kv_heads, P, head_dim) per layer, owned by the engine and never written again
@@ -360,7 +385,7 @@ class Engine:
             logits = (
                 self.model(input_ids=ids, use_cache=False, **self._last_only).logits[0, -1].float()
             )  # (V,)
-            branch_logprobs[path] = _choice_logprobs(logits, kids)  # (C,)
+            branch_logprobs[path] = choice_logprobs(logits, kids)  # (C,)
         logprobs = {
             name: sum(float(branch_logprobs[path][child]) for path, child in self.prompt.trie.decisions(name))
             for name in self.labels
@@ -401,7 +426,7 @@ class Engine:
         hidden = self.decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state  # (B, T, H)
         last = hidden[torch.arange(len(sequences), device=self.device), lengths - 1]  # (B, H)
         logits = self.label_head(last).float()  # (B, V): full vocabulary, last real token only
-        return _choice_logprobs(logits, kids).cpu()  # (B, C)
+        return choice_logprobs(logits, kids).cpu()  # (B, C)
 
     @torch.inference_mode()
     def generate(self, text: object, max_new_tokens: int) -> tuple[str, int, int]:
@@ -436,7 +461,7 @@ def _check_chat_template(tokenizer) -> None:
         )
 
 
-def _choice_logprobs(logits: torch.Tensor, kids: tuple[int, ...]) -> torch.Tensor:
+def choice_logprobs(logits: torch.Tensor, kids: tuple[int, ...]) -> torch.Tensor:
     """Full-vocabulary log-probs restricted to a branch's children, renormalised over them: (..., V) -> (..., C)."""
     allowed = torch.log_softmax(logits, dim=-1)[..., list(kids)]  # (..., C) full-vocab log-probs
     return torch.log_softmax(allowed, dim=-1)  # (..., C) renormalised over the choices

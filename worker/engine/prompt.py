@@ -8,6 +8,17 @@ that do not read the variable ignore it.
 The batched path feeds `prefix_ids` once (cached) and `ticket_ids + suffix_ids` per row; the
 reference path feeds the three concatenated. Tickets are tokenised on their own with special
 tokens split, so a ticket that contains `<|im_end|>` cannot close its own user turn.
+
+`FieldsPrompt` is the same split for a schema of several fields (`ticketq.schema`): the system
+prompt describes every field, the ticket and the template's answer opening are shared by all of
+them, and each field's answer starts with its own name (`priority:`). Every field's full prompt is
+`prefix_ids + ticket ids + answer opening + the field's suffix ids`, the shared part a true token
+prefix of each; the suffix starts with a letter after the opening's newline, so the tokens are
+also those of the rendered prompt tokenised whole.
+
+Tickets longer than `max_ticket_tokens` are cut by a truncation mode (`ticketq.schema.TRUNCATIONS`):
+`head` keeps the first tokens (the default, what ticketq always did), `tail` the last, `head+tail`
+the first half and the last half of the limit.
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 
 from ticketq.contract import TicketRejected, check_text
+from ticketq.schema import TRUNCATIONS, Schema
 
 TICKET_MARKER = "\x00TICKET\x00"
 ANSWER_MARKER = "\x00ANSWER\x00"
@@ -30,6 +42,22 @@ class EncodedTicket:
     ids: tuple[int, ...]  # ticket tokens + suffix tokens: what one batch row carries
     ticket_tokens: int  # tokens of the ticket itself after truncation
     truncated: bool
+    total_tokens: int = 0  # tokens of the ticket before truncation
+    truncation: str = "head"  # the mode that cut it, where `truncated`
+
+
+def truncate(ids: list[int], limit: int, mode: str = "head") -> list[int]:
+    """At most `limit` of `ids`: the first (`head`), the last (`tail`), or the first and last halves (`head+tail`)."""
+    if len(ids) <= limit:
+        return ids
+    if mode == "head":
+        return ids[:limit]
+    if mode == "tail":
+        return ids[len(ids) - limit :]
+    if mode == "head+tail":
+        tail = limit // 2
+        return ids[: limit - tail] + ids[len(ids) - tail :]
+    raise ValueError(f"truncation must be one of {', '.join(TRUNCATIONS)}, got {mode!r}")
 
 
 def canonical_text(text: object) -> str:
@@ -105,10 +133,20 @@ class LabelTrie:
 class PromptTemplate:
     """Chat-template prompt split around the ticket; owns all tokenisation of tickets and labels."""
 
-    def __init__(self, tokenizer, system: str, labels: tuple[str, ...], max_ticket_tokens: int = 512) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        system: str,
+        labels: tuple[str, ...],
+        max_ticket_tokens: int = 512,
+        truncation: str = "head",
+    ) -> None:
+        if truncation not in TRUNCATIONS:
+            raise ValueError(f"truncation must be one of {', '.join(TRUNCATIONS)}, got {truncation!r}")
         self.tokenizer = tokenizer
         self.labels = labels
         self.max_ticket_tokens = max_ticket_tokens
+        self.truncation = truncation
         self.system = system
         rendered = self.render(TICKET_MARKER)
         if rendered.count(TICKET_MARKER) != 1:
@@ -116,10 +154,13 @@ class PromptTemplate:
         self.prefix_text, self.suffix_text = rendered.split(TICKET_MARKER)
         self.prefix_ids = tuple(self._encode_special(self.prefix_text))
         self.suffix_ids = tuple(self._encode_special(self.suffix_text))
+        self.trie = self.label_trie(labels)
+
+    def label_trie(self, labels: tuple[str, ...], lead: str = "") -> LabelTrie:
+        """Each label's tokens (after `lead`, e.g. the space that follows `priority:`), then the end of the answer."""
         end = self.end_of_answer()
-        self.trie = LabelTrie(
-            {name: (*self._encode_plain(name), *([end] if end is not None else [])) for name in labels}
-        )
+        closing = [end] if end is not None else []
+        return LabelTrie({name: (*self._encode_plain(lead + name), *closing) for name in labels})
 
     def render(self, ticket: str, system: str | None = None) -> str:
         return self.tokenizer.apply_chat_template(
@@ -144,10 +185,15 @@ class PromptTemplate:
         return [{"role": "system", "content": system or self.system}, {"role": "user", "content": ticket}]
 
     def encode(self, text: object) -> EncodedTicket:
-        ids = self._encode_plain(canonical_text(text))
-        truncated = len(ids) > self.max_ticket_tokens
-        ids = ids[: self.max_ticket_tokens]
-        return EncodedTicket(ids=(*ids, *self.suffix_ids), ticket_tokens=len(ids), truncated=truncated)
+        whole = self._encode_plain(canonical_text(text))
+        ids = truncate(whole, self.max_ticket_tokens, self.truncation)
+        return EncodedTicket(
+            ids=(*ids, *self.suffix_ids),
+            ticket_tokens=len(ids),
+            truncated=len(whole) > len(ids),
+            total_tokens=len(whole),
+            truncation=self.truncation,
+        )
 
     def full_ids(self, encoded: EncodedTicket) -> list[int]:
         """The reference path's input: prefix + ticket + suffix, nothing cached."""
@@ -158,3 +204,103 @@ class PromptTemplate:
 
     def _encode_plain(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+# ----- schemas of several fields ---------------------------------------------------------------
+
+YES, NO = "yes", "no"  # the answers of a multi-label field's question about one label
+
+
+@dataclass(frozen=True)
+class Question:
+    """One scored answer: a single-label field, or one label of a multi-label field (yes / no)."""
+
+    field: str
+    label: str | None  # multi-label: the label asked about; single-label: None
+    suffix_text: str  # after the shared part: the answer's opening (`priority:`)
+    suffix_ids: tuple[int, ...]
+    trie: LabelTrie
+    answers: tuple[str, ...]  # the trie's labels: the field's labels, or (yes, no)
+
+
+class FieldsPrompt:
+    """A schema's prompt: one cached prefix, the ticket and answer opening shared by every field, a
+    short suffix per question.
+
+    Layout "system" (one single-label field; the default schema): exactly `PromptTemplate`'s prompt,
+    the field's labels in the system prompt and its answer straight after the ticket, so the one
+    question's suffix is empty. Layout "fields": the system prompt describes every field; after the
+    ticket and the template's answer opening, each question's suffix is its field's name and a colon
+    (`priority:`), or for a multi-label field `topics: refund?`, answered ` yes` or ` no`.
+    """
+
+    def __init__(self, tokenizer, schema: Schema, max_ticket_tokens: int = 512, truncation: str = "head") -> None:
+        self.schema = schema
+        truncation = schema.truncation or truncation
+        if schema.layout == "system":
+            (only,) = schema.fields
+            system = system_text(_joined(schema.system, only.instruction), only.labels, dict(only.descriptions))
+            self.template = PromptTemplate(tokenizer, system, only.labels, max_ticket_tokens, truncation)
+            self.questions = (Question(only.name, None, "", (), self.template.trie, only.labels),)
+        else:
+            system = fields_system_text(schema)
+            self.template = PromptTemplate(tokenizer, system, (), max_ticket_tokens, truncation)
+            self.questions = tuple(self._questions())
+        self.prefix_ids = self.template.prefix_ids
+
+    def _questions(self):
+        def ids(text: str) -> tuple[int, ...]:
+            return tuple(self.template._encode_special(text))
+
+        yes_no = self.template.label_trie((YES, NO), lead=" ")
+        for spec in self.schema.fields:
+            if spec.multi:
+                for label in spec.labels:
+                    text = f"{spec.name}: {label}?"
+                    yield Question(spec.name, label, text, ids(text), yes_no, (YES, NO))
+            else:
+                text = f"{spec.name}:"
+                trie = self.template.label_trie(spec.labels, lead=" ")
+                yield Question(spec.name, None, text, ids(text), trie, spec.labels)
+
+    @property
+    def max_ticket_tokens(self) -> int:
+        return self.template.max_ticket_tokens
+
+    @property
+    def truncation(self) -> str:
+        return self.template.truncation
+
+    def encode(self, text: object) -> EncodedTicket:
+        """The shared part after the prefix: the ticket's tokens (truncated) and the answer opening."""
+        return self.template.encode(text)
+
+    def full_ids(self, encoded: EncodedTicket, question: Question) -> list[int]:
+        """A question's whole prompt, as the reference reads it: prefix + ticket + opening + its suffix."""
+        return [*self.prefix_ids, *encoded.ids, *question.suffix_ids]
+
+    def render(self, ticket: str, question: Question) -> str:
+        """A question's whole prompt as text (the chat template's rendering plus the suffix)."""
+        return self.template.render(ticket) + question.suffix_text
+
+
+def fields_system_text(schema: Schema) -> str:
+    """The system prompt of the "fields" layout: the shared instructions, then every field and its labels."""
+    lines = [schema.system.strip(), ""]
+    lines.append(
+        "After the ticket, each answer starts with the name of its field and a colon, followed by the label."
+    )
+    for spec in schema.fields:
+        lines += ["", f"{spec.name}: {spec.instruction}"]
+        lines += [f"- {name}: {spec.descriptions[name]}" if name in spec.descriptions else f"- {name}"
+                  for name in spec.labels]  # fmt: skip
+        if spec.multi:
+            asked = f'"{spec.name}: <label>?"'
+            lines.append(f"Several labels may apply: for each label, {asked} is answered {YES} or {NO}.")
+        else:
+            lines.append(f"Answer with exactly one label: {', '.join(spec.labels)}.")
+    return "\n".join(lines)
+
+
+def _joined(*parts: str) -> str:
+    return "\n\n".join(part.strip() for part in parts if part.strip())

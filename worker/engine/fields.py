@@ -1,0 +1,279 @@
+"""Several closed questions ("fields", `ticketq.schema`) per ticket, in one pass over its tokens, exact.
+
+A `FieldsEngine` is a schema compiled on an `Engine`'s model: its own prompt (`FieldsPrompt`), its
+own cached prefix (the system prompt describing every field, computed once), and one question per
+single-label field or per label of a multi-label field. Every question's full prompt is
+
+    prefix ids + ticket ids + answer opening ids + the question's suffix ids (`priority:`)
+
+so the ticket is computed once per ticket for all of them, in one forward pass per batch. Each
+batch row is the ticket and the answer opening (the shared part), then every question's suffix
+(and, for a label trie branching below its root, the suffix plus the shared label tokens) as its
+own short segment, packed after it:
+
+    [ prefix (cached) ] ticket + opening | category: | priority: | sentiment: | pads
+
+A 4D mask lets each segment see the cached prefix, its own ticket's shared part and itself
+(causally), never another segment or a pad, and each segment's position ids start right after the
+shared part, so every segment's last token computes exactly what its question's full prompt
+computes there. Rows are planned as `Engine.classify` plans its rows (length-sorted, cut by the
+cost model under the token budget); every row carries the same segments, so they add no padding.
+
+`reference` is the obvious path the answers must equal (float32 tolerance): one ticket, one
+question, its full prompt, no cache, full-vocabulary logits, trie-constrained, a forward per branch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import torch
+
+from ticketq.schema import FieldResult, Schema, TicketFields
+from worker.engine import batching
+from worker.engine.core import Engine, MoreCallback, choice_logprobs
+from worker.engine.loading import cache_class
+from worker.engine.prompt import YES, EncodedTicket, FieldsPrompt, Question
+from worker.results import BatchReport
+
+# on_results(indices into the caller's texts, their answers): one call per forward batch
+ResultsCallback = Callable[[Sequence[int], list[TicketFields]], None]
+
+Branch = tuple[int, tuple[int, ...]]  # (question index, trie branch path)
+
+
+class FieldsEngine:
+    """A schema on an engine's model: `classify` (every field in one pass per batch) and `reference`."""
+
+    def __init__(self, engine: Engine, schema: Schema) -> None:
+        self.engine = engine
+        self.schema = schema
+        self.prompt = FieldsPrompt(
+            engine.tokenizer, schema, engine.prompt.max_ticket_tokens, engine.prompt.truncation
+        )
+        self.questions: tuple[Question, ...] = self.prompt.questions
+        self.device, self.dtype = engine.device, engine.dtype
+        self._prefix_kv = engine.prime(self.prompt.prefix_ids)
+        head = engine.label_head.weight
+        self._rows = {  # (question, path) -> the label head's rows of that branch's children, (C, H)
+            (q, path): head[list(kids)].detach()
+            for q, question in enumerate(self.questions)
+            for path, kids in question.trie.branches.items()
+        }
+        # one segment per (question, trie branch): the question's suffix and the branch path; an
+        # empty one (the "system" layout's question, scored at the shared part's last token) first
+        segments = sorted(
+            ((branch, (*self.questions[branch[0]].suffix_ids, *branch[1])) for branch in self._rows),
+            key=lambda item: len(item[1]) > 0,
+        )
+        self._segments = [branch for branch, _ in segments]
+        self._segment_ids = tuple(token for _, ids in segments for token in ids)
+        self._segment_of = []  # per segment token: its segment's index
+        self._starts = []  # per segment: where it starts in the packed block
+        for k, (_, ids) in enumerate(segments):
+            self._starts.append(len(self._segment_of))
+            self._segment_of += [k] * len(ids)
+        self._ends = [start + len(ids) for start, (_, ids) in zip(self._starts, segments, strict=True)]
+        self.prefix_reuses = 0
+
+    @property
+    def prefix_len(self) -> int:
+        return len(self.prompt.prefix_ids)
+
+    def prefix_snapshot(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(k.clone(), v.clone()) for k, v in self._prefix_kv]
+
+    # ----- planning ------------------------------------------------------------------------
+
+    def encode(self, texts: Sequence[object]) -> list[EncodedTicket]:
+        return [self.prompt.encode(text) for text in texts]
+
+    def row_length(self, encoded: EncodedTicket) -> int:
+        """A batch row: the shared part, then every question's segment."""
+        return len(encoded.ids) + len(self._segment_ids)
+
+    def plan(self, encoded: Sequence[EncodedTicket]) -> batching.Plan:
+        engine = self.engine
+        return batching.plan_optimal(
+            [self.row_length(e) for e in encoded],
+            max_batch_tokens=engine.max_batch_tokens,
+            max_batch_size=engine.max_batch_size,
+            cost=engine.cost,
+        )
+
+    # ----- the optimised path --------------------------------------------------------------
+
+    def classify(
+        self,
+        texts: Sequence[object],
+        plan: batching.Plan | None = None,
+        on_batch: Callable[[BatchReport], None] | None = None,
+        on_results: ResultsCallback | None = None,
+        more: MoreCallback | None = None,
+    ) -> tuple[list[TicketFields], list[BatchReport]]:
+        """Every field's answer for each of `texts`, in order; as `Engine.classify` (`more`, callbacks).
+
+        One report per forward pass (one row per ticket).
+        """
+        encoded = self.encode(texts)
+        return self.classify_encoded(encoded, plan, on_batch, on_results, more)
+
+    def classify_encoded(
+        self,
+        encoded: Sequence[EncodedTicket],
+        plan: batching.Plan | None = None,
+        on_batch: Callable[[BatchReport], None] | None = None,
+        on_results: ResultsCallback | None = None,
+        more: MoreCallback | None = None,
+    ) -> tuple[list[TicketFields], list[BatchReport]]:
+        encoded = list(encoded)
+        batches = list((plan or self.plan(encoded)).batches)
+        results: list[TicketFields | None] = [None] * len(encoded)
+        reports: list[BatchReport] = []
+        arrived = more() if more else ()
+        while True:
+            if arrived:
+                encoded.extend(self.encode(arrived))
+                results.extend([None] * len(arrived))
+                batches = self._replan(encoded, batches, range(len(encoded) - len(arrived), len(encoded)))
+            if not batches:
+                break
+            batch = batches.pop(0)
+            start = time.perf_counter()
+            answers = self.forward_batch([encoded[i] for i in batch.indices], width=batch.width)
+            report = BatchReport(batch.rows, batch.width, batch.real_tokens, time.perf_counter() - start)
+            for index, answer in zip(batch.indices, answers, strict=True):
+                results[index] = answer
+            reports.append(report)
+            if on_batch:
+                on_batch(report)
+            if on_results:
+                on_results(batch.indices, answers)
+            arrived = more() if more else ()
+        assert all(r is not None for r in results), "the plan must cover every ticket"
+        return results, reports  # type: ignore[return-value]
+
+    def _replan(
+        self, encoded: Sequence[EncodedTicket], batches: Sequence[batching.Batch], arrived: range
+    ) -> list[batching.Batch]:
+        waiting = [i for batch in batches for i in batch.indices] + list(arrived)
+        plan = self.plan([encoded[i] for i in waiting])
+        return [replace(batch, indices=tuple(waiting[j] for j in batch.indices)) for batch in plan.batches]
+
+    @torch.inference_mode()
+    def forward_batch(self, tickets: Sequence[EncodedTicket], width: int | None = None) -> list[TicketFields]:
+        """One forward over `tickets` (shared part + every segment) right-padded to `width`, after the cached prefix."""
+        device, P = self.device, self.prefix_len
+        shared = torch.tensor([len(e.ids) for e in tickets], device=device)  # (B,)
+        lengths = shared + len(self._segment_ids)  # (B,)
+        width = width or int(lengths.max())
+        ids = self._padded([(*e.ids, *self._segment_ids) for e in tickets], width)  # (B, W)
+        rows = len(tickets)
+        cache = self._cache([(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in self._prefix_kv])
+        self.prefix_reuses += 1
+        # per token: -1 in the shared part, k in segment k, -2 a pad; and its offset inside the packed block
+        slot = torch.arange(width, device=device)[None, :] - shared[:, None]  # (B, W) index into the segments
+        inside = (slot >= 0) & (slot < len(self._segment_ids))  # (B, W)
+        segment_of = torch.tensor(self._segment_of or [0], device=device)  # (S,)
+        starts = torch.tensor(self._starts, device=device)  # (K,)
+        clamped = slot.clamp(0, max(len(self._segment_ids) - 1, 0))
+        segment = torch.where(inside, segment_of[clamped], torch.where(slot < 0, -1, -2))  # (B, W)
+        # a segment's tokens are numbered from the end of its own ticket's shared part
+        offset = torch.where(inside, starts[segment.clamp(min=0)], 0)  # (B, W)
+        positions = P + torch.arange(width, device=device)[None, :] - offset  # (B, W)
+        mask = _packed_mask(P, segment, self.dtype)  # (B, 1, W, P+W)
+        hidden = self._decode(ids, mask, positions, cache)  # (B, W, H)
+        picked = torch.arange(rows, device=device)
+        scores = {  # branch -> per row, the log-probs over its children at its segment's last token
+            branch: self._branch_scores(branch, hidden[picked, shared + end - 1]).tolist()  # (B, C)
+            for branch, end in zip(self._segments, self._ends, strict=True)
+        }
+        return [self._answer(i, e, scores) for i, e in enumerate(tickets)]
+
+    def _branch_scores(self, branch: Branch, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax((hidden @ self._rows[branch].T).float(), dim=-1)  # (B, C)
+
+    def _padded(self, rows: Sequence[Sequence[int]], width: int) -> torch.Tensor:
+        ids = torch.full((len(rows), width), self.engine.pad_id, dtype=torch.long, device=self.device)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)] = torch.tensor(row, device=self.device)
+        return ids
+
+    def _cache(self, layers: list[tuple[torch.Tensor, torch.Tensor]]):
+        """A fresh cache holding the prefix's keys and values, expanded views (copied on the first append)."""
+        cache_cls = cache_class()
+        try:
+            cache = cache_cls(config=self.engine.model.config)
+        except TypeError:  # older transformers
+            cache = cache_cls()
+        for layer, (k, v) in enumerate(layers):
+            cache.update(k, v, layer)
+        return cache
+
+    def _decode(self, ids, mask, positions, cache) -> torch.Tensor:
+        return self.engine._decode(ids, mask, positions, cache)
+
+    def _answer(self, row: int, encoded: EncodedTicket, scores: dict[Branch, list[list[float]]]) -> TicketFields:
+        return self._assemble(encoded, lambda branch, child: scores[branch][row][child])
+
+    # ----- reference path ------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def reference(self, text: object) -> TicketFields:
+        """One ticket, each question's full prompt, no cache, full-vocabulary logits: the answers to match."""
+        encoded = self.prompt.encode(text)
+        engine = self.engine
+        logprobs: dict[Branch, torch.Tensor] = {}
+        for q, question in enumerate(self.questions):
+            full = self.prompt.full_ids(encoded, question)
+            for path, kids in question.trie.branches.items():
+                ids = torch.tensor([[*full, *path]], device=self.device)  # (1, T)
+                logits = engine.model(input_ids=ids, use_cache=False, **engine._last_only).logits[0, -1].float()  # (V,)
+                logprobs[(q, path)] = choice_logprobs(logits, kids)  # (C,)
+        return self._assemble(encoded, lambda branch, child: float(logprobs[branch][child]))
+
+    def _assemble(self, encoded: EncodedTicket, choice: Callable[[Branch, int], float]) -> TicketFields:
+        """Each question's answers' log-probs from its trie's choices, then each field's result."""
+        per_question = []
+        for q, question in enumerate(self.questions):
+            logprobs = {
+                name: sum(choice((q, path), child) for path, child in question.trie.decisions(name))
+                for name in question.answers
+            }
+            per_question.append({name: math.exp(lp) for name, lp in logprobs.items()})
+        fields = {}
+        for spec in self.schema.fields:
+            asked = [(question, probs) for question, probs in zip(self.questions, per_question, strict=True)
+                     if question.field == spec.name]  # fmt: skip
+            if spec.multi:
+                fields[spec.name] = FieldResult.several(spec, {q.label: probs[YES] for q, probs in asked})
+            else:
+                ((_, probs),) = asked
+                fields[spec.name] = FieldResult.single(spec, probs)
+        return TicketFields(
+            schema=self.schema.name,
+            fields=fields,
+            tokens=encoded.ticket_tokens,
+            ticket_tokens=encoded.total_tokens,
+            truncation=encoded.truncation if encoded.truncated else None,
+        )
+
+
+def _packed_mask(P: int, segment: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive 4D mask of packed rows: `segment` (B, W) is -1 on the shared part, k on segment k, -2 on pads.
+
+    Every query sees the cached prefix. A shared-part query sees the shared part causally; a segment's
+    query sees the whole shared part and its own segment causally; nothing sees another segment or
+    a pad (a pad query sees the prefix and the shared part, so no row of the softmax is empty).
+    """
+    rows, width = segment.shape
+    q = torch.arange(width, device=segment.device)
+    causal = q[None, :] <= q[:, None]  # (Q, K)
+    key, query = segment[:, None, :], segment[:, :, None]  # (B, 1, K), (B, Q, 1)
+    allowed = causal[None] & ((key == -1) | ((key == query) & (query >= 0)))  # (B, Q, K)
+    mask = torch.zeros((rows, width, P + width), dtype=dtype, device=segment.device)
+    mask[:, :, P:].masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]  # (B, 1, Q, P+K)
