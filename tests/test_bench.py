@@ -78,6 +78,9 @@ def test_every_mode_matches_the_reference(bench_run):
         assert row["agreement"] == 1.0, row
         assert row["max_abs_prob_diff"] < PROB_TOL, row
         assert row["disagreements_non_tie"] == row["disagreements_near_tie"] == 0, mode
+        # three rounds by default, interleaved; the answers the same in every round
+        assert len(row["rounds"]) == 3 and row["round_label_changes"] == 0, row["rounds"]
+        assert row["items_per_s_min"] <= row["items_per_s"] <= row["items_per_s_max"], mode
 
 
 def test_padding_is_ordered_as_the_article_says(bench_run):
@@ -101,6 +104,7 @@ def test_outputs_carry_the_required_fields(bench_run):
     assert header["kind"] == "header" and set(header) >= HEADER_KEYS
     assert header["standin"] is True and header["tickets"] == 30 and header["dtype"] == "float32"
     assert header["machine"]["cores"] >= 1 and header["torch_threads"] == 2
+    assert header["rounds"] == 3 and len(header["load_average"]["rounds"]) == 3 and header["finished"]
     assert not header["autotune"]["applied"] and "budget 1024 padded tokens" in header["autotune"]["description"]
     assert any("labels meaningless" in note for note in header["notes"])
     for row in rows.values():

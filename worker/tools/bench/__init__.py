@@ -1,7 +1,8 @@
 """`ticketq bench`: one model, one ticket list, every way of classifying it, side by side.
 
-The model is loaded once and each mode classifies the same tickets, one mode after another in
-this process (warm-up first, torch threads set once):
+The model is loaded once and each mode classifies the same tickets, the modes interleaved in
+rounds (A B C A B C …, `--rounds`, 3 by default; a warm-up first each time, torch threads set
+once); the peers run in processes of their own:
 
 - `generate`      what a newcomer writes: chat template + `model.generate` (4 new tokens, greedy)
                   per ticket, the label parsed from the decoded text. Off by default (slowest).
@@ -16,18 +17,28 @@ this process (warm-up first, torch threads set once):
 - `llama-cpp`     the CPU peer: llama.cpp (llama-cpp-python) on the same model in GGUF f32,
                   prompt cache, one ticket at a time, label from the answer-position logits.
 - `llama-cpp-q8`  the same in GGUF q8_0 (llama.cpp's 8-bit weights). Both opt-in, `worker.tools.peers`.
+- `openvino`      the CPU peer OpenVINO on the same model (converted to its IR once), the prefix's KV
+                  computed once, length-sorted batches, label from the answer-position logits, float32.
+- `openvino-bf16` the same with `INFERENCE_PRECISION_HINT` bf16.
+- `openvino-int8` the same in float32 with int8 weights (NNCF `compress_weights`). All three opt-in.
 
-Per mode: items/s, speedup over `sequential`, padding ratio (pad / tokens actually computed, so
-the full-prompt modes count the prefix they re-run), agreement with `sequential`, max |Δprob|,
-disagreements split into near-ties (reference margin below `--tie-tolerance`) and the rest, and
-peak RSS. Output: a rich table, `--json`, `--chart`, `--markdown`.
+Per mode: the median items/s over the rounds and their range (min–max), speedup over
+`sequential` (the ratio of the medians), padding ratio (pad / tokens actually computed, so the
+full-prompt modes count the prefix they re-run), agreement with `sequential`, max |Δprob|,
+disagreements split into near-ties (reference margin below `--tie-tolerance`) and the rest, peak
+RSS, and whether the answers were the same in every round; the load average at each round's start.
+Output: a rich table, `--json` and `--markdown` (rewritten after every mode: a killed run keeps
+what finished), `--chart`. A peer whose process dies is a row with the reason ("crashed: signal
+11 (SIGSEGV)"), never the run's end.
 
 Modules, each one job:
 
 - `cli`        the typer command: options and help, `Options` built, the exit status.
 - `records`    plain records shared by the others: mode names, `Options`, `Answer`, `ModeResult`.
-- `runner`     set-up (tickets, settings, engine, autotune) and how each mode runs and is timed,
-               the queue mode's worker process included (`worker.tools.procs`).
+- `runner`     set-up (tickets, settings, engine, autotune) and how each mode runs and is timed
+               round after round, the queue mode's worker process included (`worker.tools.procs`).
+- `peer_process` a peer mode in a spawned process of its own, and how its death is told.
+- `memory`     peak RSS per mode.
 - `baselines`  sequential, full-prompt batches and generate: calls into the engine's scoring
                (`Engine.reference`, `Engine.full_prompt_batch`, `Engine.generate`), no tensors.
 - `report`     statistics per mode, the run's header, the table, Markdown, JSON and the chart.

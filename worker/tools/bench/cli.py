@@ -9,6 +9,7 @@ from __future__ import annotations
 import shlex
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
@@ -24,18 +25,19 @@ from worker.tools.bench.runner import load_tickets, run_modes, setup
 
 PROG = "ticketq bench"
 DESCRIPTION = (
-    "Load one model once and classify the same tickets in every mode below. Per mode: items/s, speedup "
-    "over sequential, padding ratio (pad / tokens computed), tokens computed per ticket and tokens/s (where "
-    "the time goes: fewer tokens, or faster tokens), agreement and max |delta prob| against "
-    "sequential, disagreements on near-ties and on the rest, peak RSS. A rich table on stdout, "
-    "optionally JSON and a PNG chart."
+    "Load one model once and classify the same tickets in every mode below, the modes "
+    "interleaved in rounds. Per mode: median items/s over the rounds and their range, speedup over "
+    "sequential, padding ratio (pad / tokens computed), tokens computed per ticket and tokens/s "
+    "(where the time goes), agreement and max |delta prob| against sequential, disagreements "
+    "on near-ties and on the rest, peak RSS. A rich table on stdout; optionally JSON and "
+    "Markdown (rewritten after every mode) and a PNG chart."
 )
 MODE_HELP = """\
-modes (run in this order, one after another, on the same tickets):
+modes (run in this order on the same tickets, round after round):
   generate       chat template + model.generate (4 new tokens, greedy) per
                  ticket, label parsed from the text
-  sequential     one ticket at a time, full prompt, constrained label scoring
-                 (Engine.reference) = reference
+  sequential     one ticket at a time, full prompt, constrained label
+                 scoring (Engine.reference) = reference
   naive          fixed-size batches in arrival order, padded to the batch's
                  longest, full prompt per row
   naive-global   the same, every batch padded to the longest ticket of all
@@ -51,12 +53,19 @@ modes (run in this order, one after another, on the same tickets):
                  ticket at a time, the engine's token ids, label from the
                  answer-position logits (needs pip install 'ticketq[peers]')
   llama-cpp-q8   the same in GGUF q8_0
+  openvino       OpenVINO on the same model (IR converted once), the
+                 prefix's KV computed once, length-sorted batches, label
+                 from the answer-position logits, float32 (needs
+                 pip install 'ticketq[openvino]')
+  openvino-bf16  the same with INFERENCE_PRECISION_HINT bf16
+  openvino-int8  the same in float32, int8 weights (NNCF compress_weights)
 
-Default: every mode but generate, ticketq-int8, llama-cpp, llama-cpp-q8
-(list them, or --modes all). sequential always runs: it is the reference for
-agreement and the baseline for speedup.
+Default: every mode but generate, ticketq-int8 and the peers (llama-cpp*,
+openvino*): list them, or --modes all. sequential always runs: it is the
+reference for agreement and the baseline for speedup. Each peer runs in a
+process of its own: a crash there is that mode's row, not the run's end.
 --quick = {tickets} tickets, batch size {batch_size}, {warmup} warm-up ticket, a {autotune_s:.0f} s autotune,
-no generate; explicit options still win.
+{rounds} round, no generate; explicit options still win.
 """  # lines under 78 characters: the help is printed 80 wide where there is no terminal
 # Help panels: the option groups of `--help`.
 MODEL, TICKETS, RUN, OUTPUT = "model (defaults come from the TICKETQ_* settings)", "tickets", "run", "output"
@@ -119,7 +128,10 @@ def bench(
     autotune_s: Annotated[float | None, typer.Option(metavar="S", rich_help_panel=RUN,
                           help="autotune measuring budget (default: 20)")] = None,
     warmup: Annotated[int | None, typer.Option(metavar="N", min=0, rich_help_panel=RUN,
-                      help="warm-up tickets per mode, the shortest (default: 4)")] = None,
+                      help="warm-up tickets per mode and round, the shortest (default: 4)")] = None,
+    rounds: Annotated[int | None, typer.Option(metavar="N", min=1, rich_help_panel=RUN,
+                      help="rounds of every mode, interleaved; the median is shown (default: 3; "
+                      "1 with --quick or the reference alone)")] = None,
     tie_tolerance: Annotated[float, typer.Option(metavar="P", min=0.0, show_default=False, rich_help_panel=RUN,
                              help="a reference margin below this is a near-tie (default: 0.01)")] = 0.01,
     llama_cpp_src: Annotated[Path | None, typer.Option(metavar="DIR", rich_help_panel=RUN, help=(
@@ -145,7 +157,7 @@ def options_from(params: dict[str, Any], argv: Sequence[str]) -> Options:
     if tickets is None and params["tickets_file"] is None:  # with a file and no --tickets: all of its rows
         tickets = defaults["tickets"]
     given = {name: params[name] for name in ("batch_size", "warmup", "autotune_s")}
-    return Options(
+    options = Options(
         model=params["model"],
         dtype=params["dtype"].value if params["dtype"] else None,
         device=params["device"].value if params["device"] else None,
@@ -166,6 +178,8 @@ def options_from(params: dict[str, Any], argv: Sequence[str]) -> Options:
         markdown=params["markdown"],
         command=shlex.join(["ticketq", "bench", *argv]),
     )
+    rounds = params["rounds"] or (defaults["rounds"] if len(options.mode_list) > 1 else 1)
+    return replace(options, rounds=rounds)
 
 
 def parse_args(argv: Sequence[str]) -> Options:
@@ -175,7 +189,7 @@ def parse_args(argv: Sequence[str]) -> Options:
 
 
 def run(options: Options) -> int:
-    """Load, run every mode, report; 0 done, 1 a real disagreement under --strict, 2 bad input or model."""
+    """Load, run every mode, report; 0 done, 1 a real disagreement or unstable answer under --strict, 2 bad input."""
     console = Console()
     if not console.is_terminal:  # files and pipes: wide enough for the whole table
         console.width = max(console.width, 120)
@@ -183,7 +197,12 @@ def run(options: Options) -> int:
     bench = setup(options, console) if tickets is not None else None
     if bench is None:
         return EXIT_USAGE
-    results = run_modes(bench, tickets, console)
+
+    def write_so_far(results: list) -> None:  # after every mode: a killed run keeps what finished
+        rows = [summarise(result, results, options.tie_tolerance) for result in results]
+        write_outputs(options, make_header(bench, tickets, rows, finished=False), rows, None, chart=False)
+
+    results = run_modes(bench, tickets, console, after_mode=write_so_far if options.json or options.markdown else None)
     rows = [summarise(result, results, options.tie_tolerance) for result in results]
     header = make_header(bench, tickets, rows)
     print_report(console, header, rows)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -9,13 +10,17 @@ from worker.results import BatchReport, Prediction
 
 MODES = (
     "generate", "sequential", "naive", "naive-global", "sorted", "ticketq", "ticketq-int8", "ticketq-queue",
-    "llama-cpp", "llama-cpp-q8",
+    "llama-cpp", "llama-cpp-q8", "openvino", "openvino-bf16", "openvino-int8",
 )  # fmt: skip
-OPT_IN_MODES = ("generate", "ticketq-int8", "llama-cpp", "llama-cpp-q8")  # run only when listed (or 'all')
+# each runs in a process of its own (worker.tools.bench.peer_process)
+PEER_MODES = ("llama-cpp", "llama-cpp-q8", "openvino", "openvino-bf16", "openvino-int8")
+OPT_IN_MODES = ("generate", "ticketq-int8", *PEER_MODES)  # run only when listed (or 'all')
 DEFAULT_MODES = tuple(m for m in MODES if m not in OPT_IN_MODES)
 REFERENCE = "sequential"  # always runs: the reference for agreement and the baseline for speedup
-QUICK = {"tickets": 12, "batch_size": 4, "warmup": 1, "autotune_s": 3.0}  # --quick: a short run on a slow machine
-DEFAULTS = {"tickets": 600, "batch_size": 16, "warmup": 4, "autotune_s": 20.0}
+# --quick: a short run on a slow machine. rounds: how often every mode runs, interleaved (one round
+# where only the reference runs).
+QUICK = {"tickets": 12, "batch_size": 4, "warmup": 1, "autotune_s": 3.0, "rounds": 1}
+DEFAULTS = {"tickets": 600, "batch_size": 16, "warmup": 4, "autotune_s": 20.0, "rounds": 3}
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,7 @@ class Options:
     no_autotune: bool = False
     autotune_s: float = DEFAULTS["autotune_s"]
     warmup: int = DEFAULTS["warmup"]
+    rounds: int = 1
     tie_tolerance: float = 0.01
     llama_cpp_src: Path | None = None
     quick: bool = False
@@ -65,7 +71,12 @@ class Answer:
 
 @dataclass
 class ModeResult:
-    """One mode's run: its answers in ticket order, its time and forwards, or why it was skipped."""
+    """One mode's run: its first round's answers in ticket order, every round's time, or why it did not run.
+
+    `answers`, `reports`, `padding` and `forwards` are the first round's; `round_seconds` and
+    `round_loads` hold one entry per finished round; `seconds` is their median.
+    `changed_tickets` are those whose label in a later round differs from the first round's.
+    """
 
     mode: str
     answers: list[Answer] = field(default_factory=list)
@@ -75,5 +86,34 @@ class ModeResult:
     forwards: int | None = None
     peak_rss_mb: float | None = None
     rss_of: str = "bench process"
-    skipped: str | None = None
+    skipped: str | None = None  # never ran: the reason
+    crashed: str | None = None  # its process died (a peer) or it failed: the reason, rounds so far kept
     notes: list[str] = field(default_factory=list)
+    round_seconds: list[float] = field(default_factory=list)
+    round_loads: list[tuple[float, float, float] | None] = field(default_factory=list)  # os.getloadavg() at start
+    changed_tickets: set[int] = field(default_factory=set)  # indices whose label changed in some round
+    round_max_abs_prob_diff: float | None = None
+
+    @property
+    def round_label_changes(self) -> int:
+        return len(self.changed_tickets)
+
+    def add_round(self, answers: list[Answer], seconds: float, load: tuple[float, float, float] | None) -> None:
+        """Record one more round: the first keeps its answers, later ones are checked against them."""
+        if not self.round_seconds:
+            self.answers = answers
+        else:
+            self.changed_tickets |= {
+                i for i, (a, b) in enumerate(zip(self.answers, answers, strict=True)) if a.label != b.label
+            }
+            diffs = [
+                abs(a.probs[k] - b.probs[k])
+                for a, b in zip(self.answers, answers, strict=True)
+                if a.probs is not None and b.probs is not None
+                for k in a.probs
+            ]
+            if diffs:
+                self.round_max_abs_prob_diff = max(self.round_max_abs_prob_diff or 0.0, *diffs)
+        self.round_seconds.append(seconds)
+        self.round_loads.append(load)
+        self.seconds = statistics.median(self.round_seconds)

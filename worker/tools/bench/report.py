@@ -1,10 +1,12 @@
 """The benchmark's figures and how they are shown: one JSON-ready row per mode, a header, three renderers.
 
-`summarise` turns a `ModeResult` into a row (items/s, speedup over `sequential`, padding ratio,
-tokens per ticket and per second, agreement with `sequential`, disagreements split into near-ties
-and the rest); `make_header` records the run (machine, versions, model, tickets, planner).
-Renderers: `print_report` (the rich table on stdout), `markdown_table`, `write_chart` (PNG);
-`write_outputs` writes the files the options ask for (JSON, PNG, Markdown).
+`summarise` turns a `ModeResult` into a row (the median items/s over the rounds and their range,
+speedup over `sequential` from the medians, padding ratio, tokens per ticket and per second,
+agreement with `sequential`, disagreements split into near-ties and the rest, whether the answers
+were the same every round); `make_header` records the run (machine, load per round, versions,
+model, tickets, planner). Renderers: `print_report` (the rich table on stdout), `markdown_table`,
+`write_chart` (PNG); `write_outputs` writes the files the options ask for (JSON, PNG, Markdown),
+each replaced whole (a killed run leaves the last complete file).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from worker.tools.bench.records import REFERENCE, Answer, ModeResult, Options
@@ -28,14 +31,16 @@ if TYPE_CHECKING:  # the runner imports this module; its types are only read her
 
 # Per-mode figures in the JSON rows (None where a mode was skipped).
 FIGURES = (
-    "tickets", "seconds", "items_per_s", "speedup", "padding_ratio", "pad_tokens", "computed_tokens",
-    "tokens_per_ticket", "tokens_per_s", "forwards",
+    "tickets", "seconds", "items_per_s", "items_per_s_min", "items_per_s_max", "speedup", "padding_ratio",
+    "pad_tokens", "computed_tokens", "tokens_per_ticket", "tokens_per_s", "forwards",
     "agreement", "max_abs_prob_diff", "near_ties", "disagreements_non_tie", "disagreements_near_tie", "failed",
+    "round_label_changes", "round_max_abs_prob_diff",
 )  # fmt: skip
 STANDIN_LINE = "stand-in model (random weights): labels meaningless; speed is real"
 # (heading, JSON key, format) of the figure columns shared by the stdout and Markdown tables.
 COLUMNS = (
     ("items/s", "items_per_s", "{:.2f}"),
+    ("min–max", "items_range", "{}"),
     ("speedup", "speedup", "{:.2f}x"),
     ("padding", "padding_ratio", "{:.1%}"),
     ("tokens/ticket", "tokens_per_ticket", "{:.1f}"),
@@ -50,15 +55,25 @@ COLUMNS = (
 
 
 def summarise(result: ModeResult, results: list[ModeResult], tie_tolerance: float) -> dict:
-    """One JSON-ready row: speed, padding, agreement with `sequential`, memory."""
-    row = {"kind": "mode", "mode": result.mode, "status": "skipped" if result.skipped else "ok"}
+    """One JSON-ready row: speed (median over the rounds), padding, agreement with `sequential`, memory.
+
+    `status` is "ok", "skipped" (never ran: the reason is `reason` and the first note) or
+    "crashed" (its process died or it failed: the figures are those of the rounds before, if any).
+    """
+    status = "skipped" if result.skipped else "crashed" if result.crashed else "ok"
+    row = {"kind": "mode", "mode": result.mode, "status": status, "reason": result.skipped or result.crashed}
     row |= dict.fromkeys(FIGURES) | {"peak_rss_mb": result.peak_rss_mb, "rss_of": result.rss_of, "notes": result.notes}
+    row["rounds"] = [
+        {"round": k, "seconds": seconds, "items_per_s": len(result.answers) / seconds if seconds else None,
+         "load_average": list(load) if load else None}
+        for k, (seconds, load) in enumerate(zip(result.round_seconds, result.round_loads, strict=True), start=1)
+    ]  # fmt: skip
     if result.skipped:
         row["notes"] = [result.skipped, *result.notes]
+    if not result.round_seconds:
         return row
-    reference = next(r for r in results if r.mode == REFERENCE)
-    baseline = len(reference.answers) / reference.seconds if reference.seconds else None
     n = len(result.answers)
+    rates = [r["items_per_s"] for r in row["rounds"] if r["items_per_s"]]
     pad, computed = result.padding or (
         sum(r.pad_tokens for r in result.reports),
         sum(r.computed_tokens for r in result.reports),
@@ -66,14 +81,22 @@ def summarise(result: ModeResult, results: list[ModeResult], tie_tolerance: floa
     row |= {
         "tickets": n,
         "seconds": result.seconds,
-        "items_per_s": n / result.seconds if result.seconds else None,
+        "items_per_s": statistics.median(rates) if rates else None,
+        "items_per_s_min": min(rates, default=None),
+        "items_per_s_max": max(rates, default=None),
         "padding_ratio": pad / computed if computed else 0.0,
         "pad_tokens": pad,
         "computed_tokens": computed,
         **token_rates(computed, n, result.seconds),
         "forwards": result.forwards if result.forwards is not None else len(result.reports),
         "failed": sum(a.label.startswith("<") for a in result.answers),
+        "round_label_changes": result.round_label_changes,
+        "round_max_abs_prob_diff": result.round_max_abs_prob_diff,
     }
+    reference = next((r for r in results if r.mode == REFERENCE and r.round_seconds), None)
+    if reference is None:  # not run yet (a partial report) or it failed
+        return row
+    baseline = statistics.median(len(reference.answers) / s for s in reference.round_seconds if s)
     row["speedup"] = row["items_per_s"] / baseline if baseline and row["items_per_s"] else None
     row |= compare(result.answers, reference.answers, tie_tolerance)
     return row
@@ -113,26 +136,38 @@ def _margin(probs: dict[str, float]) -> float:
 
 
 def strict_failure(rows: list[dict]) -> bool:
-    """Any disagreement that is not a near-tie, in a mode that ran (what `--strict` exits 1 on)."""
-    return any(row["disagreements_non_tie"] for row in rows if row["status"] == "ok")
+    """Any disagreement that is not a near-tie, or a label that changed between rounds (what `--strict` exits 1 on)."""
+    return any(row["disagreements_non_tie"] or row["round_label_changes"] for row in rows if _ran(row))
+
+
+def _ran(row: dict) -> bool:
+    """Whether a row has figures: it finished at least one round."""
+    return row["items_per_s"] is not None
 
 
 # ----- the run's header ---------------------------------------------------------------------
 
 
-def make_header(bench: Bench, tickets: list[dict], rows: list[dict]) -> dict:
-    """What ran where: machine, load, versions, model, tickets, modes and the planner's cost model."""
+def make_header(bench: Bench, tickets: list[dict], rows: list[dict], finished: bool = True) -> dict:
+    """What ran where: machine, load per round, versions, model, tickets, modes and the planner's cost model.
+
+    `finished` is False in the reports written while the run goes on (after every mode).
+    """
     import torch
     import transformers
 
     engine, options = bench.engine, bench.options
-    lengths = [e.ticket_tokens for e in engine.encode([t["text"] for t in tickets])]
+    lengths = bench.ticket_lengths or [e.ticket_tokens for e in engine.encode([t["text"] for t in tickets])]
     return {
         "kind": "header",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": options.command,
+        "finished": finished,
         "machine": _machine(),
-        "load_average": {"start": bench.load_before, "end": load_average()},
+        "rounds": options.rounds,
+        "rounds_started": len(bench.round_loads),
+        # os.getloadavg() (1, 5, 15 min) at the start and the end, and at the start of each round
+        "load_average": {"start": bench.load_before, "end": load_average(), "rounds": bench.round_loads},
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -203,8 +238,18 @@ def _notes(bench: Bench, rows: list[dict]) -> list[str]:
         )
     if REFERENCE not in bench.options.requested_modes:
         notes.append("sequential ran although not listed: it is the reference and the speedup baseline")
+    if bench.options.rounds > 1:
+        notes.append(
+            f"{bench.options.rounds} rounds, the modes interleaved (A B C A B C …): items/s is the median over "
+            "the rounds, min–max their range, speedup the ratio of the medians; answers are the first round's"
+        )
     for row in rows:
         notes += [n for n in row["notes"] if n not in notes]
+        if row.get("round_label_changes"):
+            notes.append(
+                f"{row['mode']}: ANSWERS CHANGED BETWEEN ROUNDS: {row['round_label_changes']} tickets' labels "
+                f"(max |Δp| {row['round_max_abs_prob_diff']:.1e} against the first round)"
+            )
     return notes
 
 
@@ -251,19 +296,22 @@ def print_report(console: Console, header: dict, rows: list[dict]) -> None:
         f"ticketq bench — {header['model']} ({_precision(header)}, {header['device']}, "
         f"{header['torch_threads']} threads), {header['tickets']} tickets"
     )
+    ties = next((row["near_ties"] for row in rows if row["near_ties"] is not None), 0)
     table = Table(
         title=title,
-        caption=f"reference = sequential; near-tie = reference margin < "
-        f"{header['tie_tolerance']:g} ({rows[0]['near_ties'] if rows else 0} tickets)",
+        caption=f"reference = sequential; near-tie = reference margin < {header['tie_tolerance']:g} ({ties} tickets)",
     )
     for column in ("mode", *(name for name, _, _ in COLUMNS), "disagree (real / near-tie)", "peak RSS MB"):
         table.add_column(column, justify="left" if column == "mode" else "right")
     for row in rows:
-        table.add_row(row["mode"], *(_cells(row) if row["status"] == "ok" else ["—"] * (len(COLUMNS) + 2)))
+        mode = row["mode"] if row["status"] == "ok" else f"{row['mode']} ({row['status']})"
+        table.add_row(mode, *(_cells(row) if _ran(row) else ["—"] * (len(COLUMNS) + 2)))
     console.print(table)
+    if loads := _round_loads(header):
+        console.print(f"load average (1 min) at the start of each round: {loads}")
     console.print(f"planner: {header['autotune']['description']}")
     for note in header["notes"]:
-        console.print(f"[yellow]note:[/] {note}")
+        console.print(f"[yellow]note:[/] {escape(note)}")  # notes hold brackets: pip install 'ticketq[peers]'
 
 
 def markdown_table(header: dict, rows: list[dict]) -> str:
@@ -274,12 +322,21 @@ def markdown_table(header: dict, rows: list[dict]) -> str:
         "|---" * (len(names) + 3) + "|",
     ]
     for row in rows:
-        if row["status"] != "ok":
-            lines.append(f"| `{row['mode']}` | " + " | ".join(["—"] * (len(names) + 2)) + " |")
+        mode = f"`{row['mode']}`" + ("" if row["status"] == "ok" else f" ({row['status']})")
+        if not _ran(row):
+            lines.append(f"| {mode} | " + " | ".join(["—"] * (len(names) + 2)) + " |")
             continue
         row = token_rates(row["computed_tokens"], row["tickets"], row["seconds"]) | row  # older JSON lacks them
-        lines.append(f"| `{row['mode']}` | " + " | ".join(_cells(row, markdown=True)) + " |")
-    return "\n".join([*lines, "", _run_line(header), "", f"`{header['command']}`", ""])
+        lines.append(f"| {mode} | " + " | ".join(_cells(row, markdown=True)) + " |")
+    reasons = [f"- `{row['mode']}`: {row['reason']}" for row in rows if row.get("reason")]
+    return "\n".join([*lines, "", *reasons, *([""] if reasons else []), _run_line(header), "",
+                      f"`{header['command']}`", ""])  # fmt: skip
+
+
+def _round_loads(header: dict) -> str:
+    """The 1-minute load average at the start of each round, "0.52, 1.87, 2.01" (older JSON: "")."""
+    loads = (header.get("load_average") or {}).get("rounds") or []
+    return ", ".join(f"{load[0]:.2f}" for load in loads if load)
 
 
 def _run_line(header: dict) -> str:
@@ -292,21 +349,36 @@ def _run_line(header: dict) -> str:
         if any(load.values())
         else ""
     )
+    rounds = header.get("rounds", 1)
+    per_round = (
+        f"; {rounds} rounds interleaved, median items/s shown, load average (1 min) at each round's start "
+        f"{_round_loads(header)}"
+        if rounds > 1
+        else ""
+    )
+    unfinished = "" if header.get("finished", True) else " UNFINISHED: the run was still going when this was written."
     return (
         f"{header['tickets']} tickets ({header['ticket_source']}), {_precision(header)} on {header['device']} "
         f"({machine['cpu']}{flags}, {machine.get('usable_cores', machine['cores'])} cores, {header['torch_threads']} "
-        f"torch threads{loads}), torch {header['torch']}, transformers {header['transformers']}, "
-        f"{header['date'][:10]}; planner: {header['autotune']['description']}."
+        f"torch threads{loads}{per_round}), torch {header['torch']}, transformers {header['transformers']}, "
+        f"{header['date'][:10]}; planner: {header['autotune']['description']}.{unfinished}"
     )
 
 
 def _cells(row: dict, markdown: bool = False) -> list[str]:
     """One mode's figures as table cells (Markdown: × for speedup, no RSS owner)."""
+    row = row | {"items_range": _items_range(row)}
     cells = [_fmt(row[key], spec.replace("x", "×") if markdown else spec) for _, key, spec in COLUMNS]
     rss = _fmt(row["peak_rss_mb"], "{:.0f}")
     if not markdown and row["rss_of"] == "worker process":
         rss += " (worker)"
     return [*cells, f"{row['disagreements_non_tie']} / {row['disagreements_near_tie']}", rss]
+
+
+def _items_range(row: dict) -> str | None:
+    """ "3.21–3.40": the lowest and highest items/s over the rounds (None in older JSON)."""
+    low, high = row.get("items_per_s_min"), row.get("items_per_s_max")
+    return None if low is None or high is None else f"{low:.2f}–{high:.2f}"
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -320,10 +392,15 @@ def write_chart(path: Path, header: dict, rows: list[dict]) -> None:
     matplotlib.use("Agg")  # no display on servers
     import matplotlib.pyplot as plt
 
-    done = [r for r in rows if r["status"] == "ok"]
+    done = [r for r in rows if _ran(r)]
     modes = [r["mode"] for r in done]
     fig, (speed, pad) = plt.subplots(1, 2, figsize=(12, 4.5))
-    bars = speed.bar(modes, [r["items_per_s"] or 0 for r in done], color="tab:blue")
+    medians = [r["items_per_s"] or 0 for r in done]
+    spread = [  # the rounds' range as error bars (older JSON: none)
+        [m - (r.get("items_per_s_min") or m) for m, r in zip(medians, done, strict=True)],
+        [(r.get("items_per_s_max") or m) - m for m, r in zip(medians, done, strict=True)],
+    ]
+    bars = speed.bar(modes, medians, yerr=spread, capsize=3, color="tab:blue")
     speed.bar_label(bars, labels=[_fmt(r["speedup"], "{:.2f}x") for r in done])
     speed.set_ylabel("items / s")
     speed.set_title("throughput (label: speedup vs sequential)")
@@ -343,16 +420,29 @@ def write_chart(path: Path, header: dict, rows: list[dict]) -> None:
     plt.close(fig)
 
 
-def write_outputs(options: Options, header: dict, rows: list[dict], console: Console) -> None:
-    """The files the options ask for: `--json` [header, one object per mode], `--chart`, `--markdown`."""
+def write_outputs(
+    options: Options, header: dict, rows: list[dict], console: Console | None, chart: bool = True
+) -> None:
+    """The files the options ask for: `--json` [header, one object per mode], `--chart`, `--markdown`.
+
+    While the run goes on (after every mode) it writes JSON and Markdown only, quietly (`console`
+    None, `chart` False); each file is written beside its path and renamed over it.
+    """
+    say = console.print if console is not None else lambda _: None
     if options.json:
-        options.json.parent.mkdir(parents=True, exist_ok=True)
-        options.json.write_text(json.dumps([header, *rows], indent=2, ensure_ascii=False) + "\n")
-        console.print(f"JSON written to {options.json}")
-    if options.chart:
+        _replace(options.json, json.dumps([header, *rows], indent=2, ensure_ascii=False) + "\n")
+        say(f"JSON written to {options.json}")
+    if options.chart and chart:
         write_chart(options.chart, header, rows)
-        console.print(f"chart written to {options.chart}")
+        say(f"chart written to {options.chart}")
     if options.markdown:
-        options.markdown.parent.mkdir(parents=True, exist_ok=True)
-        options.markdown.write_text(markdown_table(header, rows))
-        console.print(f"Markdown table written to {options.markdown}")
+        _replace(options.markdown, markdown_table(header, rows))
+        say(f"Markdown table written to {options.markdown}")
+
+
+def _replace(path: Path, text: str) -> None:
+    """`path` holds `text` or its previous content, never half of either."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)

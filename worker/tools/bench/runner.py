@@ -1,23 +1,24 @@
-"""How the benchmark runs: the tickets and the model loaded once, then every mode in turn on the same tickets.
+"""How the benchmark runs: the tickets and the model loaded once, then every mode in rounds on the same tickets.
 
 `setup` builds the settings, the engine and (unless told not to) the autotuned cost model;
-`run_modes` runs each mode after a warm-up on the shortest tickets, timing it and reading its
-peak RSS. The modes: the baselines (`worker.tools.bench.baselines`), the engine as served (`ticketq`,
-`ticketq-int8`), the llama.cpp peer (`worker.tools.peers`), and `ticketq-queue`, which sends the
-tickets through Redis to a real worker process (`worker.tools.procs`) started with the bench's own
-model, precision, threads and cost model.
+`run_modes` runs the modes interleaved, round after round (A B C A B C …), each after a warm-up
+on the shortest tickets, timing it and reading its peak RSS, and calls back after every mode so
+that the outputs on disk always hold what has finished. The modes: the baselines
+(`worker.tools.bench.baselines`), the engine as served (`ticketq`, `ticketq-int8`), the peers
+(llama.cpp, OpenVINO: `worker.tools.peers`), each in a process of its own
+(`worker.tools.bench.peer_process`) so that a crash there is that mode's row, and
+`ticketq-queue`, which sends the tickets through Redis to a real worker process
+(`worker.tools.procs`) started once with the bench's own model, precision, threads and cost model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import re
-import resource
-import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -26,11 +27,12 @@ from tqdm import tqdm
 
 from worker.results import BatchReport
 from worker.tools.bench import baselines
-from worker.tools.bench.records import Answer, ModeResult, Options
+from worker.tools.bench.memory import peak_rss_mb, reset_peak_rss
+from worker.tools.bench.records import PEER_MODES, Answer, ModeResult, Options
 from worker.tools.bench.report import describe_cost, load_average
 from worker.tools.procs import ROOT, free_port, running_worker
 
-LLAMA_CPP_MODES = {"llama-cpp": "f32", "llama-cpp-q8": "q8_0"}  # mode -> GGUF type
+Load = tuple[float, float, float] | None  # os.getloadavg() where the platform has it
 
 
 @dataclass
@@ -43,7 +45,9 @@ class Bench:
     tuning: object | None = None  # worker.engine.autotune.Tuning
     int8_engine: object | None = None  # built on first use by ticketq-int8, sharing the model
     int8_tuning: object | None = None
-    load_before: tuple[float, float, float] | None = None  # os.getloadavg() when the modes start
+    load_before: Load = None  # os.getloadavg() when the modes start
+    round_loads: list[Load] = field(default_factory=list)  # os.getloadavg() at the start of each round
+    ticket_lengths: list[int] = field(default_factory=list)  # ticket tokens per ticket, for the header
 
 
 # (bench, texts, progress bar or None) -> (answers in ticket order, one report per forward)
@@ -127,47 +131,127 @@ def _settings(options: Options, console: Console):
 # ----- running the modes --------------------------------------------------------------------
 
 
-def run_modes(bench: Bench, tickets: list[dict], console: Console) -> list[ModeResult]:
-    """Every mode of the options, in order, on the same tickets; each warmed up on the shortest first."""
+def run_modes(
+    bench: Bench, tickets: list[dict], console: Console, after_mode: Callable[[list[ModeResult]], None] | None = None
+) -> list[ModeResult]:
+    """Every mode of the options on the same tickets, interleaved in `options.rounds` rounds.
+
+    Each mode starts on its first round (a peer's process, the queue's worker) and stays up to the
+    last; a mode that was skipped or crashed is left out of the rounds after. `after_mode(results)`
+    is called after every mode of every round with the results so far, in mode order.
+    """
     texts = [t["text"] for t in tickets]
     encoded = bench.engine.encode(texts)
+    bench.ticket_lengths = [e.ticket_tokens for e in encoded]
     by_length = sorted(range(len(texts)), key=lambda i: len(encoded[i].ids))
-    warm = [texts[i] for i in by_length[: bench.options.warmup]]  # shortest: warms kernels, costs little
-    results = []
+    warm = [by_length[i] for i in range(min(bench.options.warmup, len(texts)))]  # shortest: warms kernels, costs little
+    context = RunContext(bench, tickets, texts, encoded, warm, console)
+    runs = [_mode_run(context, mode) for mode in bench.options.mode_list]
     bench.load_before = load_average()
-    for mode in bench.options.mode_list:
-        console.rule(mode)
-        if mode == "ticketq-queue":
-            result = run_queue_mode(bench, tickets, warm)
-        elif mode in LLAMA_CPP_MODES:
-            result = run_llama_cpp_mode(bench, mode, texts, warm, console)
-        elif mode == "ticketq-int8" and (reason := prepare_int8(bench, console)):
-            result = ModeResult(mode, skipped=reason)
-        else:
-            result = run_in_process(bench, mode, texts, warm)
-        results.append(result)
-    return results
+    rounds = bench.options.rounds
+    try:
+        for number in range(1, rounds + 1):
+            bench.round_loads.append(load_average())
+            for run in runs:
+                if run.result.skipped or run.result.crashed:
+                    continue
+                console.rule(f"{run.result.mode} — round {number}/{rounds}" if rounds > 1 else run.result.mode)
+                run.run_round(number, load_average())
+                if after_mode:
+                    after_mode([r.result for r in runs if r.started])
+    finally:
+        for run in runs:
+            run.close()
+    return [run.result for run in runs]
 
 
-def run_in_process(
-    bench: Bench, mode: str, texts: list[str], warm: list[str], runner: Runner | None = None
-) -> ModeResult:
-    """One mode in this process: a warm-up, then every ticket timed under a progress bar, then peak RSS."""
-    runner = runner or RUNNERS[mode]
-    result = ModeResult(mode)
-    if warm:
-        runner(bench, warm, None)
-    fresh_peak = _reset_peak_rss()
-    with tqdm(total=len(texts), desc=mode, unit="ticket") as bar:
-        start = time.perf_counter()
-        result.answers, result.reports = runner(bench, texts, bar)
-        result.seconds = time.perf_counter() - start
-    result.peak_rss_mb = _peak_rss_mb("self")
-    if not fresh_peak:
-        result.rss_of = "bench process, peak so far"
-    if mode == "generate":
-        result.notes += baselines.generate_notes(result.answers, bench.engine.info.standin)
-    return result
+@dataclass
+class RunContext:
+    """What every mode's run reads: the bench, the tickets (texts and the engine's token ids), the warm-up."""
+
+    bench: Bench
+    tickets: list[dict]
+    texts: list[str]
+    encoded: list  # EncodedTicket per ticket
+    warm: list[int]  # indices of the warm-up tickets
+    console: Console
+
+    @property
+    def warm_texts(self) -> list[str]:
+        return [self.texts[i] for i in self.warm]
+
+
+class ModeRun:
+    """One mode across the rounds: `start` on its first round, `run_round` each round, `close` at the end."""
+
+    def __init__(self, context: RunContext, mode: str) -> None:
+        self.context = context
+        self.result = ModeResult(mode)
+        self.started = False
+
+    def run_round(self, number: int, load: Load) -> None:
+        if not self.started:
+            self.started = True
+            self.start()
+            if self.result.skipped or self.result.crashed:
+                return
+        self.round(number, load)
+
+    def start(self) -> None:
+        """Set up what the rounds share; set `result.skipped` (or `crashed`) where the mode cannot run."""
+
+    def round(self, number: int, load: Load) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what `start` set up."""
+
+    def crash(self, reason: str, number: int) -> None:
+        """The mode died in round `number`: the reason is its row's, the rounds before it are kept."""
+        self.result.crashed = reason
+        done = len(self.result.round_seconds)
+        where = f"in round {number}" if number else "while starting"
+        kept = f"figures from the {done} round{'s' * (done != 1)} before" if done else "no round finished"
+        self.result.notes.append(f"{self.result.mode} {reason} {where} ({kept})")
+
+
+def _mode_run(context: RunContext, mode: str) -> ModeRun:
+    if mode == "ticketq-queue":
+        return QueueRun(context, mode)
+    if mode in PEER_MODES:
+        return PeerRun(context, mode)
+    return InProcessRun(context, mode)
+
+
+class InProcessRun(ModeRun):
+    """A mode in this process: a warm-up, then every ticket timed under a progress bar, then peak RSS."""
+
+    def start(self) -> None:
+        if self.result.mode == "ticketq-int8" and (reason := prepare_int8(self.context.bench, self.context.console)):
+            self.result.skipped = reason
+
+    def round(self, number: int, load: Load) -> None:
+        bench, texts, result = self.context.bench, self.context.texts, self.result
+        runner = RUNNERS[result.mode]
+        if self.context.warm:
+            runner(bench, self.context.warm_texts, None)
+        fresh_peak = reset_peak_rss()
+        with tqdm(total=len(texts), desc=result.mode, unit="ticket") as bar:
+            start = time.perf_counter()
+            answers, reports = runner(bench, texts, bar)
+            seconds = time.perf_counter() - start
+        result.peak_rss_mb = _max(result.peak_rss_mb, peak_rss_mb("self"))
+        if not fresh_peak:
+            result.rss_of = "bench process, peak so far"
+        if number == 1:
+            result.reports = reports
+            if result.mode == "generate":
+                result.notes += baselines.generate_notes(answers, bench.engine.info.standin)
+        result.add_round(answers, seconds, load)
+
+
+def _max(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)
 
 
 def _classify(engine, texts: list[str], bar: tqdm | None) -> tuple[list[Answer], list[BatchReport]]:
@@ -211,99 +295,140 @@ def prepare_int8(bench: Bench, console: Console) -> str | None:
     return None
 
 
-# ----- the llama.cpp peer -------------------------------------------------------------------
+# ----- the peers, each in its own process ---------------------------------------------------
 
 
-def run_llama_cpp_mode(bench: Bench, mode: str, texts: list[str], warm: list[str], console: Console) -> ModeResult:
-    """llama.cpp on the same tickets, the same token ids; skipped with a one-line reason where it cannot run."""
-    import torch
+class PeerRun(ModeRun):
+    """A peer (llama.cpp, OpenVINO) in a child process: the same tickets as the engine's token ids."""
 
-    from worker.tools.peers import LlamaCppScorer, PeerUnavailable, gguf_model, llama_cpp_version
+    process = None
 
-    outtype = LLAMA_CPP_MODES[mode]
-    engine = bench.engine
-    try:
-        version = llama_cpp_version()
-        with console.status(f"GGUF {outtype} of {bench.settings.model} (converted once, cached under out/gguf)…"):
-            path = gguf_model(Path(bench.settings.model), outtype, ROOT / "out", bench.options.llama_cpp_src)
-    except PeerUnavailable as exc:
-        return ModeResult(mode, skipped=f"{mode} skipped: {exc}")
-    n_ctx = engine.prefix_len + engine.prompt.max_ticket_tokens + len(engine.prompt.suffix_ids) + 16
-    threads = torch.get_num_threads()
-    scorer = LlamaCppScorer(path, engine.prompt, threads=threads, n_ctx=n_ctx)  # one context per mode
-    result = run_in_process(bench, mode, texts, warm, partial(_score_with_peer, scorer))
-    result.notes.append(
-        f"{mode}: llama-cpp-python {version}, {path.name}, {threads} threads, prompt cache of "
-        f"{scorer.prefix_len} tokens, one ticket per decode call"
-    )
-    return result
+    def start(self) -> None:
+        import torch
 
+        from worker.tools.bench.peer_process import PeerCrashed, PeerFailed, PeerJob, PeerProcess
+        from worker.tools.peers import PeerPrompt, PeerUnavailable
 
-def _score_with_peer(
-    scorer, bench: Bench, texts: list[str], bar: tqdm | None
-) -> tuple[list[Answer], list[BatchReport]]:
-    answers, reports = [], []
-    for encoded in bench.engine.encode(texts):
-        prediction, ticket_reports = scorer.score(encoded)
-        answers.append(Answer.of(prediction))
-        reports += ticket_reports
-        if bar is not None:
-            bar.update(1)
-    return answers, reports
+        bench, context, mode = self.context.bench, self.context, self.result.mode
+        self.result.rss_of = "peer process"
+        job = PeerJob(
+            mode=mode,
+            model_dir=str(bench.settings.model),
+            cache_dir=str(ROOT / "out"),
+            threads=torch.get_num_threads(),
+            prompt=PeerPrompt.of(bench.engine.prompt),
+            tickets=tuple(context.encoded),
+            warm=tuple(context.encoded[i] for i in context.warm),
+            batch_size=bench.options.batch_size,
+            llama_cpp_src=str(bench.options.llama_cpp_src) if bench.options.llama_cpp_src else None,
+        )
+        self.process = PeerProcess(job)
+        try:
+            with context.console.status(f"starting {mode} in its own process (a model not yet converted is "
+                                        "converted once, cached under out/)…"):  # fmt: skip
+                self.result.notes += self.process.ready()
+        except PeerUnavailable as exc:
+            self.result.skipped = str(exc)
+        except (PeerCrashed, PeerFailed) as exc:
+            self.crash(str(exc), 0)
+
+    def round(self, number: int, load: Load) -> None:
+        from worker.tools.bench.peer_process import PeerCrashed, PeerFailed
+
+        result = self.result
+        with tqdm(total=len(self.context.texts), desc=result.mode, unit="ticket") as bar:
+            try:
+                done = self.process.run_round(bar.update)
+            except (PeerCrashed, PeerFailed) as exc:
+                self.crash(str(exc), number)
+                return
+        if number == 1:
+            result.reports = done.reports
+        result.peak_rss_mb = _max(result.peak_rss_mb, done.peak_rss_mb)
+        result.add_round(done.answers, done.seconds, load)
+
+    def close(self) -> None:
+        if self.process is not None:
+            self.process.close()
 
 
 # ----- the queue mode -----------------------------------------------------------------------
 
 
-def run_queue_mode(bench: Bench, tickets: list[dict], warm: list[str]) -> ModeResult:
-    """All tickets through Redis and a real `ticketq worker` process, timed first send to last result."""
-    from producer.api import BrokerUnavailable, Producer
+class QueueRun(ModeRun):
+    """All tickets through Redis and a real `ticketq worker` process (started once), timed first send to last result."""
 
-    result = ModeResult("ticketq-queue", rss_of="worker process")
-    queue = f"ticketq-bench-{os.getpid()}"
-    producer = Producer(bench.settings.model_copy(update={"queue": queue}))
-    try:
-        producer.check_connection()
-    except BrokerUnavailable as exc:
-        producer.close()
-        result.skipped = f"Redis unreachable, mode skipped: {exc}"
-        return result
-    log_path = Path(tempfile.gettempdir(), f"ticketq-bench-worker-{os.getpid()}.log")
-    try:
-        with running_worker(_worker_env(bench, queue, free_port()), log_path) as worker:
-            _drive_queue(producer, worker, tickets, warm, result)
-    except (RuntimeError, OSError) as exc:  # worker died or never got ready, Redis went away
-        result.skipped = f"ticketq-queue failed: {exc} (worker log: {log_path})"
-    finally:
-        producer.close()
-    return result
+    producer = None
+
+    def start(self) -> None:
+        from producer.api import BrokerUnavailable, Producer
+
+        bench = self.context.bench
+        self.result.rss_of = "worker process"
+        queue = f"ticketq-bench-{os.getpid()}"
+        self.producer = Producer(bench.settings.model_copy(update={"queue": queue}))
+        try:
+            self.producer.check_connection()
+        except BrokerUnavailable as exc:
+            self.result.skipped = f"Redis unreachable, mode skipped: {exc}"
+            return
+        self.log_path = Path(tempfile.gettempdir(), f"ticketq-bench-worker-{os.getpid()}.log")
+        self.stack = contextlib.ExitStack()
+        try:
+            env = _worker_env(bench, queue, free_port())
+            self.worker = self.stack.enter_context(running_worker(env, self.log_path))
+        except (RuntimeError, OSError) as exc:  # the worker died or never got ready
+            self.result.skipped = f"ticketq-queue failed: {exc} (worker log: {self.log_path})"
+
+    def round(self, number: int, load: Load) -> None:
+        try:
+            answers, seconds = _drive_queue(self.producer, self.worker, self.context, self.result, number)
+        except (RuntimeError, OSError) as exc:  # the worker died, Redis went away
+            self.crash(f"failed: {exc} (worker log: {self.log_path})", number)
+            return
+        self.result.add_round(answers, seconds, load)
+
+    def close(self) -> None:
+        if self.producer is None:
+            return
+        if hasattr(self, "stack"):
+            self.stack.close()
+        self.producer.close()
 
 
-def _drive_queue(producer, worker, tickets: list[dict], warm: list[str], result: ModeResult) -> None:
+def _drive_queue(producer, worker, context: RunContext, result: ModeResult, number: int) -> tuple[list[Answer], float]:
+    """One round through the queue; ticket ids carry the round (each round's results are its own)."""
+    warm = context.warm_texts or ["hello"]
     # A warm-up round trip: kernels warmed, and proof that the consumer takes messages.
-    warm_sent = producer.submit_many([{"id": f"warmup-{i}", "text": t} for i, t in enumerate(warm or ["hello"])])
+    warm_sent = producer.submit_many([{"id": f"warmup-{number}-{i}", "text": t} for i, t in enumerate(warm)])
     producer.wait(warm_sent, timeout=600)
+    tickets = [{"id": f"r{number}-{t['id']}", "text": t["text"]} for t in context.tickets]
     before = worker.metrics()
     start = time.perf_counter()
-    sent = producer.submit_many([{"id": t["id"], "text": t["text"]} for t in tickets], progress=True)
+    sent = producer.submit_many(tickets, progress=True)
     replies = producer.wait(sent, timeout=max(600.0, 10.0 * len(tickets)), progress=True)
-    result.seconds = time.perf_counter() - start
+    seconds = time.perf_counter() - start
     after = worker.metrics()
     by_id = {r["id"]: r for r in replies}
+    answers = []
     for ticket in tickets:
         reply = by_id.get(ticket["id"], {"status": "missing"})
         ok = reply.get("status") == "ok"
-        result.answers.append(Answer(reply["label"], reply["probs"]) if ok else Answer(f"<{reply['status']}>"))
-    failed = sum(a.probs is None for a in result.answers)
+        answers.append(Answer(reply["label"], reply["probs"]) if ok else Answer(f"<{reply['status']}>"))
+    failed = sum(a.probs is None for a in answers)
     if failed:
-        result.notes.append(f"ticketq-queue: {failed} tickets failed or timed out (worker log: {worker.log_path})")
-    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    result.padding = (
-        int(delta.get("ticketq_tokens_padded_total{}", 0)),
-        int(delta.get("ticketq_tokens_computed_total{}", 0)),
-    )
-    result.forwards = int(delta.get("ticketq_batch_size_count{}", 0))
-    result.peak_rss_mb = _peak_rss_mb(worker.pid)
+        result.notes.append(
+            f"ticketq-queue: {failed} tickets failed or timed out in round {number} (worker log: {worker.log_path})"
+        )
+    if number == 1:
+        delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+        result.padding = (
+            int(delta.get("ticketq_tokens_padded_total{}", 0)),
+            int(delta.get("ticketq_tokens_computed_total{}", 0)),
+        )
+        result.forwards = int(delta.get("ticketq_batch_size_count{}", 0))
+    result.peak_rss_mb = peak_rss_mb(worker.pid)
+    return answers, seconds
 
 
 def _worker_env(bench: Bench, queue: str, port: int) -> dict[str, str]:
@@ -330,34 +455,3 @@ def _worker_env(bench: Bench, queue: str, port: int) -> dict[str, str]:
         "TICKETQ_NULL_CLASSIFIER": "false",
         "PYTHONUNBUFFERED": "1",
     }
-
-
-# ----- memory -------------------------------------------------------------------------------
-
-
-def _reset_peak_rss() -> bool:
-    """Reset this process's peak RSS (Linux: clear_refs 5), so each mode reports its own peak."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_rss_mb(pid: int | str) -> float | None:
-    """Peak RSS in MiB: VmHWM from /proc, else getrusage (self) or current RSS via psutil."""
-    try:
-        match = re.search(r"VmHWM:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text())
-        if match:
-            return int(match.group(1)) / 1024
-    except OSError:
-        pass
-    if pid == "self":
-        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return maxrss / 2**20 if sys.platform == "darwin" else maxrss / 1024  # bytes on macOS, KiB elsewhere
-    import psutil
-
-    try:
-        return psutil.Process(int(pid)).memory_info().rss / 2**20
-    except psutil.Error:
-        return None

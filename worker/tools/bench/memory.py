@@ -1,0 +1,36 @@
+"""Peak resident memory of a mode: reset before it runs, read after (Linux /proc, else getrusage or psutil)."""
+
+from __future__ import annotations
+
+import re
+import resource
+import sys
+from pathlib import Path
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (Linux: clear_refs 5), so each mode reports its own peak."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mb(pid: int | str) -> float | None:
+    """Peak RSS in MiB: VmHWM from /proc, else getrusage (self) or current RSS via psutil."""
+    try:
+        match = re.search(r"VmHWM:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text())
+        if match:
+            return int(match.group(1)) / 1024
+    except OSError:
+        pass
+    if pid == "self":
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return maxrss / 2**20 if sys.platform == "darwin" else maxrss / 1024  # bytes on macOS, KiB elsewhere
+    import psutil
+
+    try:
+        return psutil.Process(int(pid)).memory_info().rss / 2**20
+    except psutil.Error:
+        return None
