@@ -530,6 +530,25 @@ class Producer:
                 collected.extend(_failed(result.id, ids, error, status="timeout"))
         return collected
 
+    def ready_now(self, results: Sequence[AsyncResult]) -> list[dict]:
+        """Per-ticket result dicts of those of `results` that are finished now: one pass of MGETs,
+        no waiting (what a wait stopped by Ctrl-C had not read yet). On a Redis backend only; what
+        cannot be read (Redis away) is simply not there."""
+        backend = self.app.backend
+        if not isinstance(backend, BulkRedisBackend) or not results:
+            return []
+        sent = {result.id: result for result in results}
+        task_ids = list(sent)
+        keys = {task_id: backend.get_key_for_task(task_id) for task_id in task_ids}
+        rows: list[dict] = []
+        try:
+            for first in range(0, len(task_ids), 10 * POLL_WINDOW):
+                for task_id, state, value in self._read_ready(task_ids[first : first + 10 * POLL_WINDOW], keys):
+                    rows.extend(ticket_results(sent[task_id], state, value))
+        except _CONNECTION_ERRORS as exc:
+            log.debug("could not read the results ready now: %s", exc)
+        return rows
+
     def _resend_missing(self, results: Sequence[AsyncResult], by_task: dict[str, list[dict]]) -> None:
         missing = [result for result in results if result.id not in by_task and getattr(result, "message_args", ())]
         for result in missing:

@@ -344,7 +344,10 @@ def _send_and_collect(producer: Producer, tickets: list[dict], rejected: int, op
                                 resend_after=options.resend_after)  # fmt: skip
     except KeyboardInterrupt:
         interrupted = True
-        results = collected.results + _pending_rows(sent, {row.get("task_id") for row in collected.results})
+        seen = {row.get("task_id") for row in collected.results}
+        # Answers stored before the Ctrl-C that the wait had not read yet: one quick read, then pending.
+        late = producer.ready_now([result for result in sent if result.id not in seen])
+        results = collected.results + late + _pending_rows(sent, seen | {row.get("task_id") for row in late})
     for result in results:
         if result.get("status") == "timeout":
             result["status"] = PENDING
