@@ -508,17 +508,13 @@ def test_k8s_keda_scales_on_the_celery_queue():
 # promtool / prometheus binaries
 
 
-def _required() -> bool:
-    """On CI (CI=true, set by every CI system) or with TICKETQ_TEST_REQUIRE_PROMETHEUS=1, missing tools fail."""
-    from workers import on_ci
-
-    return on_ci() or os.environ.get("TICKETQ_TEST_REQUIRE_PROMETHEUS") == "1"
-
-
 def _skip_or_fail(reason: str) -> None:
-    if _required():
+    """`workers.skip_or_fail`, which also fails with TICKETQ_TEST_REQUIRE_PROMETHEUS=1."""
+    from workers import skip_or_fail
+
+    if os.environ.get("TICKETQ_TEST_REQUIRE_PROMETHEUS") == "1":
         pytest.fail(reason)
-    pytest.skip(reason)
+    skip_or_fail(reason)
 
 
 @pytest.fixture(scope="session")

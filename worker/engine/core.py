@@ -43,7 +43,7 @@ from ticketq.schema import Schema, default_schema
 from worker.engine import batching
 from worker.engine.int8 import INT8, quantize_linears_int8
 from worker.engine.kernels import pack_linears, resolve_device, resolve_dtype, resolve_matmul
-from worker.engine.loading import STANDIN_MARKER, ModelNotFound, cache_class, cache_tensors, load_model
+from worker.engine.loading import STANDIN_MARKER, ModelNotFound, cache_tensors, load_model, prefix_cache
 from worker.engine.prompt import EncodedTicket, PromptTemplate, canonical_text, system_text
 from worker.results import BatchReport, Prediction
 from worker.settings import Settings
@@ -215,16 +215,8 @@ class Engine:
 
     def _batch_cache(self, rows: int):
         """A fresh cache for one batch holding the prefix, expanded to `rows` (the base is untouched)."""
-        cache_cls = cache_class()
-        try:
-            cache = cache_cls(config=self.model.config)
-        except TypeError:  # older transformers
-            cache = cache_cls()
-        for layer, (k, v) in enumerate(self._prefix_kv):
-            # expand is a view; the cache's first concatenation copies it into batch-owned storage
-            cache.update(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1), layer)
         self.prefix_reuses += 1
-        return cache
+        return prefix_cache(self.model.config, self._prefix_kv, rows)
 
     # ----- optimised path ------------------------------------------------------------------
 
@@ -267,49 +259,14 @@ class Engine:
         on_predictions: PredictionsCallback | None = None,
         more: MoreCallback | None = None,
     ) -> tuple[list[Prediction], list[BatchReport]]:
-        encoded = list(encoded)
-        batches = list((plan or self.plan(encoded)).batches)
-        results: list[Prediction | None] = [None] * len(encoded)
-        reports = []
-        arrived = more() if more else ()  # what came while the caller set up: the first forward sees it too
-        while True:
-            if arrived:
-                encoded.extend(self.encode(arrived))
-                results.extend([None] * len(arrived))
-                batches = self._replan(encoded, batches, range(len(encoded) - len(arrived), len(encoded)))
-            if not batches:
-                break
-            batch = batches.pop(0)
-            start = time.perf_counter()
-            predictions = self.forward_batch([encoded[i] for i in batch.indices], width=batch.width)
-            report = BatchReport(batch.rows, batch.width, batch.real_tokens, time.perf_counter() - start)
-            for index, prediction in zip(batch.indices, predictions, strict=True):
-                results[index] = prediction
-            reports.append(report)
-            if on_batch:
-                on_batch(report)
-            if on_predictions:
-                on_predictions(batch.indices, predictions)
-            arrived = more() if more else ()
-        assert all(r is not None for r in results), "the plan must cover every ticket"
-        return results, reports  # type: ignore[return-value]
-
-    def _replan(
-        self, encoded: Sequence[EncodedTicket], batches: Sequence[batching.Batch], arrived: range
-    ) -> list[batching.Batch]:
-        """One plan over the tickets of `batches` (not computed yet) and the `arrived` ones."""
-        waiting = [i for batch in batches for i in batch.indices] + list(arrived)
-        plan = self.plan([encoded[i] for i in waiting])  # indices into `waiting`
-        return [replace(batch, indices=tuple(waiting[j] for j in batch.indices)) for batch in plan.batches]
+        return run_planned(self, encoded, plan, on_batch, on_predictions, more)
 
     @torch.inference_mode()
     def forward_batch(self, rows: Sequence[EncodedTicket], width: int | None = None) -> list[Prediction]:
         """One forward pass over `rows` right-padded to `width`, after the cached prefix."""
         lengths = torch.tensor([len(r.ids) for r in rows], device=self.device)  # (B,)
         width = width or int(lengths.max())
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long, device=self.device)  # (B, W)
-        for i, row in enumerate(rows):
-            ids[i, : len(row.ids)] = torch.tensor(row.ids, device=self.device)
+        ids = padded_ids([row.ids for row in rows], width, self.pad_id, self.device)  # (B, W)
         cache = self._batch_cache(len(rows))
         mask = self._mask(lengths, width, extra=0)  # (B, 1, W, P+W)
         positions = self.prefix_len + torch.arange(width, device=self.device).expand(len(rows), -1)  # (B, W)
@@ -449,6 +406,57 @@ class Engine:
         )  # (1, T + new)
         new = out[0, ids.shape[1] :]  # (new,)
         return self.tokenizer.decode(new, skip_special_tokens=True), ids.shape[1], int(new.shape[0])
+
+
+def run_planned(engine, encoded: Sequence[EncodedTicket], plan: batching.Plan | None,
+                on_batch: Callable[[BatchReport], None] | None, on_answers: Callable | None,
+                more: MoreCallback | None) -> tuple[list, list[BatchReport]]:  # fmt: skip
+    """Run `plan` (default `engine.plan(encoded)`) one forward at a time through `engine.forward_batch`;
+    between two forwards, tickets `more()` returns join the ones not yet computed and the rest is
+    planned again. For `Engine` and `FieldsEngine` alike (each with its own `encode`, `plan` and
+    `forward_batch`); answers come back in the order of `encoded` then of the arrivals."""
+    encoded = list(encoded)
+    batches = list((plan or engine.plan(encoded)).batches)
+    results: list = [None] * len(encoded)
+    reports = []
+    arrived = more() if more else ()  # what came while the caller set up: the first forward sees it too
+    while True:
+        if arrived:
+            encoded.extend(engine.encode(arrived))
+            results.extend([None] * len(arrived))
+            batches = _replan(engine, encoded, batches, range(len(encoded) - len(arrived), len(encoded)))
+        if not batches:
+            break
+        batch = batches.pop(0)
+        start = time.perf_counter()
+        answers = engine.forward_batch([encoded[i] for i in batch.indices], width=batch.width)
+        report = BatchReport(batch.rows, batch.width, batch.real_tokens, time.perf_counter() - start)
+        for index, answer in zip(batch.indices, answers, strict=True):
+            results[index] = answer
+        reports.append(report)
+        if on_batch:
+            on_batch(report)
+        if on_answers:
+            on_answers(batch.indices, answers)
+        arrived = more() if more else ()
+    assert all(r is not None for r in results), "the plan must cover every ticket"
+    return results, reports
+
+
+def _replan(engine, encoded: Sequence[EncodedTicket], batches: Sequence[batching.Batch],
+            arrived: range) -> list[batching.Batch]:  # fmt: skip
+    """One plan over the tickets of `batches` (not computed yet) and the `arrived` ones."""
+    waiting = [i for batch in batches for i in batch.indices] + list(arrived)
+    plan = engine.plan([encoded[i] for i in waiting])  # indices into `waiting`
+    return [replace(batch, indices=tuple(waiting[j] for j in batch.indices)) for batch in plan.batches]
+
+
+def padded_ids(rows: Sequence[Sequence[int]], width: int, pad_id: int, device: torch.device) -> torch.Tensor:
+    """Token rows right-padded with `pad_id` to `width`: (B, W)."""
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row, device=device)
+    return ids
 
 
 def _check_chat_template(tokenizer) -> None:

@@ -26,16 +26,14 @@ question, its full prompt, no cache, full-vocabulary logits, trie-constrained, a
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 import torch
 
 from ticketq.schema import FieldResult, Schema, TicketFields
 from worker.engine import batching
-from worker.engine.core import Engine, MoreCallback, choice_logprobs
-from worker.engine.loading import cache_class
+from worker.engine.core import Engine, MoreCallback, choice_logprobs, padded_ids, run_planned
+from worker.engine.loading import prefix_cache
 from worker.engine.prompt import YES, EncodedTicket, FieldsPrompt, Question
 from worker.results import BatchReport
 
@@ -129,39 +127,7 @@ class FieldsEngine:
         on_results: ResultsCallback | None = None,
         more: MoreCallback | None = None,
     ) -> tuple[list[TicketFields], list[BatchReport]]:
-        encoded = list(encoded)
-        batches = list((plan or self.plan(encoded)).batches)
-        results: list[TicketFields | None] = [None] * len(encoded)
-        reports: list[BatchReport] = []
-        arrived = more() if more else ()
-        while True:
-            if arrived:
-                encoded.extend(self.encode(arrived))
-                results.extend([None] * len(arrived))
-                batches = self._replan(encoded, batches, range(len(encoded) - len(arrived), len(encoded)))
-            if not batches:
-                break
-            batch = batches.pop(0)
-            start = time.perf_counter()
-            answers = self.forward_batch([encoded[i] for i in batch.indices], width=batch.width)
-            report = BatchReport(batch.rows, batch.width, batch.real_tokens, time.perf_counter() - start)
-            for index, answer in zip(batch.indices, answers, strict=True):
-                results[index] = answer
-            reports.append(report)
-            if on_batch:
-                on_batch(report)
-            if on_results:
-                on_results(batch.indices, answers)
-            arrived = more() if more else ()
-        assert all(r is not None for r in results), "the plan must cover every ticket"
-        return results, reports  # type: ignore[return-value]
-
-    def _replan(
-        self, encoded: Sequence[EncodedTicket], batches: Sequence[batching.Batch], arrived: range
-    ) -> list[batching.Batch]:
-        waiting = [i for batch in batches for i in batch.indices] + list(arrived)
-        plan = self.plan([encoded[i] for i in waiting])
-        return [replace(batch, indices=tuple(waiting[j] for j in batch.indices)) for batch in plan.batches]
+        return run_planned(self, encoded, plan, on_batch, on_results, more)
 
     @torch.inference_mode()
     def forward_batch(self, tickets: Sequence[EncodedTicket], width: int | None = None) -> list[TicketFields]:
@@ -170,9 +136,9 @@ class FieldsEngine:
         shared = torch.tensor([len(e.ids) for e in tickets], device=device)  # (B,)
         lengths = shared + len(self._segment_ids)  # (B,)
         width = width or int(lengths.max())
-        ids = self._padded([(*e.ids, *self._segment_ids) for e in tickets], width)  # (B, W)
+        ids = padded_ids([(*e.ids, *self._segment_ids) for e in tickets], width, self.engine.pad_id, device)  # (B, W)
         rows = len(tickets)
-        cache = self._cache([(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in self._prefix_kv])
+        cache = prefix_cache(self.engine.model.config, self._prefix_kv, rows)
         self.prefix_reuses += 1
         # per token: -1 in the shared part, k in segment k, -2 a pad; and its offset inside the packed block
         slot = torch.arange(width, device=device)[None, :] - shared[:, None]  # (B, W) index into the segments
@@ -196,22 +162,6 @@ class FieldsEngine:
     def _branch_scores(self, branch: Branch, hidden: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax((hidden @ self._rows[branch].T).float(), dim=-1)  # (B, C)
 
-    def _padded(self, rows: Sequence[Sequence[int]], width: int) -> torch.Tensor:
-        ids = torch.full((len(rows), width), self.engine.pad_id, dtype=torch.long, device=self.device)
-        for i, row in enumerate(rows):
-            ids[i, : len(row)] = torch.tensor(row, device=self.device)
-        return ids
-
-    def _cache(self, layers: list[tuple[torch.Tensor, torch.Tensor]]):
-        """A fresh cache holding the prefix's keys and values, expanded views (copied on the first append)."""
-        cache_cls = cache_class()
-        try:
-            cache = cache_cls(config=self.engine.model.config)
-        except TypeError:  # older transformers
-            cache = cache_cls()
-        for layer, (k, v) in enumerate(layers):
-            cache.update(k, v, layer)
-        return cache
 
     def _decode(self, ids, mask, positions, cache) -> torch.Tensor:
         return self.engine._decode(ids, mask, positions, cache)

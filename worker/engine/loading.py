@@ -62,6 +62,23 @@ def cache_class():
     return DynamicCache
 
 
+def new_cache(config):
+    """An empty KV cache for a model of `config` (older transformers take no config)."""
+    try:
+        return cache_class()(config=config)
+    except TypeError:
+        return cache_class()()
+
+
+def prefix_cache(config, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]], rows: int):
+    """A fresh cache holding a prefix's K/V expanded to `rows` rows: views, so the prefix is never
+    written (the cache's first concatenation copies them into storage of its own)."""
+    cache = new_cache(config)
+    for layer, (k, v) in enumerate(prefix_kv):
+        cache.update(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1), layer)
+    return cache
+
+
 def cache_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     if hasattr(cache, "layers"):  # transformers >= 4.56
         return [(layer.keys, layer.values) for layer in cache.layers]

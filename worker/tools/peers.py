@@ -301,9 +301,11 @@ def openvino_model(model_dir: Path, cache: Path, weights: str = "f32") -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from worker.engine.loading import new_cache
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     config = model.config
-    if not hasattr(model.get_decoder(), "layers") or not hasattr(_new_cache(model), "layers"):
+    if not hasattr(model.get_decoder(), "layers") or not hasattr(new_cache(model.config), "layers"):
         raise PeerUnavailable("the OpenVINO conversion needs a decoder-only model and transformers >= 4.56")
     layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -342,20 +344,13 @@ def _int8_weights(xml: Path) -> Path:
     return out
 
 
-def _new_cache(model):
-    from worker.engine.loading import cache_class
-
-    try:
-        return cache_class()(config=model.config)
-    except TypeError:  # older transformers
-        return cache_class()()
-
-
 def _answer_logits_module():
     """The wrapper class, defined on first use: this module imports no torch at import time."""
     import inspect
 
     import torch
+
+    from worker.engine.loading import new_cache
 
     class AnswerLogits(torch.nn.Module):
         """The traced graph: a batch after a cached prefix, full-vocabulary logits at each row's last token.
@@ -374,7 +369,7 @@ def _answer_logits_module():
         def forward(self, input_ids, lengths, past_keys, past_values):
             rows, width = input_ids.shape
             prefix = past_keys.shape[3]
-            cache = _new_cache(self.model)
+            cache = new_cache(self.model.config)
             for index, layer in enumerate(cache.layers):
                 keys = past_keys[index].expand(rows, -1, -1, -1)  # (B, KVH, P, D), a view
                 values = past_values[index].expand(rows, -1, -1, -1)

@@ -17,6 +17,7 @@ import contextlib
 import os
 import tempfile
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -181,7 +182,7 @@ class RunContext:
         return [self.texts[i] for i in self.warm]
 
 
-class ModeRun:
+class ModeRun(ABC):
     """One mode across the rounds: `start` on its first round, `run_round` each round, `close` at the end."""
 
     def __init__(self, context: RunContext, mode: str) -> None:
@@ -199,12 +200,15 @@ class ModeRun:
 
     def start(self) -> None:
         """Set up what the rounds share; set `result.skipped` (or `crashed`) where the mode cannot run."""
+        return  # a hook: nothing to do unless a mode needs it
 
+    @abstractmethod
     def round(self, number: int, load: Load) -> None:
-        raise NotImplementedError
+        """Time one round of the mode into `result` (each subclass runs its own kind of mode)."""
 
     def close(self) -> None:
         """Release what `start` set up."""
+        return  # a hook: nothing to do unless a mode needs it
 
     def crash(self, reason: str, number: int) -> None:
         """The mode died in round `number`: the reason is its row's, the rounds before it are kept."""
