@@ -222,27 +222,32 @@ class Producer:
         Raises `TicketRejected` (a `ValueError`; `.reason` says why), or `TypeError` for a text or
         id of the wrong type. An integer id comes back as its decimal string.
         """
-        return self._validate({"id": id, "text": text})
+        return self._validate({"id": id, "text": text})[:2]
 
-    def _validate(self, raw: Mapping[str, object]) -> tuple[str, str]:
+    def _validate(self, raw: Mapping[str, object], schema: str | None = None) -> tuple[str, str, str | None]:
+        """(id, text, schema): the ticket's own `schema`, else `schema`."""
+        if schema is not None and raw.get("schema") is None:
+            raw = {**raw, "schema": schema}
         try:
             ticket = validate_ticket(raw, self.settings.max_ticket_bytes)
         except TicketRejected as exc:
             if exc.reason == Reason.WRONG_TYPE:
                 raise TypeError(str(exc)) from None  # what Python callers expect for a wrong type
             raise
-        return ticket.id or uuid.uuid4().hex, ticket.text
+        return ticket.id or uuid.uuid4().hex, ticket.text, ticket.schema
 
-    def submit(self, text: str, id: str | int | None = None, idempotent: bool = False) -> TicketResult:
+    def submit(self, text: str, id: str | int | None = None, idempotent: bool = False,
+               schema: str | None = None) -> TicketResult:  # fmt: skip
         """Send one ticket as its own message; returns its Celery `AsyncResult` (`NotReplicated`
         with it when TICKETQ_REPLICA_ACKS replicas did not confirm it).
 
         `idempotent=True` (with an `id`): the task id comes from (queue, id), and a ticket that
         already has a result is not sent again; its result is returned as the first time.
+        `schema`: the name of the schema (fields) the worker answers it with (default: the worker's first).
         """
-        ticket = self.validate(text, id)
+        ticket = self._validate({"id": id, "text": text}, schema)
         if idempotent:
-            return self.submit_many([{"id": ticket[0], "text": ticket[1]}], idempotent=True)[0]
+            return self.submit_many([{"id": ticket[0], "text": ticket[1]}], idempotent=True, schema=schema)[0]
         result = self._send([ticket], packed=False)
         self._confirm_replicas([result])
         return result
@@ -254,8 +259,10 @@ class Producer:
         progress: bool = False,
         idempotent: bool = False,
         already_sent: Iterable[str] = (),
+        schema: str | None = None,
     ) -> list[TicketResult]:
-        """Send tickets (strings or `{"id"?, "text"}` mappings), `pack` per message.
+        """Send tickets (strings or `{"id"?, "text", "schema"?}` mappings), `pack` per message;
+        `schema` names the schema of those that name none (default: the worker's first).
 
         Every ticket is validated before the first is sent, so one bad ticket (or an id given
         twice in `tickets`) sends nothing. With TICKETQ_REPLICA_ACKS, one WAIT after the last send
@@ -273,9 +280,9 @@ class Producer:
         checked, problems, ids = [], [], UniqueIds()
         for index, ticket in enumerate(tickets):
             try:
-                ticket_id, text = self._validate(_as_mapping(ticket))
-                ids.add(ticket_id, f"at #{index}")
-                checked.append((ticket_id, text))
+                valid = self._validate(_as_mapping(ticket), schema)
+                ids.add(valid[0], f"at #{index}")
+                checked.append(valid)
             except (ValueError, TypeError) as exc:
                 problems.append(f"#{index}: {exc}")
         if problems:
@@ -291,7 +298,7 @@ class Producer:
             results = self._send_chunks(chunks, [None] * len(chunks), packed, progress)
             self._confirm_replicas(results)
             return results
-        task_ids = [idempotent_task_id(self.settings.queue, [i for i, _ in chunk], packed) for chunk in chunks]
+        task_ids = [idempotent_task_id(self.settings.queue, [i for i, *_ in chunk], packed) for chunk in chunks]
         skipped = self._answered(task_ids) | (set(already_sent) & set(task_ids))
         if skipped:
             log.info("%d message(s) were sent before: not sent again", len(skipped))
@@ -351,11 +358,11 @@ class Producer:
             raise self._unreachable(exc) from None
         return answered
 
-    def _result_of(self, task_id: str, chunk: Sequence[tuple[str, str]], packed: bool) -> TicketResult:
+    def _result_of(self, task_id: str, chunk: Sequence[tuple[str, str, str | None]], packed: bool) -> TicketResult:
         """The result of a message sent before (under `task_id`), as if this producer had just sent it."""
         result = self._result_cls(task_id)
-        payload = [{"id": ticket_id, "text": text} for ticket_id, text in chunk]
-        result.ticket_ids, result.packed = tuple(ticket_id for ticket_id, _ in chunk), packed
+        payload = [_payload(ticket) for ticket in chunk]
+        result.ticket_ids, result.packed = tuple(ticket_id for ticket_id, *_ in chunk), packed
         result.message_args = (payload if packed else payload[0],)
         result.sent_before = True
         return result
@@ -385,7 +392,8 @@ class Producer:
             raise self._unreachable(exc) from None
 
     def _send(
-        self, tickets: Sequence[tuple[str, str]], packed: bool, producer: object = None, task_id: str | None = None
+        self, tickets: Sequence[tuple[str, str, str | None]], packed: bool, producer: object = None,
+        task_id: str | None = None,
     ) -> TicketResult:
         """Publish one message. `submitted_at` (the send time, for the queue-wait figures) is left
         out of the worker's comparison of an idempotent message (`task_id` given) sent again: the
@@ -394,8 +402,8 @@ class Producer:
         if not self._checked:
             self.check_connection()
         now = time.time()
-        payload = [{"id": ticket_id, "text": text, "submitted_at": now} for ticket_id, text in tickets]
-        ticket_ids = tuple(ticket_id for ticket_id, _ in tickets)
+        payload = [{**_payload(ticket), "submitted_at": now} for ticket in tickets]
+        ticket_ids = tuple(ticket_id for ticket_id, *_ in tickets)
         args = (payload if packed else payload[0],)
         return self._publish(task_id or str(uuid.uuid4()), args, ticket_ids, packed, producer)
 
@@ -772,7 +780,12 @@ def ticket_results(result: AsyncResult, state: str, value: object) -> list[dict]
     ids = _ticket_ids(result)
     if state != states.SUCCESS:
         # A message this producer did not send has no known ticket ids: report it once.
-        return _failed(result.id, ids or [None], str(value) or state)
+        rows = _failed(result.id, ids or [None], str(value) or state)
+        reason = getattr(value, "reason", None)  # a worker's TicketRejected, rebuilt by Celery
+        if isinstance(reason, str) and reason in Reason._value2member_map_:
+            for row in rows:
+                row["reason"] = reason
+        return rows
     packed = getattr(result, "packed", isinstance(value, list))
     rows = value if packed else [value]
     if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
@@ -792,6 +805,12 @@ def _argsrepr(ticket_ids: list[str], packed: bool, shown: int = 5) -> str:
 
 def _ticket_ids(result: AsyncResult) -> tuple[str, ...]:
     return getattr(result, "ticket_ids", ())
+
+
+def _payload(ticket: tuple[str, str, str | None]) -> dict[str, object]:
+    """A checked (id, text, schema) as the ticket a message carries (no `schema` key when it names none)."""
+    ticket_id, text, schema = ticket
+    return {"id": ticket_id, "text": text} if schema is None else {"id": ticket_id, "text": text, "schema": schema}
 
 
 def _as_mapping(ticket: Ticket) -> Mapping[str, object]:

@@ -35,6 +35,7 @@ from producer.synthetic import generate_tickets
 from producer.tickets import OutputError, TicketFile, TicketFileError, check_output, read_tickets, write_results
 from ticketq.config import ClientSettings, SettingsError, mask_url
 from ticketq.contract import TicketRejected, validate_ticket
+from ticketq.names import REVIEW_STREAM
 
 EXIT_PROBLEMS = EXIT_FAILED  # some tickets were rejected, failed or timed out
 EXIT_UNUSABLE = EXIT_USAGE  # bad configuration, unreadable input, Redis unreachable
@@ -96,6 +97,11 @@ BackendUrl = Annotated[
     typer.Option("--backend-url", help="Result backend URL (default: TICKETQ_RESULT_BACKEND, else the broker)."),
 ]
 Progress = Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars on stderr.")]
+SchemaName = Annotated[
+    str | None,
+    typer.Option("--schema", help="The schema (set of fields, TICKETQ_SCHEMAS on the worker) to answer the tickets "
+                 "with, for those that name none (a file row's own 'schema' wins); default: the worker's first."),
+]
 Resume = Annotated[
     bool,
     typer.Option("--resume", help="Go on from the --out file of an interrupted or timed-out run (replacing it): "
@@ -154,6 +160,7 @@ def file_command(
     broker_url: BrokerUrl = None,
     backend_url: BackendUrl = None,
     progress: Progress = True,
+    schema: SchemaName = None,
 ) -> None:
     """Send the tickets in a JSONL or CSV file. Malformed rows are reported with file:line, not sent,
     and (with --out) written as failed rows.
@@ -175,7 +182,14 @@ def file_command(
     _report_errors([str(error) for error in parsed.errors], f"{len(parsed.errors)} rows refused, not sent:",
                    _kept_hint(out))  # fmt: skip
     options = RunOptions(pack, wait, out, timeout, progress, force or resume, resend_after, True, already_sent)
-    raise typer.Exit(_run(parsed.tickets, options, settings, parsed))
+    raise typer.Exit(_run(_with_schema(parsed.tickets, schema), options, settings, parsed))
+
+
+def _with_schema(tickets: list[dict], schema: str | None) -> list[dict]:
+    """`tickets`, those naming no schema given `schema` (unchanged when it is None)."""
+    if schema is None:
+        return tickets
+    return [ticket if ticket.get("schema") is not None else {**ticket, "schema": schema} for ticket in tickets]
 
 
 def _sent_before(out: Path) -> frozenset[str]:
@@ -208,6 +222,7 @@ def synthetic_command(
     broker_url: BrokerUrl = None,
     backend_url: BackendUrl = None,
     progress: Progress = True,
+    schema: SchemaName = None,
 ) -> None:
     """Send N generated tickets with known labels (long-tailed lengths, unicode, code, injections).
 
@@ -221,7 +236,7 @@ def synthetic_command(
         _exit_error(str(exc))
     tickets = generate_tickets(n, seed=seed, labels=settings.label_names)
     options = RunOptions(pack, wait, out, timeout, progress, force, resend_after)
-    raise typer.Exit(_run(tickets, options, settings))
+    raise typer.Exit(_run(_with_schema(tickets, schema), options, settings))
 
 
 def _settings(broker_url: str | None = None, backend_url: str | None = None) -> ClientSettings:
@@ -412,12 +427,14 @@ def _print_summary(results: list[dict], rejected: int, started: float, last_at: 
         span = max(last_at - started, 1e-9)
         done = statuses["ok"] + statuses["failed"]
         table.add_row("throughput", f"{done / span:,.1f} tickets/s (first send to last result, {span:.2f} s)")
-    labels = Counter(result.get("label") for result in ok)
+    labelled = [result for result in ok if "label" in result]
+    labels = Counter(result["label"] for result in labelled)
     if labels:
-        table.add_row("labels", ", ".join(f"{label}: {count} ({count / len(ok):.0%})"
+        table.add_row("labels", ", ".join(f"{label}: {count} ({count / len(labelled):.0%})"
                                           for label, count in labels.most_common()))
+    _add_field_rows(table, [result for result in ok if "fields" in result])
     _add_latency_rows(table, ok)
-    scored = [result for result in ok if "expected" in result]
+    scored = [result for result in labelled if isinstance(result.get("expected"), str)]
     if scored:
         agree = sum(result["label"] == result["expected"] for result in scored)
         note = " (stand-in model: labels are not meaningful)" if any(r.get("standin") for r in scored) else ""
@@ -426,6 +443,22 @@ def _print_summary(results: list[dict], rejected: int, started: float, last_at: 
     errors = Counter(result.get("error", "") for result in results if result.get("status") != "ok")
     lines = [f"{count} x {error}" for error, count in errors.most_common()]
     _report_errors(lines, f"{sum(errors.values())} tickets without a label, by error:")
+
+
+def _add_field_rows(table: Table, triaged: list[dict]) -> None:
+    """Per schema field, how its answers spread; and how many tickets go to review."""
+    if not triaged:
+        return
+    answers: dict[str, Counter] = {}
+    for result in triaged:
+        for name, answer in result["fields"].items():
+            chosen = [answer["label"]] if "label" in answer else answer.get("labels") or ["none"]
+            answers.setdefault(f"{result['schema']}.{name}", Counter()).update(chosen)
+    for where, counts in answers.items():
+        table.add_row(where, ", ".join(f"{label}: {count}" for label, count in counts.most_common(6)))
+    review = sum(1 for result in triaged if result.get("review"))
+    table.add_row("review", f"{review}/{len(triaged)} = {review / len(triaged):.1%} below a field's threshold "
+                  f"(copied to {REVIEW_STREAM})")
 
 
 def _add_latency_rows(table: Table, ok: list[dict]) -> None:

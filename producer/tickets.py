@@ -4,7 +4,8 @@ Input rows are `{"id": ..., "text": ...}` (JSONL, one object a line; `id` option
 header naming a `text` column and optionally an `id` column. Each row is a ticket under the
 contract's rule (`ticketq.contract.validate_ticket`: the worker's), and an id may appear once per
 file. A row without an id (in a CSV, an empty `id` cell) becomes `line-N` (N = the row's line
-number). An optional string `expected` field or column is kept, so a labelled file can be scored.
+number). An optional `expected` field or column is kept, so a labelled file can be scored: a
+label, or (for a schema's fields) an object of field: label or field: [labels].
 
 `TicketReader` reads a file as it is iterated and yields its rows in file order, a `TicketRow` or
 a `RowError` each: it holds one row (for a CSV, the lines of the record being read), never the
@@ -176,7 +177,7 @@ class _Rows:
         return RowError(self.path, line, message, str(reason), ticket_id)
 
     def row(self, line: int, fields: dict) -> Row:
-        """One row's fields (`id`, `text`, `expected`; others are ignored): a ticket or an error."""
+        """One row's fields (`id`, `text`, `schema`, `expected`; others are ignored): a ticket or an error."""
         try:
             ticket = validate_ticket(fields, self.max_bytes)
             _check_expected(fields.get("expected"))
@@ -185,15 +186,24 @@ class _Rows:
         except TicketRejected as exc:
             return self.error(line, exc.detail, exc.reason, _readable_id(fields.get("id"), line))
         found = {"id": ticket_id, "text": ticket.text}
+        if ticket.schema is not None:
+            found["schema"] = ticket.schema
         if fields.get("expected"):
             found["expected"] = fields["expected"]
         return TicketRow(self.path, line, found)
 
 
 def _check_expected(expected: object) -> None:
-    """`expected` (a file's label for scoring, not part of the ticket) is a string when present."""
-    if expected is not None and not isinstance(expected, str):
-        raise TicketRejected(Reason.WRONG_TYPE, f"'expected' must be a string, got {type(expected).__name__}")
+    """`expected` (a file's answer for scoring, not part of the ticket), when present: a label, or an
+    object of field: label or field: [labels]. Which fields and labels exist is the scorer's to say."""
+    if expected is None or isinstance(expected, str):
+        return
+    if isinstance(expected, dict) and all(
+        isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v)) for v in expected.values()
+    ):
+        return
+    raise TicketRejected(Reason.WRONG_TYPE, "'expected' must be a label, or an object of field: label or "
+                         f"field: [labels], got {type(expected).__name__} {json.dumps(expected)[:80]}")  # fmt: skip
 
 
 def _readable_id(raw_id: object, line: int) -> str:

@@ -296,3 +296,19 @@ def test_one_rule_names_a_result_whatever_its_outcome():
     assert result_id("T-9", "t", 3, packed=True) == "T-9"
     assert result_id(42, "t", 0, packed=False) == "42"
     assert result_id(True, "t", 0, packed=False) == "t"  # not an id: JSON true is no integer here
+
+
+@pytest.mark.parametrize("schema", [5, "", "two words", "x" * 200, ["support"]])
+def test_a_schema_that_is_no_name_is_refused(schema):
+    with pytest.raises(TicketRejected) as caught:
+        validate_ticket({"text": "hello", "schema": schema})
+    assert caught.value.reason == Reason.WRONG_TYPE and "'schema'" in str(caught.value)
+
+
+def test_a_ticket_names_its_schema_and_a_file_row_keeps_it(tmp_path):
+    assert validate_ticket({"text": "hello", "schema": "support-topics.v2"}).schema == "support-topics.v2"
+    assert validate_ticket({"text": "hello", "schema": None}).schema is None
+    path = tmp_path / "named.jsonl"
+    rows = [{"id": "a", "text": "hi", "schema": "support"}, {"text": "x"}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert [ticket.get("schema") for ticket in read_tickets(path).tickets] == ["support", None]

@@ -12,7 +12,7 @@ import pytest
 import redis
 from workers import redis_or_skip
 
-from ticketq.names import RESULTS_STREAM
+from ticketq.names import RESULTS_STREAM, REVIEW_STREAM
 from worker.store import (
     ATTEMPTS_KEY,
     DEAD_LETTER_MIN_BYTES,
@@ -32,14 +32,14 @@ REDIS_URL = "redis://127.0.0.1:6379/6"  # a database of its own: its stream entr
 def client() -> Iterator[redis.Redis]:
     client = redis_or_skip(REDIS_URL)
     yield client
-    client.delete(RESULTS_STREAM)
+    client.delete(RESULTS_STREAM, REVIEW_STREAM)
     client.close()
 
 
-def streamed(client: redis.Redis, task_ids: set[str]) -> Counter:
-    """(task, slot) -> times it is in the results stream."""
+def streamed(client: redis.Redis, task_ids: set[str], stream: str = RESULTS_STREAM) -> Counter:
+    """(task, slot) -> times it is in the results stream (or `stream`)."""
     counts = Counter()
-    for _, fields in client.xrange(RESULTS_STREAM):
+    for _, fields in client.xrange(stream):
         result = json.loads(fields[b"data"])
         if isinstance(result, dict) and result.get("task") in task_ids:
             counts[result["task"], result["slot"]] += 1
@@ -67,6 +67,19 @@ def test_each_result_is_streamed_once_and_repeats_are_named(client: redis.Redis)
     assert sorted(repeated) == sorted([(a, 0), (b, 0), (a, 2)])
     assert not client.exists(ATTEMPTS_KEY.format(task_id=a))
     assert streamed(client, {a, b}) == Counter({(a, 0): 1, (a, 1): 1, (a, 2): 1, (b, 0): 1})
+
+
+def test_results_to_review_are_copied_once_with_their_first_publication(client: redis.Redis) -> None:
+    outbox = Outbox(client, stream_maxlen=100_000, result_expires_s=600, worst_batch_s=5)
+    a, b, c = (f"store-review-{n}-{uuid.uuid4()}" for n in "abc")
+    review = {(a, 1), (b, 0)}
+    assert outbox.publish([result(a, 0), result(a, 1), result(b, 0), result(c, 0)], [a, b, c], review) == ([], [])
+    assert streamed(client, {a, b, c}, REVIEW_STREAM) == Counter({(a, 1): 1, (b, 0): 1})
+    # a re-execution (the same results again, flagged again) copies nothing more; a new one is copied
+    repeated, _ = outbox.publish([result(a, 1), result(b, 0), result(a, 2)], [a, b], {(a, 1), (b, 0), (a, 2)})
+    assert sorted(repeated) == sorted([(a, 1), (b, 0)])
+    assert streamed(client, {a, b, c}, REVIEW_STREAM) == Counter({(a, 1): 1, (b, 0): 1, (a, 2): 1})
+    assert streamed(client, {a, b, c}) == Counter({(a, 0): 1, (a, 1): 1, (a, 2): 1, (b, 0): 1, (c, 0): 1})
 
 
 def test_a_large_message_spans_several_bitfield_calls(client: redis.Redis) -> None:

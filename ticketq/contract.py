@@ -12,23 +12,28 @@ message). The rule, in full:
   `max_bytes` bytes of UTF-8 (TICKETQ_MAX_TICKET_BYTES, default `MAX_TICKET_BYTES`). Longer text
   is refused (`oversize`), never cut by bytes. Within the limit the model reads at most
   TICKETQ_MAX_TICKET_TOKENS tokens of it and flags the result `truncated`.
+- `schema`: optional, the name of the schema (the fields to answer, `ticketq.schema`) the
+  worker classifies the ticket with; absent or null: the worker's first. A name the worker does
+  not serve is answered `unknown_schema`, naming the ones it does.
 - duplicate ids: refused within one input the sender holds whole (a file, one `submit_many` call)
   with `UniqueIds`; nobody can check across calls.
 
 On the wire: task `names.TASK_CLASSIFY`, JSON, `args=[ticket]` (its result is one per-ticket
 dict) or `args=[[ticket, ...]]` (a packed message: its result is a list of them), a ticket being
-`{"id"?, "text", "submitted_at"?: unix seconds}`. A failed single-ticket message ends in Celery
+`{"id"?, "text", "submitted_at"?: unix seconds, "schema"?: name}`. A failed single-ticket message ends in Celery
 state FAILURE with `TicketRejected("<reason>: <detail>")`.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from enum import Enum
 from typing import Literal, NamedTuple, TypedDict
 
 MAX_TICKET_BYTES = 65536  # default of TICKETQ_MAX_TICKET_BYTES
+SCHEMA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # how a schema is named (files, tickets, results)
 
 
 class Reason(str, Enum):
@@ -50,6 +55,7 @@ class Reason(str, Enum):
     TOO_MANY_DELIVERIES = "too_many_deliveries"  # redelivered past TICKETQ_MAX_RETRIES: it may crash workers
     EXPIRED = "expired"  # its Celery `expires` deadline passed before its batch started
     DUPLICATE_TASK_ID = "duplicate_task_id"  # its message reused the task id of another, answered message
+    UNKNOWN_SCHEMA = "unknown_schema"  # it named a schema the worker does not serve (TICKETQ_SCHEMAS)
     # a message Celery or the transport refused before it became a ticket (raw bytes dead-lettered)
     DECODE_ERROR = "decode_error"
     UNKNOWN_MESSAGE = "unknown_message"
@@ -70,7 +76,8 @@ class Reason(str, Enum):
 DEAD_LETTER_REASONS: tuple[Reason, ...] = (
     Reason.BAD_PAYLOAD, Reason.MISSING_FIELD, Reason.WRONG_TYPE, Reason.EMPTY_ID, Reason.INVALID_UTF8,
     Reason.OVERSIZE, Reason.EMPTY_TEXT, Reason.ENGINE_ERROR, Reason.TOO_MANY_DELIVERIES, Reason.WORKER_ERROR,
-    Reason.DUPLICATE_TASK_ID, Reason.DECODE_ERROR, Reason.UNKNOWN_MESSAGE, Reason.UNKNOWN_TASK, Reason.INVALID_TASK,
+    Reason.DUPLICATE_TASK_ID, Reason.UNKNOWN_SCHEMA, Reason.DECODE_ERROR, Reason.UNKNOWN_MESSAGE,
+    Reason.UNKNOWN_TASK, Reason.INVALID_TASK,
     Reason.UNREADABLE_MESSAGE,
 )  # fmt: skip
 
@@ -103,6 +110,7 @@ class Ticket(NamedTuple):
     id: str
     text: str
     submitted_at: float | None
+    schema: str | None = None  # the schema (set of fields) to answer, by name; None: the worker's default
 
 
 def validate_ticket(raw: object, max_bytes: int = MAX_TICKET_BYTES) -> Ticket:
@@ -121,7 +129,11 @@ def validate_ticket(raw: object, max_bytes: int = MAX_TICKET_BYTES) -> Ticket:
     submitted = raw.get("submitted_at")
     # optional and only informative (queue_wait_s): anything but a finite number is dropped, not refused
     finite = isinstance(submitted, (int, float)) and math.isfinite(submitted)
-    return Ticket(ticket_id, text, float(submitted) if finite else None)
+    schema = raw.get("schema")
+    if schema is not None and not (isinstance(schema, str) and SCHEMA_NAME.fullmatch(schema)):
+        raise TicketRejected(Reason.WRONG_TYPE, f"'schema' must be a schema's name (letters, digits, '_', '-', '.'), "
+                                                f"got {str(schema)[:80]!r}")  # fmt: skip
+    return Ticket(ticket_id, text, float(submitted) if finite else None, schema)
 
 
 def result_id(given: object, task_id: str, slot: int, packed: bool) -> str:
@@ -203,12 +215,44 @@ class Classified(TypedDict):
     label: str
     probs: dict[str, float]  # every label's constrained-decoding probability
     margin: float  # probability of the best label minus the runner-up's
-    truncated: bool  # longer than TICKETQ_MAX_TICKET_TOKENS tokens: the model read its start
+    truncated: bool  # longer than TICKETQ_MAX_TICKET_TOKENS tokens: the model read part of it
+    truncation: str | None  # the part it read (TICKETQ_TRUNCATION: head, tail, head+tail); None when whole
     model: str
     standin: bool  # a stand-in model: the label means nothing
     worker: str  # host:pid
     queue_wait_s: float | None  # submitted_at to batch start; None without submitted_at
     processing_s: float  # batch start to this result
+
+
+class FieldAnswer(TypedDict, total=False):
+    """One field of a `Triaged` result: `label` (single-label) or `labels` (multi-label)."""
+
+    label: str
+    labels: list[str]
+    probs: dict[str, float]  # single-label: over the labels, summing to 1; multi-label: each label's p(yes)
+    confidence: float  # single-label: margin over the runner-up; multi-label: the weakest yes/no decision
+    review: bool  # confidence below the field's threshold
+
+
+class Triaged(TypedDict):
+    """A ticket answered with a schema (several fields), as the worker publishes it. Results with
+    `review` true are copied to `names.REVIEW_STREAM` too."""
+
+    id: str
+    task_id: str
+    status: Literal["ok"]
+    schema: str
+    fields: dict[str, FieldAnswer]
+    review: bool  # any field's confidence is below its threshold
+    truncated: bool
+    truncation: str | None  # how a ticket over TICKETQ_MAX_TICKET_TOKENS was cut: head, tail, head+tail
+    tokens: int  # ticket tokens the model read
+    ticket_tokens: int  # ticket tokens before truncation
+    model: str
+    standin: bool
+    worker: str
+    queue_wait_s: float | None
+    processing_s: float
 
 
 class Failed(TypedDict, total=False):

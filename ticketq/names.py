@@ -14,6 +14,9 @@ QUEUE = "ticketq"
 # result, and every refused ticket or message with its raw payload.
 RESULTS_STREAM = "ticketq:results"
 DEAD_LETTER_STREAM = "ticketq:dead"
+# Results a person should look at (a schema field's confidence below its threshold): a copy of
+# each such result, written once with its first publication; consume it with a consumer group.
+REVIEW_STREAM = "ticketq:review"
 
 # Default labels of the closed set (TICKETQ_LABELS).
 DEFAULT_LABELS = ("billing", "technical", "account")

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ticketq.contract import SCHEMA_NAME
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # Python 3.10: the same parser, published as tomli
@@ -77,7 +79,6 @@ DEFAULT_SYSTEM = (
 )
 
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
-_SCHEMA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 _SCHEMA_KEYS = ("name", "system", "truncation", "layout", "fields")
 _FIELD_KEYS = ("instruction", "labels", "multi", "threshold", "select")
 
@@ -176,7 +177,7 @@ def _build(document: object, problems: _Problems) -> Schema | None:
     name = document.get("name")
     if name is None:
         problems.add("name", 'is missing: every schema needs a name (name = "support")')
-    elif not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
+    elif not isinstance(name, str) or not SCHEMA_NAME.fullmatch(name):
         problems.add("name", f"must be letters, digits, '_', '-' or '.' (at most 128), got {name!r}")
     system = document.get("system", DEFAULT_SYSTEM)
     if not isinstance(system, str) or not system.strip():

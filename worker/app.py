@@ -82,7 +82,9 @@ class Runtime:
              "matmul": getattr(info, "matmul", "torch")}
             if info else {"model": "null-classifier", "standin": "false", "dtype": "-", "device": "-", "matmul": "-"}
         )  # fmt: skip
-        metrics.preinit(settings.label_names, tuple(str(reason) for reason in DEAD_LETTER_REASONS))
+        fields = [(schema.name, spec.name, (*spec.labels, *(("none",) if spec.multi else ())))
+                  for schema in settings.load_schemas() for spec in schema.fields]  # fmt: skip
+        metrics.preinit(settings.label_names, tuple(str(reason) for reason in DEAD_LETTER_REASONS), fields)
         metrics.watch_queue(lambda: client.llen(settings.queue))
         if settings.metrics_port:
             about = lambda: "Redis " + connections.describe_memory(connections.memory_state(client))  # noqa: E731

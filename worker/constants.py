@@ -25,6 +25,7 @@ M_MODEL_INFO = "ticketq_model"  # info: model, standin, dtype, device
 M_FLUSHES = "ticketq_flushes"  # counter: celery-batches flushes (buffer drains)
 M_QUEUE_DEPTH = "ticketq_queue_depth"  # gauge: LLEN of the broker queue, sampled at scrape
 M_DUPLICATES = "ticketq_duplicate_results"  # counter: re-executions whose result was already published
+M_FIELD_ANSWERS = "ticketq_field_answers"  # counter: schema field answers, by schema, field, label, review
 M_SHADOW_DROPPED = "ticketq_shadow_dropped"  # counter: shadow samples dropped because the checker was busy
 M_FIRST_RESULT = "ticketq_time_to_first_result_seconds"  # histogram: batch start -> its first result published
 M_PUBLISH = "ticketq_publish_seconds"  # histogram: Redis work of publishing one forward batch's results

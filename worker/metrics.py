@@ -167,6 +167,11 @@ class Metrics:
         self.build = Info(c.M_BUILD_INFO, "ticketq's version and the versions of the libraries it runs on.",
                           registry=r)  # fmt: skip
         self.build.info(build_versions())
+        self.field_answers = Counter(
+            c.M_FIELD_ANSWERS, "Schema field answers, by schema, field, label (a multi-label field: each chosen, "
+            "none for none) and review (confidence below the field's threshold).",
+            ["schema", "field", "label", "review"], registry=r,
+        )
         self.duplicates = Counter(c.M_DUPLICATES, "Re-executed tickets whose result was already out.", registry=r)
         self.cost_model = Gauge(
             c.M_COST_MODEL, "The planner's cost model of one forward: fixed ms, ms per computed token (token), "
@@ -187,8 +192,14 @@ class Metrics:
             c.M_MODEL_INFO, "The model this worker serves: model, standin, dtype, device, matmul.", registry=r
         )
 
-    def preinit(self, labels: tuple[str, ...], reasons: tuple[str, ...]) -> None:
-        """Create the labelled series at 0 so dashboards and rate() see them before the first event."""
+    def preinit(self, labels: tuple[str, ...], reasons: tuple[str, ...],
+                fields: Iterable[tuple[str, str, Iterable[str]]] = ()) -> None:  # fmt: skip
+        """Create the labelled series at 0 so dashboards and rate() see them before the first event
+        (`fields`: each schema field's (schema, field, labels))."""
+        for schema, name, labels in fields:
+            for label in labels:
+                for review in ("true", "false"):
+                    self.field_answers.labels(schema=schema, field=name, label=label, review=review)
         for label in labels:
             self.tickets.labels(label=label, outcome="ok")
         for outcome in ("failed", "rejected", "expired"):

@@ -33,6 +33,7 @@ import redis
 
 from ticketq import codec
 from ticketq.contract import Reason, Ticket, TicketRejected, result_id, validate_ticket
+from ticketq.schema import DEFAULT_SCHEMA_NAME, TicketFields
 from worker.metrics import Metrics
 from worker.results import BatchReport, Prediction
 from worker.settings import Settings
@@ -96,6 +97,7 @@ class Slot:
     joined: float  # unix time the ticket joined the run: its queue wait ends and its processing starts
     packed: bool = False  # the message carried a list of tickets
     ticket: Ticket | None = None
+    schema: str | None = None  # the schema its answer comes from (None: the classifier's own field)
     result: dict | None = None  # final per-ticket result once known
     encoded: bytes = b""  # the result as JSON, serialised once for the stream and the backend
 
@@ -146,6 +148,9 @@ class TicketService:
         self.outbox = Outbox.from_settings(client, settings)
         self.worker_name = f"{socket.gethostname()}:{os.getpid()}"
         self.model_fields = _model_fields(classifier, settings)
+        self.schemas = _schema_set(classifier, settings)
+        own = getattr(classifier, "schema", None)
+        self.known_schemas = self.schemas.names if self.schemas else (own.name if own else DEFAULT_SCHEMA_NAME,)
         self.shadow = ShadowChecker(classifier, metrics, settings.shadow_rate) if settings.shadow_rate > 0 else None
         self.job_limit = 4 * settings.effective_prefetch  # tickets one job takes in before it ends
         self.dead_letter_limit = dead_letter_bound(settings.max_ticket_bytes)
@@ -218,9 +223,9 @@ class TicketService:
         self._publish(work, [s for s in slots if s.result is not None])
         return [s for s in slots if s.result is None]
 
-    def _arrivals(self, work: Work, slots: list[Slot], redelivered: list[Any]) -> Callable[[], list[str]]:
+    def _arrivals(self, work: Work, slots: list[Slot], redelivered: list[Any]) -> Callable[[], list]:
         """The engine's `more`: requests that arrived during the last forward join `slots` (so the
-        engine's indices into its texts stay indices into `slots`); their texts are returned."""
+        engine's indices into its texts stay indices into `slots`); their `_items` are returned."""
 
         def more() -> list[str]:
             # A job under steady traffic would never end: bound it, so redelivered messages (which
@@ -238,7 +243,7 @@ class TicketService:
             added = self._admit(work, fresh)
             self._observe_wait(added)
             slots.extend(added)
-            return [slot.ticket.text for slot in added]
+            return self._items(added)
 
         return more
 
@@ -300,11 +305,31 @@ class TicketService:
                         detail = f"expected one argument (ticket or list), got {len(args)}"
                         raise TicketRejected(Reason.BAD_PAYLOAD, detail)
                     slot.ticket = validate_ticket(raw, self.settings.max_ticket_bytes)
+                    slot.schema = self._schema_of(slot.ticket)
                 except TicketRejected as rejection:
                     slot.result = self._reject(slot, raw, rejection)
                 work.add(slot)
                 slots.append(slot)
         return slots
+
+    def _schema_of(self, ticket: Ticket) -> str | None:
+        """The schema `ticket` is answered with (None: the classifier's own field); `unknown_schema`
+        for a name this worker does not serve."""
+        if self.schemas is not None:
+            name = ticket.schema or self.schemas.default
+            if name in self.schemas:
+                return name
+        elif ticket.schema is None or ticket.schema == self.known_schemas[0]:
+            return None
+        served = ", ".join(self.known_schemas)
+        raise TicketRejected(Reason.UNKNOWN_SCHEMA, f"no schema named {ticket.schema!r} here; this worker serves: "
+                                                    f"{served} (TICKETQ_SCHEMAS)")  # fmt: skip
+
+    def _items(self, slots: Sequence[Slot]) -> list:
+        """What the classifier takes for `slots`: texts, or (schema, text) pairs for a schema set."""
+        if self.schemas is None:
+            return [slot.ticket.text for slot in slots]
+        return [(slot.schema, slot.ticket.text) for slot in slots]
 
     def _expire(self, slots: Sequence[Slot]) -> None:
         """Tickets of a message past its Celery `expires` get an `expired` result and are not computed.
@@ -360,9 +385,14 @@ class TicketService:
                 raise PublishFailed(f"publishing {len(indices)} results failed: {exc!r}") from exc
 
         try:
-            predictions, _ = self.classifier.classify(
-                [s.ticket.text for s in slots], on_batch=self._observe, on_predictions=publish, more=more
-            )
+            if self.schemas is None:
+                predictions, _ = self.classifier.classify(
+                    self._items(slots), on_batch=self._observe, on_predictions=publish, more=more
+                )
+            else:
+                predictions, _ = self.schemas.classify(
+                    self._items(slots), on_batch=self._observe, on_results=publish, more=more
+                )
         except PublishFailed:
             raise
         except Exception as exc:
@@ -387,14 +417,24 @@ class TicketService:
             slot.result = self._reject(slot, _raw(slot.ticket), rejection)
             self._publish(work, [slot])
 
-    def _on_predictions(self, work: Work, slots: list[Slot], predictions: list[Prediction]) -> None:
+    def _on_predictions(self, work: Work, slots: list[Slot], predictions: list[Prediction | TicketFields]) -> None:
         """One forward batch is computed: its results go out now."""
         now = time.time()
         for slot, prediction in zip(slots, predictions, strict=True):
+            if isinstance(prediction, TicketFields):
+                slot.result = self._triaged(slot, prediction, now)
+                self._count_fields(prediction)
+                continue
             slot.result = self._success(slot, prediction, now)
             if self.shadow:
                 self.shadow.offer(slot.ticket.text, prediction)
         self._publish(work, slots)
+
+    def _count_fields(self, answer: TicketFields) -> None:
+        for name, result in answer.fields.items():
+            review = "true" if result.review else "false"
+            for label in result.labels or ("none",):  # a multi-label field: each label chosen
+                self.metrics.field_answers.labels(schema=answer.schema, field=name, label=label, review=review).inc()
 
     def _observe(self, report: BatchReport) -> None:
         self.metrics.observe_batch(report.rows, report.width, report.real_tokens, report.seconds)
@@ -413,6 +453,21 @@ class TicketService:
             "probs": prediction.probs,
             "margin": prediction.margin,
             "truncated": prediction.truncated,
+            "truncation": self.settings.truncation if prediction.truncated else None,
+            **self.model_fields,
+            "worker": self.worker_name,
+            "queue_wait_s": round(started - ticket.submitted_at, 6) if ticket.submitted_at else None,
+            "processing_s": round(now - started, 6),
+        }
+
+    def _triaged(self, slot: Slot, answer: TicketFields, now: float) -> dict:
+        """A ticket answered with a schema: every field's answer (`contract.Triaged`)."""
+        ticket, started = slot.ticket, slot.joined
+        return {
+            "id": _result_id(slot, ticket.id),
+            "task_id": slot.request.id,
+            "status": "ok",
+            **answer.to_json(),
             **self.model_fields,
             "worker": self.worker_name,
             "queue_wait_s": round(started - ticket.submitted_at, 6) if ticket.submitted_at else None,
@@ -463,7 +518,8 @@ class TicketService:
         """
         digests = work.digests
         entries = [(slot.request.id, slot.index, slot.encoded, digests.get(slot.request.id, "")) for slot in slots]
-        repeated, conflicts = self.outbox.publish(entries, complete)
+        review = {(slot.request.id, slot.index) for slot in slots if slot.result.get("review") is True}
+        repeated, conflicts = self.outbox.publish(entries, complete, review)
         if repeated:
             self.metrics.duplicates.inc(len(repeated))
             tasks = sorted({task_id for task_id, _ in repeated})
@@ -587,6 +643,22 @@ def _model_fields(classifier: Classifier, settings: Settings) -> dict:
         "model": info.name if info else "null-classifier",
         "standin": bool(info and info.standin),
     }
+
+
+def _schema_set(classifier: Classifier, settings: Settings) -> Any:
+    """The `SchemaSet` of TICKETQ_SCHEMAS on the classifier's model, or None (no schemas, or a
+    classifier without a model to compile them on, e.g. the null classifier)."""
+    schemas = settings.load_schemas()
+    if not schemas:
+        return None
+    if not callable(getattr(classifier, "fields", None)):
+        log.warning("TICKETQ_SCHEMAS ignored: %s answers its own labels only", type(classifier).__name__)
+        return None
+    from worker.engine.schemas import SchemaSet
+
+    schema_set = SchemaSet(classifier, schemas, settings.schema_cache)
+    log.info("schemas served: %s (tickets naming none: %s)", ", ".join(schema_set.names), schema_set.default)
+    return schema_set
 
 
 def _outcome(result: dict) -> str:

@@ -15,9 +15,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ticketq.config import ClientSettings, SettingsError  # noqa: F401 -- what load_settings raises
+from ticketq.schema import Schema, SchemaError, load_schema
 
 DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 DEFAULT_SYSTEM_PROMPT = (
@@ -55,6 +56,19 @@ class Settings(ClientSettings):
         DEFAULT_SYSTEM_PROMPT, description="System instructions before the label list."
     )
     max_ticket_tokens: int = Field(512, ge=8, description="Longer tickets are truncated and flagged.")
+    truncation: Literal["head", "tail", "head+tail"] = Field(
+        "head", description="How a ticket over TICKETQ_MAX_TICKET_TOKENS is cut: keep its start, its end (where a "
+        "reply thread puts the newest message) or half of each; a schema may set its own.",
+    )
+    schemas: str | None = Field(
+        None, description="Triage schemas (TOML, see docs/schemas.md): one or more files, "
+        "comma-separated, or a directory of *.toml. A ticket names one by its `schema`; one naming none gets the "
+        "first. `default` always names the single field of TICKETQ_LABELS, which is what every ticket gets "
+        "when this is unset.",
+    )
+    schema_cache: int = Field(
+        8, ge=1, description="Schemas whose prefix KV cache a worker keeps (least recently used dropped first)."
+    )
     max_batch_tokens: int = Field(1024, ge=16, description="Padded-token budget of one forward pass.")
     max_batch_size: int = Field(64, ge=1, description="Rows in one forward pass.")
     cost_fixed_ms: float = Field(25.0, ge=0, description="Planner: fixed cost of one forward pass.")
@@ -94,6 +108,12 @@ class Settings(ClientSettings):
         "unacked messages and results without a word); the safe policy is noeviction."
     )
 
+    @field_validator("schemas")
+    @classmethod
+    def _check_schemas(cls, value: str | None) -> str | None:
+        _read_schemas(value)  # every problem of every schema file, one line each
+        return value
+
     @model_validator(mode="after")
     def _check_combinations(self) -> Settings:
         if self.max_batch_tokens < self.max_ticket_tokens:
@@ -114,9 +134,37 @@ class Settings(ClientSettings):
             )
         return self
 
+    def load_schemas(self) -> tuple[Schema, ...]:
+        """The schemas TICKETQ_SCHEMAS names, in order (none when unset)."""
+        return _read_schemas(self.schemas)
+
     @property
     def effective_prefetch(self) -> int:
         return self.prefetch_multiplier or 2 * self.batch_window
+
+
+def _read_schemas(value: str | None) -> tuple[Schema, ...]:
+    """The schema files `value` names (comma-separated files or directories of *.toml), read and
+    checked; ValueError with every problem of every file, one line each."""
+    if not value:
+        return ()
+    paths: list[Path] = []
+    for part in (part.strip() for part in value.split(",")):
+        path = Path(part).expanduser()
+        paths += sorted(path.glob("*.toml")) if path.is_dir() else [path] if part else []
+    if not paths:
+        raise ValueError("names no schema file (*.toml)")
+    schemas, problems = [], []
+    for path in paths:
+        try:
+            schemas.append(load_schema(path))
+        except SchemaError as exc:
+            problems += exc.problems
+    names = [schema.name for schema in schemas]
+    problems += [f"two schemas are named {name!r}" for name in sorted({n for n in names if names.count(n) > 1})]
+    if problems:
+        raise ValueError("\n  ".join(problems))
+    return tuple(schemas)
 
 
 def load_settings(flags: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

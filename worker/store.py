@@ -63,7 +63,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import redis
@@ -71,7 +71,7 @@ from celery import states
 
 from ticketq import codec
 from ticketq.connections import NOT_ENOUGH_REPLICAS, OUT_OF_MEMORY, confirm_replicas, write_refusal
-from ticketq.names import DEAD_LETTER_STREAM, RESULTS_STREAM
+from ticketq.names import DEAD_LETTER_STREAM, RESULTS_STREAM, REVIEW_STREAM
 from worker.transport.lua import script
 
 if TYPE_CHECKING:
@@ -260,9 +260,11 @@ class Outbox:
 
     # ----- results -------------------------------------------------------------------------
 
-    def publish(self, slots: Sequence[tuple], finished: Sequence[str]) -> Published:
+    def publish(self, slots: Sequence[tuple], finished: Sequence[str], review: Collection[tuple[str, int]] = ()
+                ) -> Published:  # fmt: skip
         """Stream each (task id, slot, result JSON[, payload digest]) once, and drop the attempts keys
-        of `finished` messages.
+        of `finished` messages; the (task id, slot) in `review` are copied to the review stream
+        (`names.REVIEW_STREAM`) with their first publication.
 
         One script call. EVAL, not a registered Script: redis-py checks SCRIPT EXISTS before
         every pipeline that holds a Script (a second round trip per forward batch, a third of the
@@ -283,21 +285,23 @@ class Outbox:
             *(DONE_KEY.format(task_id=task_id) for task_id in by_task),
             *(DIGEST_KEY.format(task_id=task_id) for task_id in by_task),
             PUBLISH_CALL_KEY.format(call=uuid.uuid4().hex),  # the same for every retry of this call
+            REVIEW_STREAM,
             *(ATTEMPTS_KEY.format(task_id=task_id) for task_id in finished),
         ]
         groups = by_task.values()
+        order = [(task_id, slot) for task_id, group in by_task.items() for slot, _ in group]
         args = [
             self.stream_maxlen,
             self.result_expires_s,
             len(by_task),
             PUBLISH_CALL_TTL_S,
+            ",".join(str(at) for at, place in enumerate(order, 1) if place in review) if review else "",
             *(",".join([str(slot) for slot, _ in group]) for group in groups),
             *digests.values(),
             *(encoded for group in groups for _, encoded in group),
         ]
         # Durable only when it finishes a message: an ack follows, and must not outrun the replicas.
         command = lambda target: target.eval(PUBLISH_ONCE, len(keys), *keys, *args)  # noqa: E731
-        order = [(task_id, slot) for task_id, group in by_task.items() for slot, _ in group]
         try:
             if finished:
                 repeats, conflicts = self._durable(self.redis, command)

@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 # on_predictions(indices into the caller's texts, their predictions): one call per forward batch
 PredictionsCallback = Callable[[Sequence[int], list[Prediction]], None]
 MoreCallback = Callable[[], Sequence[object]]  # tickets that arrived since the last call (or the start)
+Ticketed = tuple[object, EncodedTicket]  # (the engine that computes it, an encoded ticket): a PlannedRun's unit
 
 
 class NoChatTemplate(ModelNotFound):
@@ -157,6 +158,7 @@ class Engine:
             labels=labels,
             system=system_text(settings.system_prompt, labels, settings.label_descriptions),
             max_ticket_tokens=settings.max_ticket_tokens,
+            truncation=settings.truncation,
             max_batch_tokens=settings.max_batch_tokens,
             max_batch_size=settings.max_batch_size,
             cost=batching.CostModel(settings.cost_fixed_ms, settings.cost_token_ms, settings.cost_quad_ms),
@@ -415,40 +417,80 @@ def run_planned(engine, encoded: Sequence[EncodedTicket], plan: batching.Plan | 
     between two forwards, tickets `more()` returns join the ones not yet computed and the rest is
     planned again. For `Engine` and `FieldsEngine` alike (each with its own `encode`, `plan` and
     `forward_batch`); answers come back in the order of `encoded` then of the arrivals."""
-    encoded = list(encoded)
-    batches = list((plan or engine.plan(encoded)).batches)
-    results: list = [None] * len(encoded)
-    reports = []
-    arrived = more() if more else ()  # what came while the caller set up: the first forward sees it too
-    while True:
-        if arrived:
-            encoded.extend(engine.encode(arrived))
-            results.extend([None] * len(arrived))
-            batches = _replan(engine, encoded, batches, range(len(encoded) - len(arrived), len(encoded)))
-        if not batches:
-            break
-        batch = batches.pop(0)
-        start = time.perf_counter()
-        answers = engine.forward_batch([encoded[i] for i in batch.indices], width=batch.width)
-        report = BatchReport(batch.rows, batch.width, batch.real_tokens, time.perf_counter() - start)
-        for index, answer in zip(batch.indices, answers, strict=True):
-            results[index] = answer
-        reports.append(report)
-        if on_batch:
-            on_batch(report)
-        if on_answers:
-            on_answers(batch.indices, answers)
-        arrived = more() if more else ()
-    assert all(r is not None for r in results), "the plan must cover every ticket"
-    return results, reports
+    run = PlannedRun(on_batch, on_answers)
+    run.add([(engine, e) for e in encoded], plan)
+    arrivals = None
+    if more is not None:
+        def arrivals() -> list[Ticketed]:
+            texts = more()
+            return [(engine, e) for e in engine.encode(texts)] if texts else []
+    return run.run(arrivals)
 
 
-def _replan(engine, encoded: Sequence[EncodedTicket], batches: Sequence[batching.Batch],
-            arrived: range) -> list[batching.Batch]:  # fmt: skip
-    """One plan over the tickets of `batches` (not computed yet) and the `arrived` ones."""
-    waiting = [i for batch in batches for i in batch.indices] + list(arrived)
-    plan = engine.plan([encoded[i] for i in waiting])  # indices into `waiting`
-    return [replace(batch, indices=tuple(waiting[j] for j in batch.indices)) for batch in plan.batches]
+class PlannedRun:
+    """Tickets, each with the engine that computes it (an `Engine`, or one `FieldsEngine` per
+    schema: each engine its own cached prefix), run one planned forward at a time.
+
+    Each engine's waiting tickets are planned together (`engine.plan`); a forward holds one
+    engine's tickets only. The next forward is the next one planned for the engine whose oldest
+    waiting ticket came first, so no schema waits behind another's stream of arrivals. Tickets
+    added between forwards join their engine's waiting ones and those are planned again: every
+    forward is chosen from everything waiting at its start.
+    """
+
+    def __init__(self, on_batch: Callable[[BatchReport], None] | None = None,
+                 on_answers: Callable | None = None) -> None:  # fmt: skip
+        self.on_batch, self.on_answers = on_batch, on_answers
+        self.encoded: list[EncodedTicket] = []
+        self.results: list = []
+        self.reports: list[BatchReport] = []
+        self._plans: dict[int, tuple[object, list[batching.Batch]]] = {}  # id(engine) -> (engine, batches)
+
+    def add(self, tickets: Sequence[Ticketed], plan: batching.Plan | None = None) -> None:
+        """Tickets (engine, encoded) join the run, indexed after those before them. `plan`: the
+        plan of the first tickets of a one-engine run (indices into `tickets`), else planned here."""
+        start = len(self.encoded)
+        joining: dict[int, list[int]] = {}
+        for index, (engine, encoded) in enumerate(tickets, start):
+            self.encoded.append(encoded)
+            self.results.append(None)
+            joining.setdefault(id(engine), []).append(index)
+            self._plans.setdefault(id(engine), (engine, []))
+        for key, indices in joining.items():
+            engine, batches = self._plans[key]
+            if plan is not None and not batches and len(joining) == 1:
+                given = plan.batches
+            else:
+                indices = [i for batch in batches for i in batch.indices] + indices
+                given = engine.plan([self.encoded[i] for i in indices]).batches
+            self._plans[key] = (engine, [replace(b, indices=tuple(indices[j] for j in b.indices)) for b in given])
+
+    def run(self, more: Callable[[], Sequence[Ticketed]] | None = None) -> tuple[list, list[BatchReport]]:
+        """Every forward until nothing waits; `more()` is asked before the first and after each one.
+        Returns the answers in ticket order, and one report per forward."""
+        arrived = more() if more else ()  # what came while the caller set up: the first forward sees it too
+        while True:
+            if arrived:
+                self.add(arrived)
+            plans = self._plans.items()
+            oldest = {key: min(i for b in batches for i in b.indices) for key, (_, batches) in plans if batches}
+            if not oldest:
+                break
+            engine, batches = self._plans[min(oldest, key=oldest.__getitem__)]
+            batch = batches.pop(0)
+            start = time.perf_counter()
+            answers = engine.forward_batch([self.encoded[i] for i in batch.indices], width=batch.width)
+            report = BatchReport(batch.rows, batch.width, batch.real_tokens, time.perf_counter() - start)
+            for index, answer in zip(batch.indices, answers, strict=True):
+                self.results[index] = answer
+            self.reports.append(report)
+            if self.on_batch:
+                self.on_batch(report)
+            if self.on_answers:
+                self.on_answers(batch.indices, answers)
+            arrived = more() if more else ()
+        assert all(r is not None for r in self.results), "the plan must cover every ticket"
+        return self.results, self.reports
 
 
 def padded_ids(rows: Sequence[Sequence[int]], width: int, pad_id: int, device: torch.device) -> torch.Tensor:

@@ -1,17 +1,19 @@
 -- Idempotent publish of one forward batch's results, checked against the message they belong to:
 -- the first final result for (task, slot) goes to the stream, repeats do not, and a message whose
 -- task id already streamed results of another payload (its digest differs) writes nothing: its
--- results are named as conflicts. One call per forward batch, one BITFIELD per message in it.
+-- results are named as conflicts. A result flagged for review is copied to the review stream
+-- with its first publication only. One call per forward batch, one BITFIELD per message in it.
 -- The call itself is idempotent too: its answer is kept under its own key, and the same call
 -- repeated (its reply lost to a timeout or a partition) gets that answer again, not "all repeats";
 -- a call its caller cancelled (it gave up before the call ran) does nothing.
 -- KEYS[1] results stream; KEYS[2..m+1] each message's done key (bit <slot> set once published);
--- KEYS[m+2..2m+1] each message's digest key; KEYS[2m+2] this call's key; KEYS[2m+3..] attempts
--- keys to delete.
+-- KEYS[m+2..2m+1] each message's digest key; KEYS[2m+2] this call's key; KEYS[2m+3] the review
+-- stream; KEYS[2m+4..] attempts keys to delete.
 -- ARGV[1] stream MAXLEN (approximate), ARGV[2] key expiry in seconds, ARGV[3] m, ARGV[4] the call
--- key's expiry in seconds, ARGV[5..m+4] each message's slots, comma-separated; ARGV[m+5..2m+4]
--- each message's digest ('' = not checked); ARGV[2m+5..] the result JSON of each of those slots,
--- message by message, in the same order.
+-- key's expiry in seconds, ARGV[5] the positions (1-based, comma-separated) of the results to
+-- review, ARGV[6..m+5] each message's slots, comma-separated; ARGV[m+6..2m+5] each message's digest
+-- ('' = not checked); ARGV[2m+6..] the result JSON of each of those slots, message by message, in
+-- the same order.
 -- Returns {repeats, conflicts}: positions (1-based, in that order) of results published before by
 -- the same message (re-executions), and of results of another message under a used task id.
 local m = tonumber(ARGV[3])
@@ -22,14 +24,18 @@ if answered == 'cancelled' then  -- the caller gave up on this call (Outbox.land
 elseif answered then
   return cjson.decode(answered)
 end
-local result, position, repeats, conflicts = 2 * m + 5, 1, {}, {}
+local review, reviewed = {}, false
+for at in string.gmatch(ARGV[5], '%d+') do
+  review[tonumber(at)] = true
+end
+local result, position, repeats, conflicts = 2 * m + 6, 1, {}, {}
 for i = 1, m do
   local fields = {}
-  for slot in string.gmatch(ARGV[i + 4], '%d+') do
+  for slot in string.gmatch(ARGV[i + 5], '%d+') do
     local n = #fields
     fields[n + 1], fields[n + 2], fields[n + 3], fields[n + 4] = 'SET', 'u1', '#' .. slot, 1
   end
-  local digest_key, digest = KEYS[m + 1 + i], ARGV[m + 4 + i]
+  local digest_key, digest = KEYS[m + 1 + i], ARGV[m + 5 + i]
   local known = false  -- the digest stored by an earlier call, where it differs from this one
   if digest ~= '' and not redis.call('SET', digest_key, digest, 'NX', 'EX', ARGV[2]) then
     known = redis.call('GET', digest_key)  -- only for a task id seen before: a repeat, or a conflict
@@ -47,6 +53,10 @@ for i = 1, m do
       for _, bit in ipairs(old) do
         if bit == 0 then
           redis.call('XADD', KEYS[1], '*', 'data', ARGV[result])
+          if review[position] then
+            redis.call('XADD', KEYS[2 * m + 3], '*', 'data', ARGV[result])
+            reviewed = true
+          end
         else
           repeats[#repeats + 1] = position
         end
@@ -57,7 +67,10 @@ for i = 1, m do
   end
 end
 redis.call('XTRIM', KEYS[1], 'MAXLEN', '~', ARGV[1])  -- once per call, not per entry
-for i = 2 * m + 3, #KEYS do
+if reviewed then
+  redis.call('XTRIM', KEYS[2 * m + 3], 'MAXLEN', '~', ARGV[1])
+end
+for i = 2 * m + 4, #KEYS do
   redis.call('DEL', KEYS[i])
 end
 -- cjson writes an empty table as {}; the caller reads a missing list as empty either way.
