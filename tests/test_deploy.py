@@ -717,7 +717,8 @@ def metrics_target(tiny_model_dir, tmp_path_factory) -> Iterator[str]:
     finally:
         client.close()
     queue = f"deploy-{os.urandom(4).hex()}"
-    env = worker_env(tiny_model_dir, DEPLOY_REDIS_URL, queue, TICKETQ_SHADOW_RATE="1")
+    schema = ROOT / "examples" / "schema.toml"  # for the triage panels; the other tickets name `default`
+    env = worker_env(tiny_model_dir, DEPLOY_REDIS_URL, queue, TICKETQ_SHADOW_RATE="1", TICKETQ_SCHEMAS=str(schema))
     log = tmp_path_factory.mktemp("deploy-worker") / "worker.log"
     with running_worker(env, log, ready_timeout=180) as worker:
         _feed_worker(worker, queue)
@@ -725,8 +726,9 @@ def metrics_target(tiny_model_dir, tmp_path_factory) -> Iterator[str]:
 
 
 def _feed_worker(worker, queue: str) -> None:
-    """Valid tickets one per message and two malformed ones (a message, and a ticket in a pack);
-    returns once every ticket is counted and the shadow checker has caught up."""
+    """Valid tickets one per message (the `default` field, shadow-checked), a few answered with the
+    `support` schema, and two malformed ones (a message, and a ticket in a pack); returns once every
+    ticket is counted and the shadow checker has caught up."""
     from workers import wait_for
 
     from producer.api import Producer
@@ -734,16 +736,18 @@ def _feed_worker(worker, queue: str) -> None:
     from ticketq.names import TASK_CLASSIFY
     from worker.settings import Settings
 
-    tickets = [{"id": t["id"], "text": t["text"]} for t in generate_tickets(30, seed=5)]
+    tickets = [{"id": t["id"], "text": t["text"], "schema": "default"} for t in generate_tickets(30, seed=5)]
+    triaged = [{"id": f"triage-{t['id']}", "text": t["text"]} for t in generate_tickets(4, seed=6)]
     # Malformed tickets go raw, past the producer's validation: one alone, one inside a pack.
     pack = [tickets[0], {"id": "malformed-in-pack", "text": 12345}, tickets[1]]
     with Producer(Settings(broker_url=DEPLOY_REDIS_URL, queue=queue)) as producer:
-        sent = producer.submit_many(tickets[2:])
+        sent = producer.submit_many(tickets[2:]) + producer.submit_many(triaged, schema="support")
         for args in ([{"id": "malformed", "text": "   "}], [pack]):
             sent.append(producer.app.send_task(TASK_CLASSIFY, args=args, queue=queue))
         results = producer.wait(sent, timeout=120)
-    assert len(results) == len(tickets) + 2
+    assert len(results) == len(tickets) + len(triaged) + 2
     assert [r["status"] for r in results].count("failed") == 2, results
+    assert [r.get("schema") for r in results].count("support") == len(triaged)
 
     def settled() -> bool:
         metrics = worker.metrics()
@@ -753,11 +757,12 @@ def _feed_worker(worker, queue: str) -> None:
 
         shadow = total("ticketq_shadow_checked_total") + total("ticketq_shadow_dropped_total")
         return (
-            total("ticketq_tickets_total") == len(tickets) + 2
+            total("ticketq_tickets_total") == len(tickets) + len(triaged) + 2
             and total("ticketq_tickets_total", "outcome=rejected") == 2
             and total("ticketq_dead_letters_total") == 2
+            and total("ticketq_field_answers_total", "field=category") == len(triaged)
             and total("ticketq_shadow_checked_total") > 0
-            and shadow == total("ticketq_tickets_total", "outcome=ok")
+            and shadow == total("ticketq_tickets_total", "outcome=ok") - len(triaged)  # schema answers: no shadow
         )
 
     wait_for(settled, 60, f"worker metrics settled (log {worker.log_path})")
