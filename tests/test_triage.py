@@ -5,7 +5,8 @@ Tickets name their schema (or none: the worker's first; `default`: the single fi
 TICKETQ_LABELS, answered as ticketq always answered it). Every answer equals its schema's
 reference computed here on the same stand-in; results below a field's threshold are copied once
 to the review stream; an unknown schema is answered `unknown_schema`, naming the ones served, and
-dead-lettered; the per-field metrics count every answer.
+dead-lettered; the per-field metrics count every answer; the live shadow check re-runs each
+answer on its own schema's reference.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from workers import ROOT, RedisServer, running_worker, worker_env
+from workers import ROOT, RedisServer, running_worker, wait_for, worker_env
 
 from producer.api import Producer
 from producer.synthetic import generate_tickets
@@ -52,7 +53,8 @@ def triage(tiny_model_dir, tmp_path_factory) -> Iterator[dict]:
     schemas = f"{EXAMPLES / 'schema.toml'},{EXAMPLES / 'schema-topics.toml'},{workdir / 'review-all.toml'}"
     server = RedisServer(workdir, aof=False).start()
     queue = f"triage-{uuid.uuid4().hex[:8]}"
-    env = worker_env(tiny_model_dir, server.url, queue, TICKETQ_SCHEMAS=schemas, TICKETQ_MATMUL="torch")
+    env = worker_env(tiny_model_dir, server.url, queue, TICKETQ_SCHEMAS=schemas, TICKETQ_MATMUL="torch",
+                     TICKETQ_SHADOW_RATE="1")  # fmt: skip
     try:
         with running_worker(env, workdir / "worker.log") as worker:
             yield {"server": server, "queue": queue, "worker": worker, "schemas": schemas, "workdir": workdir}
@@ -125,6 +127,16 @@ def test_tickets_of_several_schemas_are_each_answered_like_their_reference(triag
             chosen = answer.get("labels", [answer.get("label")]) or ["none"]
             want[result["schema"], field, str(answer["review"]).lower()] += len(chosen)
     assert {k: v for k, v in answers.items() if v} == want
+
+    # the live exactness check re-ran every answer on its own schema's reference, and agreed
+    def total(name: str) -> float:
+        return sum(v for k, v in triage["worker"].metrics().items() if k.startswith(name + "{"))
+
+    ok = sum(result["status"] == "ok" for result in results)
+    wait_for(lambda: total("ticketq_shadow_checked_total") + total("ticketq_shadow_dropped_total") >= ok, 60,
+             "the shadow checker caught up")  # fmt: skip
+    assert total("ticketq_shadow_checked_total") > 0
+    assert total("ticketq_shadow_agreed_total") == total("ticketq_shadow_checked_total")
 
 
 def test_an_unknown_schema_is_refused_naming_the_served_ones(triage):

@@ -424,6 +424,8 @@ class TicketService:
             if isinstance(prediction, TicketFields):
                 slot.result = self._triaged(slot, prediction, now)
                 self._count_fields(prediction)
+                if self.shadow:  # its schema's own reference, looked up here (the set is not thread-safe)
+                    self.shadow.offer(slot.ticket.text, prediction, self.schemas.runner(slot.schema).reference)
                 continue
             slot.result = self._success(slot, prediction, now)
             if self.shadow:
