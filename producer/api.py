@@ -24,13 +24,12 @@ TICKETQ_REPLICA_ACKS, a send returns once that many replicas hold it (WAIT), els
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 
 import kombu.exceptions
 import redis
@@ -45,6 +44,7 @@ from ticketq.config import ClientSettings, is_redis_url, is_sentinel_url, mask_u
 from ticketq.connections import SOCKET_TIMEOUT_S, RedisUnavailable, connect, redis_client
 from ticketq.contract import Failed, Reason, Status, TicketRejected, UniqueIds, validate_ticket
 from ticketq.names import RESULTS_STREAM, TASK_CLASSIFY, queue_lists
+from ticketq.process import paused_gc
 
 log = logging.getLogger(__name__)
 
@@ -490,7 +490,7 @@ class Producer:
         total = sum(len(_ticket_ids(result)) or 1 for result in results)
         deadline = None if timeout is None else time.monotonic() + timeout
         outage = _Outage(deadline)
-        with tqdm(total=total, unit="ticket", desc="results", disable=not progress) as bar, _collector_paused():
+        with tqdm(total=total, unit="ticket", desc="results", disable=not progress) as bar, paused_gc():
             try:
                 while len(by_task) < len(sent):
                     pending = [result for result in results if result.id not in by_task]
@@ -716,24 +716,6 @@ def _is_lost_connection(error: BaseException) -> bool:
     """Worth asking again: Redis went away (a restart, a failover) or refuses writes for now (full,
     too few replicas), as the worker's outbox rides them out; refused credentials are not."""
     return isinstance(error, BrokerUnavailable) and not error.refused
-
-
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector (not reference counting) while results come in.
-
-    Decoded results are acyclic (JSON), so reference counting frees whatever is dropped; but the
-    tens of thousands of result objects a bulk wait holds made every automatic collection walk
-    them all again: a third of a bulk producer's CPU. Collection resumes when the wait returns
-    (unless the caller had disabled it); cycles made meanwhile, by any thread, wait until then.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _make_app(settings: ClientSettings, connect_timeout_s: float) -> Celery:

@@ -205,7 +205,7 @@ def test_memory_does_not_grow_with_the_file(tmp_path, tiny_model_dir):
     noise on a busy 2-core machine (about 10 MB between runs of one file) and still fails for
     anything that keeps rows or texts.
     """
-    n, settled_rows = 24_000, 6_144  # 16 + 32 + ... + 2,048 rows, then one more full chunk
+    n, settled_rows = 24_000, 6_144  # 1 + 2 + ... + 2,048 rows, then one more full chunk: 6,143
     tickets = tmp_path / "t.jsonl"
     with tickets.open("w", encoding="utf-8") as out:
         for i in range(1, n + 1):

@@ -41,7 +41,8 @@ class Settings(ClientSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = Field(
         "auto",
         description="auto: bfloat16 on cuda; on a CPU with native bf16 only where a bf16 GEMM measures "
-        ">= 1.25x float32's speed at start-up; else float32. int8 (CPU, opt-in, inexact): the batched "
+        ">= 1.25x float32's speed (at the first start on a machine; the verdict is cached in "
+        "~/.cache/ticketq/kernels for 30 days); else float32. int8 (CPU, opt-in, inexact): the batched "
         "path's decoder linear layers in dynamic int8 (per-channel weights, the MLP down projection kept "
         "float32, 8-bit activations on AVX512-VNNI); the reference and shadow checks stay float32.",
     )
@@ -49,7 +50,7 @@ class Settings(ClientSettings):
         "auto",
         description="float32 on a CPU: the decoder's linear layers through torch's default GEMM (MKL) or "
         "oneDNN's matmul on weights prepacked at start-up (exact float32, 2-3x MKL on some AMD CPUs); "
-        "auto: oneDNN where it measures >= 1.15x torch's at start-up.",
+        "auto: oneDNN where it measures >= 1.15x torch's (measured and cached as for TICKETQ_DTYPE=auto).",
     )
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice).")
     system_prompt: str = Field(

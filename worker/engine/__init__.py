@@ -3,9 +3,10 @@
 - `core` — `Engine`: the cached prefix, the optimised path and the unbatched reference.
 - `batching` — planning and padding arithmetic (plain Python, no torch).
 - `prompt` — the chat template split into prefix / ticket / suffix, and the ticket's canonical text.
-- `kernels` — device, dtype and GEMM-kernel choice, measured at start-up; oneDNN's `PackedLinear`.
+- `kernels` — device, dtype and GEMM-kernel choice, measured on a machine's first start and cached;
+  oneDNN's `PackedLinear`.
 - `int8` — the opt-in dynamic int8 decoder.
-- `loading` — `from_pretrained` and the transformers cache API.
+- `loading` — `from_pretrained` (the garbage collector paused) and the transformers cache API.
 - `autotune` — the planner's cost model, measured at start-up.
 
 Importing the package imports no torch; `Engine`, `ModelInfo` and `ModelNotFound` load it on

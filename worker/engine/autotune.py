@@ -134,8 +134,9 @@ def cache_path(engine) -> Path:
     info = engine.info
     key = json.dumps([_cpu_name(), platform.machine(), info.name, info.device, info.dtype, info.matmul,
                       torch.get_num_threads(), torch.__version__])  # fmt: skip
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "ticketq" / "cost" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    from worker.engine.kernels import cache_dir
+
+    return cache_dir("cost") / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
 def load_cached(engine) -> CostModel | None:

@@ -1,10 +1,18 @@
 """Where the decoder's arithmetic runs: the device, the dtype and the float32 GEMM kernel, each
-measured at start-up where `auto` asks for it.
+measured where `auto` asks for it, at the first start on a machine.
 
 The CPUs this runs on differ more than their flags say (AVX2 only, AVX-512 with fast or slow
 bf16, AMX), so `auto` times one decoder-sized GEMM instead of trusting /proc/cpuinfo.
 `PackedLinear` is the one place that calls oneDNN's private linear ops; the start-up guard
 (`worker.transport.guards`) checks that they exist.
+
+A probe measures until two measurements in a row agree within PROBE_AGREEMENT (a neighbour's
+burst moves one, rarely two alike), keeps the safe choice (float32, torch's GEMM) when
+PROBE_TRIES never do, and caches its verdict per machine (`~/.cache/ticketq/kernels`, or
+$XDG_CACHE_HOME; keyed by CPU model and flags, torch version, threads and GEMM shape): the next
+start on the same machine skips it. A verdict is measured again after PROBE_MAX_AGE_S
+(UNSETTLED_MAX_AGE_S for the safe choice of measurements that never agreed), or at the next
+start once its file is deleted.
 
 Importing this module bounds oneDNN's two shape-keyed caches (`bound_onednn_caches`) before the
 process creates its first oneDNN primitive: every forward batch has its own (rows x width), and at
@@ -15,8 +23,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
+import json
 import logging
+import math
 import os
+import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -58,13 +70,23 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
-def cpu_flags() -> set[str]:
-    """The first CPU's feature flags from /proc/cpuinfo (empty where there is none: not Linux)."""
+def _cpuinfo(field: str) -> str:
+    """The first CPU's `field` in /proc/cpuinfo ("" where there is none: not Linux)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return set()
-    return next((set(line.partition(":")[2].split()) for line in lines if line.startswith("flags")), set())
+        return ""
+    return next((line.partition(":")[2].strip() for line in lines if line.split(":")[0].strip() == field), "")
+
+
+def cpu_flags() -> set[str]:
+    """The first CPU's feature flags from /proc/cpuinfo (empty where there is none: not Linux)."""
+    return set(_cpuinfo("flags").split())
+
+
+def cpu_model() -> str:
+    """The first CPU's model name ("AMD EPYC 9B45"), or what `platform` knows of it."""
+    return _cpuinfo("model name") or platform.processor()
 
 
 def cpu_has_native_bf16() -> bool:
@@ -73,19 +95,29 @@ def cpu_has_native_bf16() -> bool:
 
 # bfloat16 must beat float32 by this much on the probe to be worth its rounding on a CPU.
 BF16_MIN_SPEEDUP = 1.25
+# The probes' GEMM: Qwen2.5-0.5B's MLP, (rows, HIDDEN) x (HIDDEN, INTERMEDIATE). The probes run
+# before the model loads, whatever TICKETQ_MODEL is; a cached verdict is keyed by this shape.
+HIDDEN, INTERMEDIATE = 896, 4864
 
 
 def bf16_matmul_speedup(rows: int = 256, reps: int = 3) -> float:
-    """float32 time / bfloat16 time of one decoder-sized GEMM (Qwen2.5-0.5B's MLP) on this CPU.
+    """float32 time / bfloat16 time of one decoder-sized GEMM (Qwen2.5-0.5B's MLP) on this CPU,
+    settled and cached (`settled_speedup`): 1.0 where the measurements never agree.
 
     "Native bf16" in /proc/cpuinfo is not enough: some CPUs with AVX-512 BF16 run the model about
     twice as fast in bfloat16, others (measured here) about twice as slow. A tenth of a second of
     timing settles it.
     """
+    shape = {"rows": rows, "in": HIDDEN, "out": INTERMEDIATE, "reps": reps}
+    return settled_speedup("bf16-matmul", lambda: bf16_gemm_ratio(rows, reps), shape)
+
+
+def bf16_gemm_ratio(rows: int = 256, reps: int = 3) -> float:
+    """One measurement: float32 time / bfloat16 time of the probe's GEMM, the best of `reps` each."""
     timings = {}
     for dtype in (torch.float32, torch.bfloat16):
-        a = torch.randn(rows, 896).to(dtype)
-        b = torch.randn(896, 4864).to(dtype)
+        a = torch.randn(rows, HIDDEN).to(dtype)
+        b = torch.randn(HIDDEN, INTERMEDIATE).to(dtype)
         a @ b  # warm-up: kernel selection, packing
         best = float("inf")
         for _ in range(reps):
@@ -104,15 +136,15 @@ def resolve_dtype(name: str, device: torch.device, matmul: str = "torch") -> tor
     if device.type == "cuda":
         return torch.bfloat16
     if device.type == "cpu" and cpu_has_native_bf16():
-        speedup = bf16_matmul_speedup()
+        bf16 = speedup = bf16_matmul_speedup()
+        onednn = 1.0
         if matmul != "torch" and PackedLinear.available():  # bf16 must beat float32's faster kernel
-            speedup /= max(1.0, onednn_linear_speedup())
+            onednn = max(1.0, onednn_linear_speedup())
+            speedup /= onednn
         dtype = torch.bfloat16 if speedup >= BF16_MIN_SPEEDUP else torch.float32
-        log.info(
-            "dtype auto: a bfloat16 GEMM runs %.2fx float32's speed on this CPU -> %s",
-            speedup,
-            str(dtype).removeprefix("torch."),
-        )
+        log.info("dtype auto: bfloat16 GEMM %.2fx float32's (torch), float32 through oneDNN %.2fx torch's: bfloat16 "
+                 "%.2fx the faster float32 (needs %.2fx) -> %s", bf16, onednn, speedup, BF16_MIN_SPEEDUP,
+                 str(dtype).removeprefix("torch."))  # fmt: skip
         return dtype
     return torch.float32
 
@@ -192,11 +224,18 @@ def release_freed_memory() -> None:
         trim(0)
 
 
-@functools.cache  # measured once per process: resolve_dtype and resolve_matmul both ask
+@functools.cache  # asked twice a start-up: resolve_dtype and resolve_matmul
 def onednn_linear_speedup(rows: int = 256, reps: int = 3) -> float:
-    """torch's float32 `linear` time / oneDNN's on prepacked weights, one decoder-sized GEMM (the MLP's)."""
-    x = torch.randn(rows, 896)
-    linear = torch.nn.Linear(896, 4864, bias=False).requires_grad_(False)
+    """torch's float32 `linear` time / oneDNN's on prepacked weights, one decoder-sized GEMM (the MLP's),
+    settled and cached (`settled_speedup`): 1.0 where the measurements never agree."""
+    shape = {"rows": rows, "in": HIDDEN, "out": INTERMEDIATE, "reps": reps}
+    return settled_speedup("onednn-linear", lambda: onednn_gemm_ratio(rows, reps), shape)
+
+
+def onednn_gemm_ratio(rows: int = 256, reps: int = 3) -> float:
+    """One measurement: torch's float32 `linear` time / oneDNN's, the best of `reps` each."""
+    x = torch.randn(rows, HIDDEN)
+    linear = torch.nn.Linear(HIDDEN, INTERMEDIATE, bias=False).requires_grad_(False)
     packed = PackedLinear(linear)
     timings = []
     for layer in (linear, packed):
@@ -221,6 +260,85 @@ def resolve_matmul(name: str, device: torch.device, dtype: torch.dtype) -> str:
     choice = "onednn" if speedup >= ONEDNN_MIN_SPEEDUP else "torch"
     log.info("matmul auto: oneDNN's float32 GEMM runs %.2fx torch's on this CPU -> %s", speedup, choice)
     return choice
+
+
+# ----- the probes: settled by agreement, cached per machine ---------------------------------
+
+PROBE_TRIES = 5  # measurements at most; a probe whose measurements never agree keeps the safe choice
+PROBE_AGREEMENT = 0.10  # two measurements in a row within 10% of the larger settle a probe
+PROBE_MAX_AGE_S = 30 * 86400  # a settled verdict is measured again after 30 days
+UNSETTLED_MAX_AGE_S = 86400  # an unsettled one (a busy machine) after a day
+NO_SPEEDUP = 1.0  # an unsettled probe's ratio: below both thresholds, so float32 and torch's GEMM stay
+
+
+def settled_speedup(probe: str, measure: Callable[[], float], shape: dict[str, int]) -> float:
+    """This machine's cached ratio for `probe`, else `measure()` (a speed ratio) until two
+    measurements in a row agree: their mean, or NO_SPEEDUP after PROBE_TRIES; cached either way."""
+    path, key = probe_cache_path(probe, shape)
+    cached = _cached_probe(path, key)
+    if cached is not None:
+        ratio, agreed, age = cached
+        log.info("%s probe: %.2fx%s, cached %s ago in %s (delete it to measure again)", probe, ratio,
+                 "" if agreed else " (measurements that never agreed)", _age(age), path)  # fmt: skip
+        return ratio
+    measured, agreed = [measure()], False
+    while not agreed and len(measured) < PROBE_TRIES:
+        measured.append(measure())
+        agreed = _agree(measured[-2], measured[-1])
+    ratio = (measured[-2] + measured[-1]) / 2 if agreed else NO_SPEEDUP
+    shown = ", ".join(f"{m:.2f}x" for m in measured)
+    if agreed:
+        log.info("%s probe: measured %s -> %.2fx (cached in %s)", probe, shown, ratio, path)
+    else:
+        log.warning("%s probe: %d measurements never agreed within %.0f%% (%s): keeping the safe choice "
+                    "(cached for a day in %s)", probe, len(measured), 100 * PROBE_AGREEMENT, shown, path)  # fmt: skip
+    _save_probe(path, {"key": key, "ratio": ratio, "agreed": agreed, "measured": measured, "at": time.time()})
+    return ratio
+
+
+def probe_cache_path(probe: str, shape: dict[str, int]) -> tuple[Path, list]:
+    """Where `probe`'s verdict for this machine lives, and the key it is filed under."""
+    key = [probe, shape, cpu_model(), sorted(cpu_flags()), platform.machine(), torch.__version__,
+           torch.get_num_threads()]  # fmt: skip
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir("kernels") / f"{probe}-{digest}.json", key
+
+
+def cache_dir(kind: str) -> Path:
+    """ticketq's per-machine cache of `kind` (kernel verdicts, cost fits): ~/.cache/ticketq/<kind>,
+    or under $XDG_CACHE_HOME."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ticketq" / kind
+
+
+def _agree(a: float, b: float) -> bool:
+    return abs(a - b) <= PROBE_AGREEMENT * max(a, b)
+
+
+def _cached_probe(path: Path, key: list) -> tuple[float, bool, float] | None:
+    """(ratio, agreed, age in seconds) from `path` if it holds a sound verdict for `key`, young enough; else None."""
+    try:
+        entry = json.loads(path.read_text(encoding="utf-8"))
+        ratio, agreed, age = float(entry["ratio"]), entry["agreed"] is True, time.time() - float(entry["at"])
+        fresh = entry["key"] == json.loads(json.dumps(key)) and 0 <= age <= (
+            PROBE_MAX_AGE_S if agreed else UNSETTLED_MAX_AGE_S)  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return (ratio, agreed, age) if fresh and math.isfinite(ratio) and ratio > 0 else None
+
+
+def _save_probe(path: Path, entry: dict) -> None:
+    """Write `entry` atomically (a reader never sees half a file); never raises."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(entry), encoding="utf-8")
+        partial.replace(path)
+    except OSError as exc:
+        log.debug("could not cache the probe's verdict in %s (%s)", path, exc)
+
+
+def _age(seconds: float) -> str:
+    return f"{seconds / 86400:.0f} days" if seconds >= 2 * 86400 else f"{seconds / 3600:.1f} h"
 
 
 @functools.cache

@@ -1,14 +1,19 @@
-"""Loading a model: `from_pretrained` for a hub id or a local directory, and the transformers
-cache API across the versions ticketq supports."""
+"""Loading a model: `from_pretrained` for a hub id or a local directory, with the garbage
+collector paused (`paused_gc`), and the transformers cache API across the versions ticketq
+supports. Importing this module imports no torch, so `paused_gc` can cover torch's import too."""
 
 from __future__ import annotations
 
 import os
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-import torch
+from ticketq.process import paused_gc
+
+if TYPE_CHECKING:
+    import torch
 
 # A file in a stand-in's directory: its presence marks the model as one (labels mean nothing).
 STANDIN_MARKER = "ticketq_standin.json"
@@ -32,13 +37,14 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype):
     """`from_pretrained` for a hub id or a local directory; a clear error when neither works."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     # Without a reachable hub, look only in the local cache: fail in a second, not after a minute of retries.
     local_only = not Path(name_or_path).is_dir() and not hub_reachable()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=local_only)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, local_files_only=local_only)
+        with paused_gc():
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=local_only)
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, local_files_only=local_only)
     except (OSError, ValueError) as exc:  # ValueError: a directory without a (complete) model
         raise ModelNotFound(_not_loaded(name_or_path, exc)) from exc
     model.to(device).eval().requires_grad_(False)

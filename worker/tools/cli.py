@@ -179,13 +179,19 @@ def _classify(settings, reader: TicketReader, partial: PartialResults, summary, 
 
 
 def _load_engine(settings):
-    from worker.engine import Engine, ModelNotFound
+    from ticketq.process import paused_gc
+    from worker.engine.loading import ModelNotFound
 
     _logging()
-    try:
-        engine = Engine.from_settings(settings)
-    except ModelNotFound as exc:
-        _fail(str(exc))
+    # torch's import and the model's load, the collector paused: the objects they make live as long
+    # as this command, so they are frozen rather than scanned by every later collection.
+    with paused_gc(freeze=True):
+        from worker.engine import Engine
+
+        try:
+            engine = Engine.from_settings(settings)
+        except ModelNotFound as exc:
+            _fail(str(exc))
     if engine.info.standin:
         console.print("[yellow]stand-in model: labels are meaningless; speed is real[/]")
     return engine

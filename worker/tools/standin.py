@@ -107,6 +107,21 @@ def build_tokenizer():
     return tokenizer
 
 
+def _name_added_tokens(config_path: Path) -> None:
+    """Write the added tokens into tokenizer_config.json (`added_tokens_decoder`), as the hub's
+    Qwen2.5 configuration has them: without it transformers parses the whole 18 MB tokenizer.json
+    once more at every load just to find them (0.9 s of a 4.7 s `ticketq classify` start-up)."""
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    if config.get("added_tokens_decoder"):
+        return
+    config["added_tokens_decoder"] = {
+        str(FIRST_ADDED_ID + i): {"content": token, "lstrip": False, "normalized": False, "rstrip": False,
+                                  "single_word": False, "special": token not in NON_SPECIAL}
+        for i, token in enumerate(ADDED_TOKENS)
+    }  # fmt: skip
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
 def build(size: Literal["full", "tiny"], out: Path, seed: int = 0) -> Path:
     """Write a stand-in model directory to `out` and return it."""
     import torch
@@ -124,6 +139,7 @@ def build(size: Literal["full", "tiny"], out: Path, seed: int = 0) -> Path:
         out
     )
     build_tokenizer().save_pretrained(out)
+    _name_added_tokens(out / "tokenizer_config.json")
     marker = {
         "standin": True,
         "size": size,

@@ -1,0 +1,179 @@
+"""The start-up probes (`worker.engine.kernels`): measured until two measurements agree, the safe
+choice kept where they never do, the verdict cached per machine so that the next start skips them.
+
+The measurements are faked (a list of ratios in turn), so nothing here depends on timing; one test
+runs the real GEMM, small, for the file it writes. Each test has a cache directory of its own
+($XDG_CACHE_HOME).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import pytest
+import torch
+
+from worker.engine import kernels
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    """A private cache, and no oneDNN ratio remembered from another test (`functools.cache`)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    kernels.onednn_linear_speedup.cache_clear()
+    yield tmp_path / "cache" / "ticketq" / "kernels"
+    kernels.onednn_linear_speedup.cache_clear()
+
+
+@pytest.fixture
+def bf16_cpu(monkeypatch):
+    monkeypatch.setattr(kernels, "cpu_has_native_bf16", lambda: True)
+
+
+@pytest.fixture
+def onednn(monkeypatch):
+    monkeypatch.setattr(kernels.PackedLinear, "available", staticmethod(lambda: True))
+
+
+def measuring(monkeypatch, name: str, ratios: list[float]) -> list[float]:
+    """`kernels.<name>` (one measurement) answers `ratios` in turn and fails past them; what it answered."""
+    answered: list[float] = []
+
+    def measure(rows: int = 256, reps: int = 3) -> float:
+        if len(answered) == len(ratios):
+            pytest.fail(f"{name} measured more than {len(ratios)} times")
+        answered.append(ratios[len(answered)])
+        return answered[-1]
+
+    monkeypatch.setattr(kernels, name, measure)
+    return answered
+
+
+def not_measuring(monkeypatch, *names: str) -> None:
+    for name in names:
+        monkeypatch.setattr(kernels, name, lambda rows=256, reps=3, name=name: pytest.fail(f"{name} measured"))
+
+
+def entries(cache_dir) -> dict[str, dict]:
+    return {path.name.split("-")[0]: json.loads(path.read_text()) for path in sorted(cache_dir.glob("*.json"))}
+
+
+def test_a_probe_measures_until_two_agree_and_the_next_start_reads_its_verdict(monkeypatch, cache_dir, bf16_cpu,
+                                                                              caplog):  # fmt: skip
+    answered = measuring(monkeypatch, "bf16_gemm_ratio", [2.0, 1.3, 1.34, 3.0])
+    with caplog.at_level(logging.INFO, logger=kernels.__name__):
+        assert kernels.resolve_dtype("auto", CPU, "torch") is torch.bfloat16
+    assert answered == [2.0, 1.3, 1.34]  # 2.0 then 1.3 disagree; 1.3 and 1.34 agree: done
+    (entry,) = entries(cache_dir).values()
+    assert entry["agreed"] is True and entry["measured"] == [2.0, 1.3, 1.34]
+    assert entry["ratio"] == pytest.approx(1.32)
+    assert "measured 2.00x, 1.30x, 1.34x -> 1.32x" in caplog.text
+
+    not_measuring(monkeypatch, "bf16_gemm_ratio")  # the next start on this machine
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=kernels.__name__):
+        assert kernels.resolve_dtype("auto", CPU, "torch") is torch.bfloat16
+    assert "bf16-matmul probe: 1.32x, cached" in caplog.text
+
+
+def test_measurements_that_never_agree_keep_float32_and_torchs_gemm(monkeypatch, cache_dir, bf16_cpu, onednn,
+                                                                    caplog):  # fmt: skip
+    swinging = [2.0, 1.0] * 3  # each above the thresholds every other time
+    bf16 = measuring(monkeypatch, "bf16_gemm_ratio", swinging)
+    gemm = measuring(monkeypatch, "onednn_gemm_ratio", swinging)
+    with caplog.at_level(logging.INFO, logger=kernels.__name__):
+        assert kernels.resolve_dtype("auto", CPU, "torch") is torch.float32
+        assert kernels.resolve_matmul("auto", CPU, torch.float32) == "torch"
+    assert len(bf16) == len(gemm) == kernels.PROBE_TRIES
+    assert caplog.text.count("measurements never agreed within 10%") == 2
+    assert {name: (e["agreed"], e["ratio"]) for name, e in entries(cache_dir).items()} == {
+        "bf16": (False, kernels.NO_SPEEDUP),
+        "onednn": (False, kernels.NO_SPEEDUP),
+    }
+    not_measuring(monkeypatch, "bf16_gemm_ratio", "onednn_gemm_ratio")  # cached too: a busy machine stays busy
+    kernels.onednn_linear_speedup.cache_clear()
+    assert kernels.resolve_dtype("auto", CPU, "auto") is torch.float32
+    assert kernels.resolve_matmul("auto", CPU, torch.float32) == "torch"
+
+
+def test_both_probes_are_measured_once_a_start_and_not_at_all_the_next(monkeypatch, cache_dir, bf16_cpu, onednn):
+    """TICKETQ_DTYPE=auto with TICKETQ_MATMUL=auto asks the oneDNN probe twice (bf16 must beat the
+    faster float32 kernel): it is measured once."""
+    bf16 = measuring(monkeypatch, "bf16_gemm_ratio", [2.0, 2.1])
+    gemm = measuring(monkeypatch, "onednn_gemm_ratio", [2.5, 2.4])
+    dtype = kernels.resolve_dtype("auto", CPU, "auto")  # 2.05 / 2.45: float32
+    assert dtype is torch.float32 and kernels.resolve_matmul("auto", CPU, dtype) == "onednn"
+    assert (bf16, gemm) == ([2.0, 2.1], [2.5, 2.4])
+    assert sorted(entries(cache_dir)) == ["bf16", "onednn"]
+
+    kernels.onednn_linear_speedup.cache_clear()  # a new process
+    not_measuring(monkeypatch, "bf16_gemm_ratio", "onednn_gemm_ratio")
+    dtype = kernels.resolve_dtype("auto", CPU, "auto")
+    assert dtype is torch.float32 and kernels.resolve_matmul("auto", CPU, dtype) == "onednn"
+
+
+@pytest.mark.parametrize(("agreed", "age_days", "measured_again"), [
+    (True, 2, False), (True, 31, True), (False, 0.5, False), (False, 2, True),
+])  # fmt: skip
+def test_a_verdict_is_measured_again_once_it_is_old(monkeypatch, cache_dir, agreed, age_days, measured_again):
+    measuring(monkeypatch, "bf16_gemm_ratio", [1.5, 1.5])
+    kernels.bf16_matmul_speedup()
+    (path,) = cache_dir.glob("*.json")
+    entry = json.loads(path.read_text())
+    path.write_text(json.dumps({**entry, "agreed": agreed, "at": time.time() - age_days * 86400}))
+    again = measuring(monkeypatch, "bf16_gemm_ratio", [3.0, 3.0])
+    assert kernels.bf16_matmul_speedup() == (3.0 if measured_again else 1.5)
+    assert bool(again) is measured_again
+
+
+def test_the_verdict_is_this_machines_only(monkeypatch, cache_dir):
+    """Another CPU model, other flags, another torch, other threads or another GEMM shape: measured again."""
+    measuring(monkeypatch, "bf16_gemm_ratio", [1.5, 1.5])
+    kernels.bf16_matmul_speedup()
+    changes = [
+        lambda: monkeypatch.setattr(kernels, "cpu_model", lambda: "Another CPU"),
+        lambda: monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2"}),
+        lambda: monkeypatch.setattr(torch, "__version__", "99.0.0"),
+        lambda: monkeypatch.setattr(torch, "get_num_threads", lambda: 97),
+    ]
+    for change in changes:
+        change()
+        again = measuring(monkeypatch, "bf16_gemm_ratio", [2.0, 2.0])
+        assert kernels.bf16_matmul_speedup() == 2.0 and again == [2.0, 2.0]
+    again = measuring(monkeypatch, "bf16_gemm_ratio", [2.5, 2.5])
+    assert kernels.bf16_matmul_speedup(rows=64) == 2.5 and again
+    assert len(list(cache_dir.glob("*.json"))) == 2 + len(changes)
+
+
+def test_a_broken_or_foreign_cache_file_is_measured_again(monkeypatch, cache_dir):
+    measuring(monkeypatch, "bf16_gemm_ratio", [1.5, 1.5])
+    kernels.bf16_matmul_speedup()
+    (path,) = cache_dir.glob("*.json")
+    entry = json.loads(path.read_text())
+    for broken in ("{half a fi", json.dumps({**entry, "ratio": -1}), json.dumps({**entry, "ratio": "NaN"}),
+                   json.dumps({**entry, "key": ["another machine"]}), json.dumps({"ratio": 1.5})):  # fmt: skip
+        path.write_text(broken)
+        again = measuring(monkeypatch, "bf16_gemm_ratio", [2.0, 2.0])
+        assert kernels.bf16_matmul_speedup() == 2.0 and again, broken
+        path.write_text(json.dumps(entry))
+
+
+def test_an_unwritable_cache_only_costs_the_measurement(monkeypatch, tmp_path):
+    (tmp_path / "not-a-dir").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not-a-dir"))
+    measuring(monkeypatch, "bf16_gemm_ratio", [1.5, 1.5, 2.0, 2.0])
+    assert kernels.bf16_matmul_speedup() == 1.5
+    assert kernels.bf16_matmul_speedup() == 2.0  # nothing was kept: measured again
+
+
+def test_the_real_probe_writes_the_verdict_the_next_start_reads(monkeypatch, cache_dir):
+    first = kernels.bf16_matmul_speedup(rows=16, reps=1)
+    (entry,) = entries(cache_dir).values()
+    assert entry["ratio"] == first > 0 and 2 <= len(entry["measured"]) <= kernels.PROBE_TRIES
+    assert entry["key"][1] == {"rows": 16, "in": 896, "out": 4864, "reps": 1}
+    not_measuring(monkeypatch, "bf16_gemm_ratio")
+    assert kernels.bf16_matmul_speedup(rows=16, reps=1) == first
