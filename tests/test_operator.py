@@ -192,3 +192,19 @@ def test_status_counts_only_the_ticket_queue(setup, ops):
     finally:
         client.hdel("unacked", *unacked)
         client.hdel(store.CONSUMERS_KEY, *consumers)
+
+
+def test_status_shows_the_review_stream_and_its_consumer_groups(setup, ops):
+    client = setup.server.client()
+    assert ops.status()["review_stream"]["entries"] == client.xlen(names.REVIEW_STREAM)
+    ids = [client.xadd(names.REVIEW_STREAM, {"data": json.dumps({"id": f"r-{n}"})}) for n in range(3)]
+    try:
+        client.xgroup_create(names.REVIEW_STREAM, "reviewers", id="0")
+        client.xreadgroup("reviewers", "alice", {names.REVIEW_STREAM: ">"}, count=1)  # one handed out, unacked
+        review = ops.status()["review_stream"]
+        assert review["entries"] >= 3 and review["reviewers pending"] == 1
+        if "reviewers lag" in review:  # Redis >= 7
+            assert review["reviewers lag"] == review["entries"] - 1
+    finally:
+        client.xgroup_destroy(names.REVIEW_STREAM, "reviewers")
+        client.xdel(names.REVIEW_STREAM, *ids)

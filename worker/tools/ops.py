@@ -91,9 +91,25 @@ class Ops:
             "dead_letters": dict(Counter(letter.reason for letter in letters).most_common()),
             "requeued_awaiting_result": sum(bool(letter.requeued_as) for letter in letters),
             "results_stream": self.redis.xlen(names.RESULTS_STREAM),
+            "review_stream": self.review_stream(),
             # noeviction is the only safe policy: any other may drop the queue, unacked messages, results
             "redis": connections.memory_state(self.redis),
         }
+
+    def review_stream(self) -> dict[str, int]:
+        """The review stream's entries, and per consumer group those delivered but not acknowledged
+        (`pending`) and not yet delivered (`lag`, Redis >= 7)."""
+        state = {"entries": self.redis.xlen(names.REVIEW_STREAM)}
+        try:
+            groups = self.redis.xinfo_groups(names.REVIEW_STREAM)
+        except redis.ResponseError:  # no such stream yet
+            groups = []
+        for group in groups:
+            name = group["name"].decode() if isinstance(group["name"], bytes) else group["name"]
+            state[f"{name} pending"] = int(group["pending"])
+            if group.get("lag") is not None:
+                state[f"{name} lag"] = int(group["lag"])
+        return state
 
     def in_flight(self) -> int:
         """Messages of the ticket queue delivered to a worker and not yet acknowledged. kombu's
