@@ -214,8 +214,10 @@ def evaluate(
     path: Annotated[Path, typer.Argument(help="Labelled tickets: JSONL or CSV rows with text and expected.")],
     fmt: Annotated[str, typer.Option("--format", help="auto (by extension, then content), jsonl or csv.")] = "auto",
     thresholds: Annotated[
-        str, typer.Option(help="Margin thresholds for the coverage table, comma-separated.")
+        str, typer.Option(help="Margin (confidence) thresholds for the coverage tables, comma-separated.")
     ] = "0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9",
+    schema_path: Annotated[Path | None, typer.Option("--schema", help="Score every field of this schema "
+                           "(TOML): `expected` is then {field: label} or {field: [labels]}.")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write every figure to this JSON file.")] = None,
     model: Annotated[str | None, typer.Option(help="Hub id or local dir (default TICKETQ_MODEL).")] = None,
     dtype: Annotated[str | None, typer.Option(help="auto|float32|bfloat16|float16|int8.")] = None,
@@ -227,8 +229,13 @@ def evaluate(
 
     Each row needs an `expected` label (a field in JSONL, a column in CSV). Rows without one, and
     refused rows, are counted and not scored. Exit status 3 when no row could be scored.
+
+    With --schema every field of the schema is scored on the rows whose `expected` object names it
+    (in a CSV, the cell holds that object as JSON); a multi-label field by per-label precision and
+    recall and exact-set accuracy. A row naming a field or label the schema lacks is refused.
     """
     settings = _settings(ENGINE_FLAGS, model=model, dtype=dtype, device=device)
+    schema = _eval_schema(schema_path)
     if fmt not in ("auto", "jsonl", "csv"):
         _fail(f"--format {fmt}: must be auto, jsonl or csv")
     try:
@@ -247,50 +254,53 @@ def evaluate(
         from tqdm import tqdm
 
         from worker.tools.evaluate import evaluate as run_eval
+        from worker.tools.evaluate import evaluate_fields
 
         with tqdm(desc="scoring", unit="row", disable=not progress, file=None) as bar:
-            evaluation = run_eval(engine, reader, on_chunk=bar.update)
+            if schema is None:
+                evaluation = run_eval(engine, reader, on_chunk=bar.update)
+            else:
+                evaluation = evaluate_fields(engine.fields(schema), reader, on_chunk=bar.update)
     _report_evaluation(evaluation, cuts, engine.info.standin, json_out)
-    if evaluation.scores.scored == 0:
+    if evaluation.scored == 0:
         raise typer.Exit(3)
 
 
+def _eval_schema(path: Path | None):
+    """`eval --schema`: the schema, or one line per problem and exit 2, before the model loads."""
+    if path is None:
+        return None
+    from ticketq.schema import SchemaError, load_schema
+
+    try:
+        return load_schema(path)
+    except SchemaError as exc:
+        _fail(f"--schema {path}:\n{exc}" if len(exc.problems) > 1 else f"--schema {exc}")
+
+
 def _report_evaluation(evaluation, cuts: list[float], standin: bool, json_out: Path | None) -> None:
-    scores = evaluation.scores
+    from worker.tools.evaluate import FieldsEvaluation, print_fields, print_scores
+
     out = Console()
     report(console, evaluation.refused, f"{len(evaluation.refused)} rows refused (not scored):")
-    if scores.unknown:
-        unknown = ", ".join(f"{label!r} x{count}" for label, count in scores.unknown.most_common())
-        console.print(f"not scored: expected labels the model does not have: {unknown} (labels: "
-                      f"{', '.join(scores.labels)})", highlight=False, markup=False, soft_wrap=True)  # fmt: skip
-    out.print(f"scored {scores.scored} of {evaluation.rows} rows ({evaluation.unlabelled} without `expected`); "
-              f"accuracy {scores.accuracy:.1%}", highlight=False)  # fmt: skip
-    table = Table(title="per label")
-    for column in ("label", "precision", "recall", "F1", "support"):
-        table.add_column(column, justify="left" if column == "label" else "right")
-    for label, row in scores.per_label().items():
-        table.add_row(label, f"{row['precision']:.1%}", f"{row['recall']:.1%}", f"{row['f1']:.1%}", str(row["support"]))
-    out.print(table)
-    matrix = Table(title="confusion: expected (rows) x predicted")
-    matrix.add_column("expected")
-    for label in scores.labels:
-        matrix.add_column(label, justify="right")
-    for expected in scores.labels:
-        matrix.add_row(expected, *(str(scores.confusion[expected, predicted]) for predicted in scores.labels))
-    out.print(matrix)
-    coverage = Table(title="auto-answered at margin >= threshold")
-    for column in ("threshold", "coverage", "accuracy", "answered"):
-        coverage.add_column(column, justify="right")
-    for row in scores.coverage(cuts):
-        accuracy = f"{row['accuracy']:.1%}" if row["answered"] else "-"
-        coverage.add_row(f"{row['threshold']:g}", f"{row['coverage']:.1%}", accuracy, str(row["answered"]))
-    out.print(coverage)
+    if isinstance(evaluation, FieldsEvaluation):
+        print_fields(out, evaluation, cuts)
+        figures = evaluation.as_dict(cuts)
+    else:
+        scores = evaluation.scores
+        if scores.unknown:
+            unknown = ", ".join(f"{label!r} x{count}" for label, count in scores.unknown.most_common())
+            console.print(f"not scored: expected labels the model does not have: {unknown} (labels: "
+                          f"{', '.join(scores.labels)})", highlight=False, markup=False, soft_wrap=True)  # fmt: skip
+        out.print(f"scored {scores.scored} of {evaluation.rows} rows ({evaluation.unlabelled} without `expected`); "
+                  f"accuracy {scores.accuracy:.1%}", highlight=False)  # fmt: skip
+        print_scores(out, scores, cuts)
+        figures = {**scores.as_dict(cuts), "rows": evaluation.rows, "unlabelled": evaluation.unlabelled,
+                   "refused": len(evaluation.refused)}  # fmt: skip
     if standin:
         console.print("[yellow]stand-in model (random weights): these figures mean nothing about a real model[/]")
     if json_out is not None:
-        figures = {**scores.as_dict(cuts), "rows": evaluation.rows, "unlabelled": evaluation.unlabelled,
-                   "refused": len(evaluation.refused), "standin": standin}  # fmt: skip
-        json_out.write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
+        json_out.write_text(json.dumps({**figures, "standin": standin}, indent=2) + "\n", encoding="utf-8")
 
 
 @cli.command()

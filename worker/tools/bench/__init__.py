@@ -21,11 +21,15 @@ once); the peers run in processes of their own:
                   computed once, length-sorted batches, label from the answer-position logits, float32.
 - `openvino-bf16` the same with `INFERENCE_PRECISION_HINT` bf16.
 - `openvino-int8` the same in float32 with int8 weights (NNCF `compress_weights`). All three opt-in.
+- `one-field`, `fields`, `full-prompts`, `one-schema`, `schemas`: a schema's fields (`--schema`): its
+                  first field alone, every field in one pass, a full prompt per field; a worker
+                  serving the schema alone, and three at once (`worker.tools.bench.multifield`). Opt-in.
 
-Per mode: the median items/s over the rounds and their range (min–max), speedup over
-`sequential` (the ratio of the medians), padding ratio (pad / tokens actually computed, so the
-full-prompt modes count the prefix they re-run), agreement with `sequential`, max |Δprob|,
-disagreements split into near-ties (reference margin below `--tie-tolerance`) and the rest, peak
+Per mode: the median items/s over the rounds and their range (min–max), speedup over its baseline
+(the ratio of the medians: `sequential`, or for the schema modes `one-field` and `one-schema`),
+padding ratio (pad / tokens actually computed, so the full-prompt modes count the prefix they
+re-run), agreement with `sequential` (the schema modes: with their own per-field reference), max
+|Δprob|, disagreements split into near-ties (reference margin below `--tie-tolerance`) and the rest, peak
 RSS, and whether the answers were the same in every round; the load average at each round's start.
 Output: a rich table, `--json` and `--markdown` (rewritten after every mode: a killed run keeps
 what finished), `--chart`. A peer whose process dies is a row with the reason ("crashed: signal
@@ -41,5 +45,7 @@ Modules, each one job:
 - `memory`     peak RSS per mode.
 - `baselines`  sequential, full-prompt batches and generate: calls into the engine's scoring
                (`Engine.reference`, `Engine.full_prompt_batch`, `Engine.generate`), no tensors.
+- `multifield` the schema modes: their FieldsEngines or SchemaSet, each checked against the
+               per-field reference (`FieldsEngine.reference`).
 - `report`     statistics per mode, the run's header, the table, Markdown, JSON and the chart.
 """

@@ -19,11 +19,13 @@ from rich.console import Console
 from rich.markup import escape
 
 from producer.clitools import CONTEXT_SETTINGS, EXIT_FAILED, EXIT_OK, EXIT_USAGE
-from worker.tools.bench.records import DEFAULT_MODES, DEFAULTS, MODES, QUICK, Options
+from worker.tools.bench.records import DEFAULT_MODES, DEFAULTS, FIELD_MODES, MODES, QUICK, SCHEMA_MODES, Options
 from worker.tools.bench.report import make_header, print_report, strict_failure, summarise, write_outputs
 from worker.tools.bench.runner import load_tickets, run_modes, setup
+from worker.tools.procs import ROOT
 
 PROG = "ticketq bench"
+DEFAULT_SCHEMA = ROOT / "examples" / "schema.toml"
 DESCRIPTION = (
     "Load one model once and classify the same tickets in every mode below, the modes "
     "interleaved in rounds. Per mode: median items/s over the rounds and their range, speedup over "
@@ -59,11 +61,23 @@ modes (run in this order on the same tickets, round after round):
                  pip install 'ticketq[openvino]')
   openvino-bf16  the same with INFERENCE_PRECISION_HINT bf16
   openvino-int8  the same in float32, int8 weights (NNCF compress_weights)
+  one-field      a schema's first field alone (--schema, default
+                 examples/schema.toml), its labels in the system prompt
+  fields         every field of the schema in one pass per ticket
+                 (Engine.fields)
+  full-prompts   a full prompt per field: each field alone, every ticket
+  one-schema     a worker's SchemaSet serving the schema alone
+  schemas        a SchemaSet serving 3 schemas at once (the schema and two
+                 variants, each its own cached prefix), tickets round-robin
 
-Default: every mode but generate, ticketq-int8 and the peers (llama-cpp*,
-openvino*): list them, or --modes all. sequential always runs: it is the
-reference for agreement and the baseline for speedup. Each peer runs in a
-process of its own: a crash there is that mode's row, not the run's end.
+Default: every mode but generate, ticketq-int8, the peers (llama-cpp*,
+openvino*) and the schema modes: list them, or --modes all; --schema alone
+runs one-field, fields and full-prompts. A mode's baseline always runs with
+it: sequential (the reference for agreement, the baseline for speedup),
+one-field for fields and full-prompts (their cost ratio), one-schema for
+schemas. The schema modes are checked against their own per-field
+reference on --reference-tickets tickets. Each peer runs in a process of
+its own: a crash there is that mode's row, not the run's end.
 --quick = {tickets} tickets, batch size {batch_size}, {warmup} warm-up ticket, a {autotune_s:.0f} s autotune,
 {rounds} round, no generate; explicit options still win.
 """  # lines under 78 characters: the help is printed 80 wide where there is no terminal
@@ -134,6 +148,12 @@ def bench(
                       "1 with --quick or the reference alone)")] = None,
     tie_tolerance: Annotated[float, typer.Option(metavar="P", min=0.0, show_default=False, rich_help_panel=RUN,
                              help="a reference margin below this is a near-tie (default: 0.01)")] = 0.01,
+    schema: Annotated[Path | None, typer.Option(metavar="PATH", rich_help_panel=RUN, help=(
+        "the schema (TOML) of the schema modes (default: examples/schema.toml); alone, it runs "
+        "one-field, fields and full-prompts"))] = None,
+    reference_tickets: Annotated[int, typer.Option(metavar="N", min=0, show_default=False, rich_help_panel=RUN,
+                                 help="tickets the schema modes are checked on against their per-field "
+                                 "reference (default: 20; 0: none)")] = 20,
     llama_cpp_src: Annotated[Path | None, typer.Option(metavar="DIR", rich_help_panel=RUN, help=(
         "llama.cpp source tree with convert_hf_to_gguf.py (default: from the llama-cpp-python sdist)"))] = None,
     quick: Annotated[bool, typer.Option("--quick", rich_help_panel=RUN,
@@ -156,6 +176,13 @@ def options_from(params: dict[str, Any], argv: Sequence[str]) -> Options:
     tickets = params["tickets"]
     if tickets is None and params["tickets_file"] is None:  # with a file and no --tickets: all of its rows
         tickets = defaults["tickets"]
+    requested = params["modes"] or (FIELD_MODES if params["schema"] else DEFAULT_MODES)
+    schema = params["schema"]
+    if schema is not None and not set(requested) & {*FIELD_MODES, *SCHEMA_MODES}:
+        raise typer.BadParameter(f"--schema is for the modes {', '.join((*FIELD_MODES, *SCHEMA_MODES))}; "
+                                 "none of them is listed")  # fmt: skip
+    if schema is None and set(requested) & {*FIELD_MODES, *SCHEMA_MODES}:
+        schema = DEFAULT_SCHEMA
     given = {name: params[name] for name in ("batch_size", "warmup", "autotune_s")}
     options = Options(
         model=params["model"],
@@ -165,11 +192,13 @@ def options_from(params: dict[str, Any], argv: Sequence[str]) -> Options:
         tickets=tickets,
         tickets_file=params["tickets_file"],
         seed=params["seed"],
-        requested_modes=params["modes"] or DEFAULT_MODES,  # the default set has no generate, --quick or not
+        requested_modes=requested,  # the default set has no generate, --quick or not
         **{name: defaults[name] if value is None else value for name, value in given.items()},
         max_batch_tokens=params["max_batch_tokens"],
         no_autotune=params["no_autotune"],
         tie_tolerance=params["tie_tolerance"],
+        schema=schema,
+        reference_tickets=params["reference_tickets"],
         llama_cpp_src=params["llama_cpp_src"],
         quick=params["quick"],
         strict=params["strict"],

@@ -8,15 +8,25 @@ from pathlib import Path
 
 from worker.results import BatchReport, Prediction
 
+# a schema's fields (worker.tools.bench.multifield): one field, every field in one pass, a full prompt per field
+FIELD_MODES = ("one-field", "fields", "full-prompts")
+# one worker serving one schema, and three at once (worker.tools.bench.multifield)
+SCHEMA_MODES = ("one-schema", "schemas")
 MODES = (
     "generate", "sequential", "naive", "naive-global", "sorted", "ticketq", "ticketq-int8", "ticketq-queue",
-    "llama-cpp", "llama-cpp-q8", "openvino", "openvino-bf16", "openvino-int8",
+    "llama-cpp", "llama-cpp-q8", "openvino", "openvino-bf16", "openvino-int8", *FIELD_MODES, *SCHEMA_MODES,
 )  # fmt: skip
 # each runs in a process of its own (worker.tools.bench.peer_process)
 PEER_MODES = ("llama-cpp", "llama-cpp-q8", "openvino", "openvino-bf16", "openvino-int8")
-OPT_IN_MODES = ("generate", "ticketq-int8", *PEER_MODES)  # run only when listed (or 'all')
+OPT_IN_MODES = ("generate", "ticketq-int8", *PEER_MODES, *FIELD_MODES, *SCHEMA_MODES)  # run only when listed (or 'all')
 DEFAULT_MODES = tuple(m for m in MODES if m not in OPT_IN_MODES)
-REFERENCE = "sequential"  # always runs: the reference for agreement and the baseline for speedup
+REFERENCE = "sequential"  # the single-field modes' reference for agreement and baseline for speedup
+
+
+def baseline_of(mode: str) -> str:
+    """The mode a mode's speedup is over, which runs whenever it does: `sequential` for the
+    single-field modes, `one-field` for the multi-field ones, `one-schema` for `schemas`."""
+    return "one-field" if mode in FIELD_MODES else "one-schema" if mode in SCHEMA_MODES else REFERENCE
 # --quick: a short run on a slow machine. rounds: how often every mode runs, interleaved (one round
 # where only the reference runs).
 QUICK = {"tickets": 12, "batch_size": 4, "warmup": 1, "autotune_s": 3.0, "rounds": 1}
@@ -42,6 +52,8 @@ class Options:
     warmup: int = DEFAULTS["warmup"]
     rounds: int = 1
     tie_tolerance: float = 0.01
+    schema: Path | None = None  # the multi-field and schemas modes' schema (TOML)
+    reference_tickets: int = 20  # tickets those modes are checked on against their per-field reference
     llama_cpp_src: Path | None = None
     quick: bool = False
     strict: bool = False
@@ -52,8 +64,9 @@ class Options:
 
     @property
     def mode_list(self) -> list[str]:
-        """The modes to run, in their canonical order, the reference always among them."""
-        return [m for m in MODES if m in self.requested_modes or m == REFERENCE]
+        """The modes to run, in their canonical order, each one's baseline among them."""
+        wanted = {*self.requested_modes, *map(baseline_of, self.requested_modes)}
+        return [m for m in MODES if m in wanted]
 
 
 @dataclass(frozen=True)
@@ -93,6 +106,10 @@ class ModeResult:
     round_loads: list[tuple[float, float, float] | None] = field(default_factory=list)  # os.getloadavg() at start
     changed_tickets: set[int] = field(default_factory=set)  # indices whose label changed in some round
     round_max_abs_prob_diff: float | None = None
+    # a mode checked against a reference of its own (the multi-field ones, on the first tickets):
+    # agreement, max_abs_prob_diff, near_ties, disagreements (as `report.compare`), answers compared
+    reference_check: dict | None = None
+    figures: dict = field(default_factory=dict)  # the mode's own figures, added to its row (schema, prefixes)
 
     @property
     def round_label_changes(self) -> int:

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from worker.tools.bench.records import REFERENCE, Answer, ModeResult, Options
+from worker.tools.bench.records import FIELD_MODES, REFERENCE, SCHEMA_MODES, Answer, ModeResult, Options, baseline_of
 
 if TYPE_CHECKING:  # the runner imports this module; its types are only read here
     from worker.tools.bench.runner import Bench
@@ -34,8 +34,10 @@ FIGURES = (
     "tickets", "seconds", "items_per_s", "items_per_s_min", "items_per_s_max", "speedup", "padding_ratio",
     "pad_tokens", "computed_tokens", "tokens_per_ticket", "tokens_per_s", "forwards",
     "agreement", "max_abs_prob_diff", "near_ties", "disagreements_non_tie", "disagreements_near_tie", "failed",
-    "round_label_changes", "round_max_abs_prob_diff",
+    "round_label_changes", "round_max_abs_prob_diff", "baseline", "cost_ratio", "cost_ratio_per_round",
+    "reference_check",
 )  # fmt: skip
+COMPARED = ("agreement", "max_abs_prob_diff", "near_ties", "disagreements_non_tie", "disagreements_near_tie")
 STANDIN_LINE = "stand-in model (random weights): labels meaningless; speed is real"
 # (heading, JSON key, format) of the figure columns shared by the stdout and Markdown tables.
 COLUMNS = (
@@ -92,13 +94,23 @@ def summarise(result: ModeResult, results: list[ModeResult], tie_tolerance: floa
         "failed": sum(a.label.startswith("<") for a in result.answers),
         "round_label_changes": result.round_label_changes,
         "round_max_abs_prob_diff": result.round_max_abs_prob_diff,
+        **result.figures,
     }
-    reference = next((r for r in results if r.mode == REFERENCE and r.round_seconds), None)
-    if reference is None:  # not run yet (a partial report) or it failed
+    if result.reference_check is not None:  # a schema mode, checked against its own reference
+        row |= {key: result.reference_check[key] for key in COMPARED} | {"reference_check": result.reference_check}
+    row["baseline"] = baseline_of(result.mode)
+    baseline = next((r for r in results if r.mode == row["baseline"] and r.round_seconds), None)
+    if baseline is None:  # not run yet (a partial report) or it failed
         return row
-    baseline = statistics.median(len(reference.answers) / s for s in reference.round_seconds if s)
-    row["speedup"] = row["items_per_s"] / baseline if baseline and row["items_per_s"] else None
-    row |= compare(result.answers, reference.answers, tie_tolerance)
+    base_rate = statistics.median(len(baseline.answers) / s for s in baseline.round_seconds if s)
+    row["speedup"] = row["items_per_s"] / base_rate if base_rate and row["items_per_s"] else None
+    if row["baseline"] == REFERENCE:
+        row |= compare(result.answers, baseline.answers, tie_tolerance)
+    else:  # the cost per ticket over the baseline: 1 / speedup, and each round's (the closest in load)
+        row["cost_ratio"] = 1 / row["speedup"] if row["speedup"] else None
+        row["cost_ratio_per_round"] = [
+            mine / base for mine, base in zip(result.round_seconds, baseline.round_seconds, strict=False) if base
+        ]
     return row
 
 
@@ -136,8 +148,14 @@ def _margin(probs: dict[str, float]) -> float:
 
 
 def strict_failure(rows: list[dict]) -> bool:
-    """Any disagreement that is not a near-tie, or a label that changed between rounds (what `--strict` exits 1 on)."""
-    return any(row["disagreements_non_tie"] or row["round_label_changes"] for row in rows if _ran(row))
+    """Any disagreement that is not a near-tie, a label that changed between rounds, or a schema's
+    prefix computed more than once (what `--strict` exits 1 on)."""
+    return any(row["disagreements_non_tie"] or row["round_label_changes"] or _prefixes_recomputed(row)
+               for row in rows if _ran(row))  # fmt: skip
+
+
+def _prefixes_recomputed(row: dict) -> bool:
+    return row.get("prefixes_computed") is not None and row["prefixes_computed"] != row.get("schemas")
 
 
 def _ran(row: dict) -> bool:
@@ -192,9 +210,20 @@ def make_header(bench: Bench, tickets: list[dict], rows: list[dict], finished: b
         "tie_tolerance": options.tie_tolerance,
         "quick": options.quick,
         "modes": options.mode_list,
+        "schema": _schema(bench),
+        "reference_tickets": options.reference_tickets if bench.schema is not None else None,
         "autotune": _autotune(bench),
         "notes": _notes(bench, rows),
     }
+
+
+def _schema(bench: Bench) -> dict | None:
+    """The schema modes' schema: where it came from, its name and fields (None where none ran)."""
+    schema = bench.schema
+    if schema is None:
+        return None
+    fields = [{"name": f.name, "labels": list(f.labels), "multi": f.multi} for f in schema.fields]
+    return {"path": str(bench.options.schema), "name": schema.name, "fields": fields}
 
 
 def _ticket_source(options: Options) -> str:
@@ -236,8 +265,11 @@ def _notes(bench: Bench, rows: list[dict]) -> list[str]:
             f"{engine.info.dtype}: batch shape changes rounding, so probabilities differ slightly between "
             "modes; near-ties may flip (counted separately)"
         )
-    if REFERENCE not in bench.options.requested_modes:
-        notes.append("sequential ran although not listed: it is the reference and the speedup baseline")
+    requested, modes = bench.options.requested_modes, bench.options.mode_list
+    for baseline in [m for m in modes if m not in requested]:
+        needs = [m for m in requested if baseline_of(m) == baseline]
+        why = "the reference and the speedup baseline" if baseline == REFERENCE else "the baseline"
+        notes.append(f"{baseline} ran although not listed: it is {why} of {', '.join(needs)}")
     if bench.options.rounds > 1:
         notes.append(
             f"{bench.options.rounds} rounds, the modes interleaved (A B C A B C …): items/s is the median over "
@@ -283,6 +315,45 @@ def _precision(header: dict) -> str:
     return f"{header['dtype']} (oneDNN)" if onednn else header["dtype"]
 
 
+def schema_lines(rows: list[dict]) -> list[str]:
+    """The schema modes' figures in words: cost over one-field, agreement with the per-field reference,
+    several schemas against one and the prefixes computed (none where no schema mode ran)."""
+    ran = {row["mode"]: row for row in rows if _ran(row) and row["mode"] in (*FIELD_MODES, *SCHEMA_MODES)}
+    lines = []
+    costs = [f"{mode} {row['cost_ratio']:.2f}x (per round {_ratios(row['cost_ratio_per_round'])})"
+             for mode, row in ran.items()
+             if mode in FIELD_MODES and mode != row["baseline"] and row.get("cost_ratio") is not None]  # fmt: skip
+    if costs:
+        any_row = next(iter(ran.values()))
+        lines.append(f"schema {any_row['schema']} ({', '.join(any_row['fields'])}), cost per ticket over one-field: "
+                     + "; ".join(costs))  # fmt: skip
+    several, one = ran.get("schemas"), ran.get("one-schema")
+    if several and one and several.get("cost_ratio") is not None:
+        lines.append(
+            f"{several['schemas']} schemas ({', '.join(several['passes'])}) at once, tickets round-robin: "
+            f"{several['items_per_s']:.2f} items/s against {one['items_per_s']:.2f} serving one, "
+            f"{several['speedup']:.2f}x (cost {several['cost_ratio']:.2f}x, per round "
+            f"{_ratios(several['cost_ratio_per_round'])})"
+        )
+    for mode in ("one-schema", "schemas"):
+        if mode in ran:
+            row = ran[mode]
+            verdict = "RECOMPUTED" if _prefixes_recomputed(row) else "once each"
+            lines.append(f"{mode}: prefixes computed {row['prefixes_computed']} for {row['schemas']} "
+                         f"schema{'s' * (row['schemas'] != 1)} ({verdict})")  # fmt: skip
+    for mode, row in ran.items():
+        if check := row.get("reference_check"):
+            lines.append(
+                f"{mode} against its per-field reference on {check['tickets']} tickets: {check['labels_equal']}/"
+                f"{check['answers']} answers equal, max |Δp| {_fmt(check['max_abs_prob_diff'], '{:.1e}')}"
+            )
+    return lines
+
+
+def _ratios(values: list[float]) -> str:
+    return ", ".join(f"{value:.2f}" for value in values)
+
+
 def load_average() -> tuple[float, float, float] | None:
     return os.getloadavg() if hasattr(os, "getloadavg") else None
 
@@ -296,22 +367,33 @@ def print_report(console: Console, header: dict, rows: list[dict]) -> None:
         f"ticketq bench — {header['model']} ({_precision(header)}, {header['device']}, "
         f"{header['torch_threads']} threads), {header['tickets']} tickets"
     )
-    ties = next((row["near_ties"] for row in rows if row["near_ties"] is not None), 0)
-    table = Table(
-        title=title,
-        caption=f"reference = sequential; near-tie = reference margin < {header['tie_tolerance']:g} ({ties} tickets)",
-    )
+    table = Table(title=title, caption=_caption(header, rows))
     for column in ("mode", *(name for name, _, _ in COLUMNS), "disagree (real / near-tie)", "peak RSS MB"):
         table.add_column(column, justify="left" if column == "mode" else "right")
     for row in rows:
         mode = row["mode"] if row["status"] == "ok" else f"{row['mode']} ({row['status']})"
         table.add_row(mode, *(_cells(row) if _ran(row) else ["—"] * (len(COLUMNS) + 2)))
     console.print(table)
+    for line in schema_lines(rows):
+        console.print(escape(line), highlight=False)
     if loads := _round_loads(header):
         console.print(f"load average (1 min) at the start of each round: {loads}")
     console.print(f"planner: {header['autotune']['description']}")
     for note in header["notes"]:
         console.print(f"[yellow]note:[/] {escape(note)}")  # notes hold brackets: pip install 'ticketq[peers]'
+
+
+def _caption(header: dict, rows: list[dict]) -> str:
+    """What the speedup and agreement columns are against: sequential, and the schema modes' own."""
+    parts = []
+    if any(row["mode"] == REFERENCE for row in rows):
+        ties = next((row["near_ties"] for row in rows if row["mode"] == REFERENCE and row["near_ties"] is not None), 0)
+        parts.append(f"reference = sequential; near-tie = reference margin < {header['tie_tolerance']:g} "
+                     f"({ties} tickets)")  # fmt: skip
+    if any(row["mode"] in (*FIELD_MODES, *SCHEMA_MODES) for row in rows):
+        parts.append(f"schema modes: speedup over one-field (one-schema for schemas), agreement per field answer "
+                     f"against their per-field reference on {header.get('reference_tickets')} tickets")  # fmt: skip
+    return "; ".join(parts)
 
 
 def markdown_table(header: dict, rows: list[dict]) -> str:
@@ -329,7 +411,8 @@ def markdown_table(header: dict, rows: list[dict]) -> str:
         row = token_rates(row["computed_tokens"], row["tickets"], row["seconds"]) | row  # older JSON lacks them
         lines.append(f"| {mode} | " + " | ".join(_cells(row, markdown=True)) + " |")
     reasons = [f"- `{row['mode']}`: {row['reason']}" for row in rows if row.get("reason")]
-    return "\n".join([*lines, "", *reasons, *([""] if reasons else []), _run_line(header), "",
+    words = [f"- {line}" for line in schema_lines(rows)]
+    return "\n".join([*lines, "", *reasons, *words, *([""] if reasons or words else []), _run_line(header), "",
                       f"`{header['command']}`", ""])  # fmt: skip
 
 
@@ -372,7 +455,8 @@ def _cells(row: dict, markdown: bool = False) -> list[str]:
     rss = _fmt(row["peak_rss_mb"], "{:.0f}")
     if not markdown and row["rss_of"] == "worker process":
         rss += " (worker)"
-    return [*cells, f"{row['disagreements_non_tie']} / {row['disagreements_near_tie']}", rss]
+    disagreements = " / ".join(_fmt(row[key], "{}") for key in ("disagreements_non_tie", "disagreements_near_tie"))
+    return [*cells, disagreements, rss]
 
 
 def _items_range(row: dict) -> str | None:

@@ -24,12 +24,13 @@ from functools import partial
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from tqdm import tqdm
 
 from worker.results import BatchReport
 from worker.tools.bench import baselines
 from worker.tools.bench.memory import peak_rss_mb, reset_peak_rss
-from worker.tools.bench.records import PEER_MODES, Answer, ModeResult, Options
+from worker.tools.bench.records import FIELD_MODES, PEER_MODES, SCHEMA_MODES, Answer, ModeResult, Options
 from worker.tools.bench.report import describe_cost, load_average
 from worker.tools.procs import ROOT, free_port, running_worker
 
@@ -45,6 +46,7 @@ class Bench:
     options: Options
     tuning: object | None = None  # worker.engine.autotune.Tuning
     int8_engine: object | None = None  # built on first use by ticketq-int8, sharing the model
+    schema: object | None = None  # ticketq.schema.Schema of the multi-field and schemas modes (--schema)
     int8_tuning: object | None = None
     load_before: Load = None  # os.getloadavg() when the modes start
     round_loads: list[Load] = field(default_factory=list)  # os.getloadavg() at the start of each round
@@ -85,7 +87,8 @@ def setup(options: Options, console: Console) -> Bench | None:
     from worker.engine import Engine, ModelNotFound
 
     settings = _settings(options, console)
-    if settings is None:
+    schema = _schema(options, console)
+    if settings is None or schema is False:
         return None
     with console.status(f"loading {settings.model}…"):
         try:
@@ -93,7 +96,7 @@ def setup(options: Options, console: Console) -> Bench | None:
         except ModelNotFound as exc:
             console.print(f"[red]{exc}[/]")
             return None
-    bench = Bench(engine, settings, options)
+    bench = Bench(engine, settings, options, schema=schema)
     if options.no_autotune or options.max_batch_tokens:
         reason = "--max-batch-tokens given" if options.max_batch_tokens else "--no-autotune"
         console.print(f"autotune skipped ({reason}): {describe_cost(engine)}")
@@ -104,6 +107,19 @@ def setup(options: Options, console: Console) -> Bench | None:
         bench.tuning = autotune(engine, budget_s=options.autotune_s)
     console.print(f"autotune on {engine.info.device}/{engine.info.dtype}: {bench.tuning.describe()}")
     return bench
+
+
+def _schema(options: Options, console: Console):
+    """The schema of `--schema` (None without one), or False where it cannot be used (printed why)."""
+    if options.schema is None:
+        return None
+    from ticketq.schema import SchemaError, load_schema
+
+    try:
+        return load_schema(options.schema)
+    except SchemaError as exc:
+        console.print(f"[red]--schema {options.schema}:[/]\n{escape(str(exc))}", soft_wrap=True)
+        return False
 
 
 def _settings(options: Options, console: Console):
@@ -224,6 +240,10 @@ def _mode_run(context: RunContext, mode: str) -> ModeRun:
         return QueueRun(context, mode)
     if mode in PEER_MODES:
         return PeerRun(context, mode)
+    if mode in FIELD_MODES or mode in SCHEMA_MODES:
+        from worker.tools.bench.multifield import FieldsRun  # it builds on InProcessRun, below
+
+        return FieldsRun(context, mode)
     return InProcessRun(context, mode)
 
 
@@ -235,23 +255,30 @@ class InProcessRun(ModeRun):
             self.result.skipped = reason
 
     def round(self, number: int, load: Load) -> None:
-        bench, texts, result = self.context.bench, self.context.texts, self.result
+        bench, result = self.context.bench, self.result
         runner = RUNNERS[result.mode]
-        if self.context.warm:
-            runner(bench, self.context.warm_texts, None)
-        fresh_peak = reset_peak_rss()
-        with tqdm(total=len(texts), desc=result.mode, unit="ticket") as bar:
-            start = time.perf_counter()
-            answers, reports = runner(bench, texts, bar)
-            seconds = time.perf_counter() - start
-        result.peak_rss_mb = _max(result.peak_rss_mb, peak_rss_mb("self"))
-        if not fresh_peak:
-            result.rss_of = "bench process, peak so far"
+        (answers, reports), seconds = self.timed(lambda texts, bar: runner(bench, texts, bar))
         if number == 1:
             result.reports = reports
             if result.mode == "generate":
                 result.notes += baselines.generate_notes(answers, bench.engine.info.standin)
         result.add_round(answers, seconds, load)
+
+    def timed(self, runner: Callable[[list[str], tqdm | None], object]) -> tuple[object, float]:
+        """`runner(texts, bar)` on the warm-up tickets, then timed on every ticket (peak RSS read):
+        what it returned, and the seconds it took."""
+        texts, result = self.context.texts, self.result
+        if self.context.warm:
+            runner(self.context.warm_texts, None)
+        fresh_peak = reset_peak_rss()
+        with tqdm(total=len(texts), desc=result.mode, unit="ticket") as bar:
+            start = time.perf_counter()
+            done = runner(texts, bar)
+            seconds = time.perf_counter() - start
+        result.peak_rss_mb = _max(result.peak_rss_mb, peak_rss_mb("self"))
+        if not fresh_peak:
+            result.rss_of = "bench process, peak so far"
+        return done, seconds
 
 
 def _max(a: float | None, b: float | None) -> float | None:
