@@ -591,6 +591,26 @@ def test_onednn_engine_matches_its_reference_and_torchs_gemm(tiny_engine, onednn
 
 
 @needs_onednn
+def test_bfloat16_packed_for_onednn_gives_torchs_own_bf16_answers(tiny_settings, corpus):
+    """Where the CPU has native bf16, `auto` packs the bf16 weights: the kernel torch already runs,
+    the same probabilities; TICKETQ_MATMUL=torch leaves them plain."""
+    from worker.engine.kernels import cpu_has_native_bf16
+
+    if not cpu_has_native_bf16():
+        pytest.skip("this CPU has no native bf16: torch's bf16 GEMM is not oneDNN's here, nothing is packed")
+    packed = Engine.from_settings(tiny_settings.model_copy(update={"dtype": "bfloat16", "matmul": "auto"}))
+    plain = Engine.from_settings(tiny_settings.model_copy(update={"dtype": "bfloat16", "matmul": "torch"}))
+    assert packed.info.matmul == "onednn" and plain.info.matmul == "torch"
+    assert all(isinstance(layer.mlp.up_proj, PackedLinear) for layer in packed.decoder.layers)
+    assert not any(isinstance(layer.mlp.up_proj, PackedLinear) for layer in plain.decoder.layers)
+    texts = corpus[:40]
+    got, _ = packed.classify(texts)
+    want, _ = plain.classify(texts)
+    assert [p.label for p in got] == [p.label for p in want]
+    assert max(abs(g.probs[k] - w.probs[k]) for g, w in zip(got, want, strict=True) for k in w.probs) < 1e-6
+
+
+@needs_onednn
 def test_int8_on_a_onednn_model_quantises_the_packed_linears(tiny_settings):
     from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
 
@@ -607,6 +627,7 @@ def test_matmul_is_chosen_by_measurement_and_refused_where_it_cannot_apply(monke
     from worker.engine import kernels as engine_module
 
     cpu = torch.device("cpu")
+    monkeypatch.setattr(engine_module, "cpu_has_native_bf16", lambda: False)
     with pytest.raises(ValueError, match="TICKETQ_MATMUL=onednn"):
         engine_module.resolve_matmul("onednn", cpu, torch.bfloat16)
     with pytest.raises(ValueError, match="TICKETQ_MATMUL=onednn"):
@@ -614,6 +635,12 @@ def test_matmul_is_chosen_by_measurement_and_refused_where_it_cannot_apply(monke
     monkeypatch.setattr(engine_module.PackedLinear, "available", staticmethod(lambda: True))
     monkeypatch.setattr(engine_module, "onednn_linear_speedup", lambda: pytest.fail("no probe off float32/CPU"))
     assert engine_module.resolve_matmul("auto", cpu, torch.bfloat16) == "torch"
+    # bfloat16 with native bf16: torch's GEMM is oneDNN's already; packing is the same kernel, not measured
+    monkeypatch.setattr(engine_module, "cpu_has_native_bf16", lambda: True)
+    assert engine_module.resolve_matmul("auto", cpu, torch.bfloat16) == "onednn"
+    assert engine_module.resolve_matmul("onednn", cpu, torch.bfloat16) == "onednn"
+    assert engine_module.resolve_matmul("torch", cpu, torch.bfloat16) == "torch"
+    monkeypatch.setattr(engine_module, "cpu_has_native_bf16", lambda: False)
     assert engine_module.resolve_matmul("auto", torch.device("cuda"), torch.float32) == "torch"
     assert engine_module.resolve_matmul("torch", cpu, torch.float32) == "torch"
     for speedup, expected in ((2.3, "onednn"), (1.1, "torch"), (0.6, "torch")):

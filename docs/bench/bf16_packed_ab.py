@@ -9,8 +9,8 @@ round runs every batch once on A and once on B, the order alternating between ro
 so a burst of load on a shared machine hits both alike. Prints per batch the median forward time of
 each, the median of the per-round B/A speedups with their range, and how far B's answers are from
 A's (max |dp| over the batch's label probabilities), and whether the decoder's outputs are equal.
-The engine prepacks bf16 linears itself where the CPU has native bf16 (`pack_bf16_linears`): A
-unpacks them again, so A is the engine without it.
+The engine prepacks bf16 linears itself where the CPU has native bf16 (TICKETQ_MATMUL=auto or onednn:
+`kernels.pack_linears(decoder, torch.bfloat16)`): A unpacks them again, so A is the engine without it.
 """
 
 from __future__ import annotations

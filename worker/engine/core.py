@@ -14,10 +14,11 @@ code lives here too: `full_prompt_batch` (`reference` a padded batch at a time) 
 layers (all but the MLP's down projection) run torch's dynamic int8 kernels; the model, the
 prefix cache and `reference` stay float32, so every int8 answer is still judged against float32.
 
-`TICKETQ_MATMUL` (float32 on a CPU) chooses who multiplies the decoder's weights: torch's default
-GEMM (MKL), or oneDNN on weights prepacked once (`PackedLinear`). Both are IEEE float32 (only the
-summation order differs); where oneDNN measures faster at start-up it serves every path, the
-reference included.
+`TICKETQ_MATMUL` (on a CPU) chooses who multiplies the decoder's weights: torch's default GEMM
+(MKL for float32), or oneDNN on weights prepacked once (`PackedLinear`). In float32 both are IEEE
+float32 (only the summation order differs); where oneDNN measures faster at start-up it serves
+every path, the reference included. In bfloat16 (a CPU with native bf16) torch's GEMM is oneDNN's
+already, re-laying out the plain weight in every call: packed once, the same bits, faster.
 
 `fields(schema)` answers several closed questions per ticket in one pass over its tokens
 (`worker.engine.fields`); the engine's own `schema` is the single field `classify` answers.
@@ -43,11 +44,7 @@ from ticketq.schema import Schema, default_schema
 from worker.engine import batching
 from worker.engine.int8 import INT8, quantize_linears_int8
 from worker.engine.kernels import (
-    PackedLinear,
-    cpu_has_native_bf16,
     pack_linears,
-    release_freed_memory,
-    replace_module,
     resolve_device,
     resolve_dtype,
     resolve_matmul,
@@ -148,12 +145,12 @@ class Engine:
         dtype = torch.float32 if int8 else resolve_dtype(settings.dtype, device, settings.matmul)
         matmul = resolve_matmul(settings.matmul, device, dtype)
         model, tokenizer = load_model(settings.model, device, dtype)
-        if matmul == "onednn":
+        if matmul == "onednn" and dtype == torch.bfloat16:
+            count = pack_linears(model.get_decoder(), torch.bfloat16)
+            log.info("matmul onednn: %d decoder linear layers prepacked for oneDNN (bfloat16, the same GEMMs)", count)
+        elif matmul == "onednn":
             count = pack_linears(model.get_decoder())
             log.info("matmul onednn: %d decoder linear layers prepacked for oneDNN (float32, exact)", count)
-        elif dtype == torch.bfloat16 and device.type == "cpu" and cpu_has_native_bf16() and PackedLinear.available():
-            count = pack_bf16_linears(model.get_decoder())
-            log.info("bfloat16: %d decoder linear layers prepacked for oneDNN (the same bf16 GEMMs)", count)
         standin = Path(settings.model, STANDIN_MARKER).is_file()
         if standin:
             note = json.loads(Path(settings.model, STANDIN_MARKER).read_text())["note"]
@@ -503,27 +500,6 @@ class PlannedRun:
             arrived = more() if more else ()
         assert all(r is not None for r in self.results), "the plan must cover every ticket"
         return self.results, self.reports
-
-
-def pack_bf16_linears(decoder: torch.nn.Module) -> int:
-    """Replace every bfloat16 `nn.Linear` in `decoder` by a `PackedLinear`, in place; how many.
-
-    torch already sends a CPU bf16 GEMM to oneDNN (its brgemm matmul), but with the plain weight,
-    which the kernel copies into its blocked bf16-pair layout inside every call; laid out once, the
-    same kernel gave the same answers (|dp| 0 on the full-size stand-in) 1.06-1.18x faster on
-    batches of up to ~600 tokens and on single tickets, 1.04-1.09x on 1,024-token batches (1 thread,
-    a Zen 4 EPYC: docs/performance.md). Only where the CPU has native bf16: elsewhere torch's bf16
-    GEMM is not oneDNN's.
-    """
-    names = [
-        name
-        for name, module in decoder.named_modules()
-        if type(module) is torch.nn.Linear and module.weight.dtype == torch.bfloat16
-    ]
-    for name in names:
-        replace_module(decoder, name, PackedLinear(decoder.get_submodule(name)))
-        release_freed_memory()
-    return len(names)
 
 
 def padded_ids(rows: Sequence[Sequence[int]], width: int, pad_id: int, device: torch.device) -> torch.Tensor:

@@ -154,13 +154,15 @@ ONEDNN_MIN_SPEEDUP = 1.15
 
 
 class PackedLinear(torch.nn.Module):
-    """An `nn.Linear` whose float32 weight is prepacked for oneDNN's matmul (`mkldnn::_linear_pointwise`).
+    """An `nn.Linear` whose weight is prepacked for oneDNN's matmul (`mkldnn::_linear_pointwise`).
 
     torch's float32 `linear` goes to MKL's GEMM, which on some AMD CPUs runs well below the
     machine's AVX-512 peak (measured on a Zen 5 EPYC: 160-210 GFLOPS against oneDNN's 400-480 on
     the decoder's shapes); oneDNN picks its kernels by CPU features. The same float32 arithmetic,
     summed in another order (|difference| ~1e-6 relative). The packed weight is an opaque oneDNN
-    tensor that replaces the dense one (no second copy); `to_linear` unpacks it.
+    tensor that replaces the dense one (no second copy); `to_linear` unpacks it. A bfloat16 weight
+    packs too: torch's own bf16 `linear` on a CPU already runs this oneDNN kernel, re-laying out the
+    plain weight in every call, so packed it computes the same bits, faster.
     """
 
     def __init__(self, linear: torch.nn.Linear) -> None:
@@ -190,12 +192,13 @@ class PackedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
 
 
-def pack_linears(decoder: torch.nn.Module) -> int:
-    """Replace every float32 `nn.Linear` in `decoder` by a `PackedLinear`, in place; how many."""
+def pack_linears(decoder: torch.nn.Module, dtype: torch.dtype = torch.float32) -> int:
+    """Replace every `nn.Linear` of `dtype` (float32, or bfloat16 on a CPU with native bf16) in
+    `decoder` by a `PackedLinear`, in place; how many."""
     names = [
         name
         for name, module in decoder.named_modules()
-        if type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
+        if type(module) is torch.nn.Linear and module.weight.dtype == dtype
     ]
     for name in names:
         replace_module(decoder, name, PackedLinear(decoder.get_submodule(name)))
@@ -250,12 +253,25 @@ def onednn_gemm_ratio(rows: int = 256, reps: int = 3) -> float:
 
 
 def resolve_matmul(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """Who runs the decoder's float32 linear layers: "torch" or "onednn" (`auto`: measured here)."""
-    applies = device.type == "cpu" and dtype == torch.float32
-    if name == "onednn" and not (applies and PackedLinear.available()):
-        raise ValueError(f"TICKETQ_MATMUL=onednn needs float32 on a CPU with oneDNN, got {dtype} on {device}")
-    if name != "auto" or not applies or not PackedLinear.available():
-        return name if name != "auto" else "torch"
+    """Who runs the decoder's linear layers on a CPU: "torch" or "onednn" (weights prepacked once).
+
+    float32: oneDNN's own GEMM, exact float32 but another summation order; `auto` measures it
+    against torch's. bfloat16 on a CPU with native bf16: torch's GEMM is already oneDNN's, which
+    re-lays out the plain weight in every call; packed once the same kernel gives the same bits,
+    faster (docs/performance.md), so `auto` packs there without measuring.
+    """
+    cpu = device.type == "cpu" and PackedLinear.available()
+    float32 = cpu and dtype == torch.float32
+    bfloat16 = cpu and dtype == torch.bfloat16 and cpu_has_native_bf16()
+    if name == "onednn" and not (float32 or bfloat16):
+        raise ValueError(f"TICKETQ_MATMUL=onednn needs float32, or bfloat16 on a CPU with native bf16, on a CPU "
+                         f"with oneDNN; got {dtype} on {device}")  # fmt: skip
+    if name != "auto":
+        return name
+    if bfloat16:
+        return "onednn"
+    if not float32:
+        return "torch"
     speedup = onednn_linear_speedup()
     choice = "onednn" if speedup >= ONEDNN_MIN_SPEEDUP else "torch"
     log.info("matmul auto: oneDNN's float32 GEMM runs %.2fx torch's on this CPU -> %s", speedup, choice)
