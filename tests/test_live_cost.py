@@ -90,3 +90,18 @@ def test_the_engine_plans_with_what_it_learnt_from_its_own_forwards(tiny_engine)
             sum(TRUE.batch_ms(batch.rows, batch.width) for batch in plan.batches), rel=0.01)
     finally:
         tiny_engine.cost = before  # the fixture is shared
+
+
+def test_a_fit_with_no_fixed_cost_keeps_its_token_cost_with_one_tokens_worth_fixed():
+    """Forwards dominated by their tokens: least squares puts the fixed cost at zero; the planner
+    gets the measured per-token cost and a fixed cost of one token, not the configured defaults."""
+    from worker.engine.autotune import floored, sound
+    from worker.engine.batching import CostModel
+
+    samples = [(rows, width, 4.0 * rows * width) for rows in (1, 2, 4, 8) for width in (16, 32, 64, 128)]
+    fit = CostModel.fit(samples)
+    assert fit.fixed_ms == 0 and not sound(fit)
+    kept = floored(fit)
+    assert sound(kept) and kept.fixed_ms == kept.token_ms and abs(kept.token_ms - 4.0) < 1e-9
+    assert floored(CostModel(0.0, 0.0, 0.0)) == CostModel(0.0, 0.0, 0.0)  # nothing measured: still unsound
+    assert floored(CostModel(21.6, 4.14, 0.0)) == CostModel(21.6, 4.14, 0.0)
