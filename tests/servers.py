@@ -93,8 +93,20 @@ class SentinelSet:
         self.replica.start()
         for sentinel in self.sentinels:
             sentinel.start()
-        wait_for(self._in_sync, timeout, "the replica in sync and each sentinel knowing its peers", interval=0.1)
+        try:
+            wait_for(self._in_sync, timeout, "the replica in sync and each sentinel knowing its peers", interval=0.1)
+        except TimeoutError as exc:  # say which part never came, for whoever meets this
+            raise TimeoutError(f"{exc}: {self._sync_state()}") from None
         return self
+
+    def _sync_state(self) -> str:
+        try:
+            link = self.replica.client().info("replication").get("master_link_status")
+            seen = [(sentinel.port, int(m["num-other-sentinels"]), int(m["num-slaves"]), m.get("flags"))
+                    for sentinel in self.sentinels for m in [sentinel.master()]]  # fmt: skip
+        except (redis.RedisError, KeyError, ValueError) as error:
+            return f"state unreadable ({error!r})"
+        return f"replica link {link}; per sentinel (port, other sentinels, replicas, flags): {seen}"
 
     def _in_sync(self) -> bool:
         link = self.replica.client().info("replication")

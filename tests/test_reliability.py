@@ -911,7 +911,11 @@ def test_pickle_and_yaml_payloads_are_refused_not_executed(redis_server, workers
     assert {d["task_id"]: d["reason"] for d in letters} == {ids["pickle"]: "invalid_task", ids["yaml"]: "invalid_task"}
     assert all("ContentDisallowed" in d["error"] for d in letters)
     assert not marker.exists(), "the payload was deserialised"
-    states = backend_states(client, list(ids.values()))
+    def answered() -> dict | None:  # the FAILURE is written just after the dead letter: wait, do not race it
+        found = backend_states(client, list(ids.values()))
+        return found if all(found.values()) else None
+
+    states = wait_for(answered, 30, "both refusals answered in the backend")
     assert {meta["status"] for meta in states.values()} == {"FAILURE"}, "a refused message is answered"
     assert all(meta["result"]["exc_type"] == "TicketRejected" and "invalid_task" in meta["result"]["exc_message"][0]
                for meta in states.values())  # fmt: skip

@@ -199,11 +199,11 @@ def test_a_failed_publish_leaves_no_message_unanswered_or_acked_early(client, ap
     service = _service(classifier, client)
     publish, calls = service.outbox.publish, []
 
-    def failing_publish(slots, finished):
+    def failing_publish(slots, finished, review=()):
         calls.append(len(slots))
         if len(calls) == 2:
             raise redis.ResponseError("scripted: the publish script failed")
-        return publish(slots, finished)
+        return publish(slots, finished, review)
 
     service.outbox.publish = failing_publish
     feed = RecordingFeed()
