@@ -12,7 +12,6 @@ answer on its own schema's reference.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import uuid
@@ -21,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from servers import require_redis_server
 from workers import ROOT, RedisServer, running_worker, wait_for, worker_env
 
 from producer.api import Producer
@@ -46,8 +46,7 @@ threshold = 1.0
 
 @pytest.fixture(scope="module")
 def triage(tiny_model_dir, tmp_path_factory) -> Iterator[dict]:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed")
+    require_redis_server()  # under CI a missing redis-server fails the test instead of skipping it
     workdir = tmp_path_factory.mktemp("triage")
     (workdir / "review-all.toml").write_text(REVIEW_ALL)
     schemas = f"{EXAMPLES / 'schema.toml'},{EXAMPLES / 'schema-topics.toml'},{workdir / 'review-all.toml'}"

@@ -446,30 +446,27 @@ class TicketService:
     # ----- results -------------------------------------------------------------------------
 
     def _success(self, slot: Slot, prediction: Prediction, now: float) -> dict:
-        ticket, started = slot.ticket, slot.joined
-        return {
-            "id": _result_id(slot, ticket.id),
-            "task_id": slot.request.id,
-            "status": "ok",
+        """A ticket answered with the classifier's own field (`contract.Classified`)."""
+        return self._answered(slot, now, {
             "label": prediction.label,
             "probs": prediction.probs,
             "margin": prediction.margin,
             "truncated": prediction.truncated,
             "truncation": self.settings.truncation if prediction.truncated else None,
-            **self.model_fields,
-            "worker": self.worker_name,
-            "queue_wait_s": round(started - ticket.submitted_at, 6) if ticket.submitted_at else None,
-            "processing_s": round(now - started, 6),
-        }
+        })  # fmt: skip
 
     def _triaged(self, slot: Slot, answer: TicketFields, now: float) -> dict:
         """A ticket answered with a schema: every field's answer (`contract.Triaged`)."""
+        return self._answered(slot, now, answer.to_json())
+
+    def _answered(self, slot: Slot, now: float, answer: dict) -> dict:
+        """An `ok` result: who and when around `answer`, in the contract's key order."""
         ticket, started = slot.ticket, slot.joined
         return {
             "id": _result_id(slot, ticket.id),
             "task_id": slot.request.id,
             "status": "ok",
-            **answer.to_json(),
+            **answer,
             **self.model_fields,
             "worker": self.worker_name,
             "queue_wait_s": round(started - ticket.submitted_at, 6) if ticket.submitted_at else None,

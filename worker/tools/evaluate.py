@@ -38,6 +38,15 @@ THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 INVALID_EXPECTED = "invalid_expected"  # the reason of a row whose `expected` cannot be scored
 
 
+def label_scores(hit: int, chosen: int, support: int) -> dict[str, float]:
+    """Precision, recall, F1 (0 where undefined) and support of one label: `hit` rows right of the
+    `chosen` rows answered with it and the `support` rows expecting it."""
+    precision = hit / chosen if chosen else 0.0
+    recall = hit / support if support else 0.0
+    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    return {"precision": precision, "recall": recall, "f1": f1, "support": support}
+
+
 @dataclass
 class Scores:
     """Counts over scored rows: (expected, predicted, margin) each. Pure: no model, no files."""
@@ -70,10 +79,7 @@ class Scores:
             hit = self.confusion[label, label]
             predicted = sum(self.confusion[other, label] for other in self.labels)
             support = sum(self.confusion[label, other] for other in self.labels)
-            precision = hit / predicted if predicted else 0.0
-            recall = hit / support if support else 0.0
-            f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
-            table[label] = {"precision": precision, "recall": recall, "f1": f1, "support": support}
+            table[label] = label_scores(hit, predicted, support)
         return table
 
     def coverage(self, thresholds: Sequence[float] = THRESHOLDS) -> list[dict[str, float]]:
@@ -189,11 +195,7 @@ class SetScores:
         """Precision, recall, F1 and support (rows expecting it) of each label (0 where undefined)."""
         table = {}
         for label in self.labels:
-            hit, chosen, support = self.hits[label], self.predicted[label], self.expected[label]
-            precision = hit / chosen if chosen else 0.0
-            recall = hit / support if support else 0.0
-            f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
-            table[label] = {"precision": precision, "recall": recall, "f1": f1, "support": support}
+            table[label] = label_scores(self.hits[label], self.predicted[label], self.expected[label])
         return table
 
     def coverage(self, thresholds: Sequence[float] = THRESHOLDS) -> list[dict[str, float]]:
