@@ -61,8 +61,12 @@ class CostModel:
         return self.fixed_ms + self.token_ms * computed + self.quad_ms * computed * width
 
     @classmethod
-    def fit(cls, samples: Sequence[tuple[int, int, float]]) -> CostModel:
+    def fit(cls, samples: Sequence[tuple[int, int, float]], relative: bool = False) -> CostModel:
         """Non-negative least squares fit from `(rows, width, measured_ms)` samples.
+
+        `relative` minimises the errors as shares of each measurement instead of in milliseconds,
+        so a 40 ms forward counts as much as a 2 s one: the shapes a planner weighs against each
+        other (one batch or two) are the small ones, which absolute errors let the largest drown.
 
         Three unknowns, so exact NNLS is cheap: the constrained optimum is the unconstrained
         least-squares fit on its own support, so we fit every subset of terms and keep the best
@@ -71,6 +75,10 @@ class CostModel:
         magnitude and float normal equations would lose the small coefficients.
         """
         features, targets = _fit_inputs(samples)
+        if relative:  # each equation scaled by 1 / its measurement (a zero one keeps weight 1)
+            weights = [1 / y if y else Fraction(1) for y in targets]
+            features = [tuple(x * w for x in f) for f, w in zip(features, weights, strict=True)]
+            targets = [y * w for y, w in zip(targets, weights, strict=True)]
         if _solve_normal(features, targets, _FIT_TERMS[0]) is None:
             raise ValueError(
                 "CostModel.fit: samples are degenerate, the three coefficients are not determined; "
