@@ -38,8 +38,8 @@ class SettingsError(ValueError):
 # tests/test_config.py checks that this is exactly what the worker adds.
 WORKER_SETTINGS = frozenset({
     "allow_eviction", "autotune", "autotune_s", "batch_window", "cost_fixed_ms", "cost_quad_ms", "cost_token_ms",
-    "device", "dtype", "fetch", "lease_s", "live_cost", "matmul", "max_batch_size", "max_batch_tokens", "max_retries",
-    "max_ticket_tokens", "max_wait_ms", "metrics_host", "metrics_port", "model", "null_classifier",
+    "device", "dtype", "fetch", "fuse", "lease_s", "live_cost", "matmul", "max_batch_size", "max_batch_tokens",
+    "max_retries", "max_ticket_tokens", "max_wait_ms", "metrics_host", "metrics_port", "model", "null_classifier",
     "prefetch_multiplier", "schema_cache", "schemas", "shadow_rate", "system_prompt", "threads", "truncation",
     "worst_batch_s",
 })  # fmt: skip

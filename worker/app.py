@@ -130,7 +130,8 @@ def build_classifier(settings: Settings) -> Classifier:
     info = engine.info
     log.info(
         "model %s ready on %s/%s%s in %.1fs (prefix %d tokens cached)%s",
-        info.name, info.device, info.dtype, " (oneDNN GEMMs)" if info.matmul == "onednn" else "",
+        info.name, info.device, info.dtype,
+        (" (oneDNN GEMMs, fused layers)" if info.fused else " (oneDNN GEMMs)") if info.matmul == "onednn" else "",
         time.perf_counter() - started, engine.prefix_len,
         " — STAND-IN: labels are meaningless" if info.standin else "",
     )  # fmt: skip

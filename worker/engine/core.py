@@ -42,6 +42,7 @@ import torch
 
 from ticketq.schema import Schema, default_schema
 from worker.engine import batching
+from worker.engine.fused import FusedDecoder
 from worker.engine.int8 import INT8, quantize_linears_int8
 from worker.engine.kernels import (
     pack_linears,
@@ -74,6 +75,7 @@ class ModelInfo:
     device: str
     dtype: str
     matmul: str = "torch"  # who runs the decoder's float32 linear layers: "torch" (its GEMM) or "onednn"
+    fused: bool = False  # batches run through `FusedDecoder` (oneDNN post-ops, float32 attention)
 
 
 class Engine:
@@ -94,6 +96,7 @@ class Engine:
         int8: bool = False,
         truncation: str = "head",
         schema: Schema | None = None,
+        fuse: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -117,6 +120,10 @@ class Engine:
         self.int8 = int8
         self.float_decoder = model.get_decoder()  # the prefix cache is computed once, exactly, in float32
         self.decoder = quantize_linears_int8(self.float_decoder) if int8 else self.float_decoder
+        # the batches' forward with the elementwise work inside oneDNN's GEMMs, where the weights
+        # are prepacked; None runs transformers' decoder (the reference path always does)
+        self._fused = FusedDecoder.build(self.decoder) if fuse else None
+        self.info = replace(self.info, fused=self._fused is not None)
         self.label_head = model.get_output_embeddings()  # (V, H) weight; only label rows are used
         self._cache_kwarg = (
             "cache" if "cache" in inspect.signature(self.decoder.forward).parameters else "past_key_values"
@@ -174,6 +181,7 @@ class Engine:
             info=info,
             int8=int8,
             schema=default_schema(labels, settings.system_prompt, settings.label_descriptions),
+            fuse=settings.fuse,
         )
 
     def with_int8(self) -> Engine:
@@ -191,6 +199,7 @@ class Engine:
             int8=True,
             truncation=self.prompt.truncation,
             schema=self.schema,
+            fuse=self._fused is not None,
         )
 
     def fields(self, schema: Schema | None = None):
@@ -281,8 +290,7 @@ class Engine:
         cache = self._batch_cache(len(rows))
         mask = self._mask(lengths, width, extra=0)  # (B, 1, W, P+W)
         positions = self.prefix_len + torch.arange(width, device=self.device).expand(len(rows), -1)  # (B, W)
-        hidden = self._decode(ids, mask, positions, cache)  # (B, W, H)
-        last = hidden[torch.arange(len(rows), device=self.device), lengths - 1]  # (B, H)
+        last = self._decode(ids, mask, positions, cache, keep=(lengths - 1)[:, None])[:, 0]  # (B, H)
         scores = {}
         for path in self.prompt.trie.branches:  # the root is one only where the labels' first tokens differ
             after = self._continuation(path, lengths, width, cache) if path else last  # (B, H)
@@ -298,7 +306,8 @@ class Engine:
         ids = torch.tensor(path, device=self.device).expand(rows, -1)  # (B, k)
         mask = self._mask(lengths, width, extra=len(path))  # (B, 1, k, P+W+k)
         positions = self.prefix_len + lengths[:, None] + torch.arange(len(path), device=self.device)  # (B, k)
-        return self._decode(ids, mask, positions, cache)[:, -1]  # (B, k, H) -> (B, H)
+        keep = torch.full((rows, 1), len(path) - 1, device=self.device)  # the continuation's last token
+        return self._decode(ids, mask, positions, cache, keep)[:, 0]  # (B, H)
 
     def _branch_scores(self, path: tuple[int, ...], hidden: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax((hidden @ self._branch_rows[path].T).float(), dim=-1)  # (B, C)
@@ -323,7 +332,10 @@ class Engine:
         mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
         return mask[:, None]  # (B, 1, Q, KV)
 
-    def _decode(self, ids, mask, positions, cache) -> torch.Tensor:
+    def _decode(self, ids, mask, positions, cache, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states (B, W, H) of `ids` (B, W) after `cache`, or (B, K, H) at positions `keep` (B, K)."""
+        if self._fused is not None:
+            return self._fused(ids, mask, positions, cache, keep)
         out = self.decoder(
             input_ids=ids,
             attention_mask=mask,
@@ -331,7 +343,8 @@ class Engine:
             use_cache=True,
             **{self._cache_kwarg: cache},
         )
-        return out.last_hidden_state
+        hidden = out.last_hidden_state
+        return hidden if keep is None else hidden.gather(1, keep[:, :, None].expand(-1, -1, hidden.shape[-1]))
 
     def _prediction(self, row: int, encoded: EncodedTicket, scores: dict) -> Prediction:
         logprobs = {

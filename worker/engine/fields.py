@@ -151,11 +151,11 @@ class FieldsEngine:
         offset = torch.where(inside, starts[segment.clamp(min=0)], 0)  # (B, W)
         positions = P + torch.arange(width, device=device)[None, :] - offset  # (B, W)
         mask = _packed_mask(P, segment, self.dtype)  # (B, 1, W, P+W)
-        hidden = self._decode(ids, mask, positions, cache)  # (B, W, H)
-        picked = torch.arange(rows, device=device)
+        ends = torch.tensor(self._ends, device=device)  # (S,) each segment's end inside the packed block
+        hidden = self._decode(ids, mask, positions, cache, keep=shared[:, None] + ends - 1)  # (B, S, H)
         scores = {  # branch -> per row, the log-probs over its children at its segment's last token
-            branch: self._branch_scores(branch, hidden[picked, shared + end - 1]).tolist()  # (B, C)
-            for branch, end in zip(self._segments, self._ends, strict=True)
+            branch: self._branch_scores(branch, hidden[:, index]).tolist()  # (B, C)
+            for index, branch in enumerate(self._segments)
         }
         return [self._answer(i, e, scores) for i, e in enumerate(tickets)]
 
@@ -163,8 +163,8 @@ class FieldsEngine:
         return torch.log_softmax((hidden @ self._rows[branch].T).float(), dim=-1)  # (B, C)
 
 
-    def _decode(self, ids, mask, positions, cache) -> torch.Tensor:
-        return self.engine._decode(ids, mask, positions, cache)
+    def _decode(self, ids, mask, positions, cache, keep: torch.Tensor | None = None) -> torch.Tensor:
+        return self.engine._decode(ids, mask, positions, cache, keep)
 
     def _answer(self, row: int, encoded: EncodedTicket, scores: dict[Branch, list[list[float]]]) -> TicketFields:
         return self._assemble(encoded, lambda branch, child: scores[branch][row][child])

@@ -175,8 +175,13 @@ class PackedLinear(torch.nn.Module):
     def available() -> bool:
         return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+    def forward(self, x: torch.Tensor, post: str = "none") -> torch.Tensor:  # (..., in) -> (..., out)
+        """`post` is an elementwise op oneDNN applies to the result inside the GEMM ("swish": SiLU)."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, post, [], "")
+
+    def then(self, x: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
+        """`self(x) <op> other` in one oneDNN call, `op` "add" or "mul"; `other` has the output's shape."""
+        return torch.ops.mkldnn._linear_pointwise(x, other.contiguous(), self.packed, self.bias, op)
 
     def to_linear(self) -> torch.nn.Linear:
         linear = torch.nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)

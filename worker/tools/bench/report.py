@@ -193,6 +193,7 @@ def make_header(bench: Bench, tickets: list[dict], rows: list[dict], finished: b
         "standin": engine.info.standin,
         "dtype": engine.info.dtype,
         "matmul": engine.info.matmul,
+        "fused": engine.info.fused,
         "device": engine.info.device,
         "tickets": len(tickets),
         "ticket_source": _ticket_source(options),
@@ -312,7 +313,9 @@ def _cpu_flags() -> list[str]:
 def _precision(header: dict) -> str:
     """"float32", or "float32 (oneDNN)" where the decoder's float32 GEMMs ran through oneDNN."""
     onednn = header.get("matmul") == "onednn"  # absent in reports written before TICKETQ_MATMUL
-    return f"{header['dtype']} (oneDNN)" if onednn else header["dtype"]
+    if not onednn:
+        return header["dtype"]
+    return f"{header['dtype']} (oneDNN, fused layers)" if header.get("fused") else f"{header['dtype']} (oneDNN)"
 
 
 def schema_lines(rows: list[dict]) -> list[str]:
