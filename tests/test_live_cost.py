@@ -51,6 +51,31 @@ def test_a_hundred_served_forwards_with_bursts_fit_within_15_percent():
     assert load_cached(fake_engine()) == engine.cost  # the next start on this machine begins from it
 
 
+def test_half_the_forwards_slowed_by_a_bursty_neighbour_and_every_shape_unique_still_fit_within_15_percent():
+    """What a worker beside a bursty neighbour sees: the planner's widths make nearly every shape
+    new (no fastest-of-several to fall back on), and half the forwards run 1.3-2x slow, under the
+    old rule's 50% outlier bar. The fit is trimmed from above and finds the machine's own speed."""
+    rng, engine = random.Random(11), fake_engine()
+    learner = LiveCostModel(engine)
+    for _ in range(100):
+        rows, width = rng.choice((1, 2, 3, 4, 6, 8, 12, 16)), rng.randint(12, 300)
+        ms = TRUE.batch_ms(rows, width) * rng.uniform(0.97, 1.03)
+        learner.observe(rows, width, ms * (rng.uniform(1.3, 2.0) if rng.random() < 0.5 else 1) / 1000)
+    assert learner.fits == 2
+    assert worst_error(engine.cost) < 0.15, (engine.cost, worst_error(engine.cost))
+
+
+def test_a_machine_slowed_evenly_is_followed_not_trimmed():
+    """A constant neighbour slows every forward alike: nothing is an outlier, the fit is the slower machine."""
+    rng, engine = random.Random(12), fake_engine()
+    learner = LiveCostModel(engine)
+    for _ in range(100):
+        rows, width = rng.choice((1, 2, 4, 8, 16)), rng.randint(12, 300)
+        learner.observe(rows, width, 1.8 * TRUE.batch_ms(rows, width) * rng.uniform(0.97, 1.03) / 1000)
+    slower = CostModel(1.8 * TRUE.fixed_ms, 1.8 * TRUE.token_ms, 1.8 * TRUE.quad_ms)
+    assert max(abs(engine.cost.batch_ms(r, w) - slower.batch_ms(r, w)) / slower.batch_ms(r, w) for r, w in GRID) < 0.1
+
+
 def test_a_fit_without_enough_shapes_is_not_kept():
     engine = fake_engine()
     learner = LiveCostModel(engine, refit_every=10)

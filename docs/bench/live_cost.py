@@ -1,9 +1,11 @@
 """How close the cost model learnt while serving comes to a start-up fit, on a loaded machine.
 
-    .venv/bin/python docs/bench/live_cost.py [--model DIR] [--forwards 100] [--burners 1] [--threads 2]
+    .venv/bin/python docs/bench/live_cost.py [--model DIR] [--forwards 100] [--burners 1] [--duty 1.0]
+        [--period 2] [--threads 2]
 
 1. A start-up fit (`autotune`, the grid of shapes, best of two) with nothing else running.
-2. `--burners` processes that spin on the CPU (a loaded machine), then synthetic long-tail
+2. `--burners` processes that spin on the CPU (a loaded machine: all the time, or `--duty` of
+   every `--period` seconds, a neighbour's bursts), then synthetic long-tail
    tickets classified in jobs of varied sizes, as a worker's buffers come, every forward fed to
    `LiveCostModel` (refitting every 50) until `--forwards` forwards have run.
 3. Both models' predictions over the autotune grid: the median and the largest difference, the
@@ -28,9 +30,15 @@ from worker.engine.autotune import ROWS, WIDTHS, LiveCostModel, autotune
 from worker.settings import Settings
 
 
-def burn(stop: float) -> None:
+def burn(stop: float, duty: float, period: float, seed: int) -> None:
+    """Spin `duty` of every `period` seconds (1.0: all the time), each burner at its own phase."""
+    time.sleep(period * (seed * 0.37 % 1.0))
     while time.time() < stop:
-        sum(i * i for i in range(10_000))
+        busy_until = time.time() + duty * period
+        while time.time() < busy_until:
+            sum(i * i for i in range(10_000))
+        if duty < 1:
+            time.sleep((1 - duty) * period)
 
 
 def cpu_name() -> str:
@@ -45,6 +53,9 @@ def main() -> None:
     parser.add_argument("--model", default="models/qwen2.5-0.5b-standin")
     parser.add_argument("--forwards", type=int, default=100)
     parser.add_argument("--burners", type=int, default=1, help="CPU-spinning processes while serving")
+    parser.add_argument("--duty", type=float, default=1.0,
+                        help="share of each period a burner spins (1.0: a constant neighbour; 0.5: bursts)")
+    parser.add_argument("--period", type=float, default=2.0, help="a burner's on/off period, seconds")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--autotune-s", type=float, default=15.0)
@@ -56,7 +67,8 @@ def main() -> None:
     texts = [ticket["text"] for ticket in generate_tickets(4000, seed=1)]
     learner = LiveCostModel(engine)
     stop = time.time() + 3600
-    burners = [multiprocessing.Process(target=burn, args=(stop,), daemon=True) for _ in range(args.burners)]
+    burners = [multiprocessing.Process(target=burn, args=(stop, args.duty, args.period, n), daemon=True)
+               for n in range(args.burners)]  # fmt: skip
     for process in burners:
         process.start()
     try:
@@ -77,7 +89,8 @@ def main() -> None:
     print(f"machine: {cpu_name()}, {os.cpu_count()} CPUs; model {args.model}, {args.dtype}, {args.threads} threads")
     print(f"start-up fit (load {load_quiet:.2f}): {quiet.fixed_ms:.2f} ms + {quiet.token_ms:.4f} ms x tokens "
           f"+ {quiet.quad_ms:.2e} ms x rows x width^2")
-    print(f"live fit after {learner.seen} forwards, {learner.fits} kept, {args.burners} burner(s), load "
+    print(f"live fit after {learner.seen} forwards, {learner.fits} kept, {args.burners} burner(s) at "
+          f"{args.duty:.0%} of every {args.period:g} s, load "
           f"{load_served:.2f}: {live.fixed_ms:.2f} ms + {live.token_ms:.4f} ms x tokens + {live.quad_ms:.2e}")
     print(f"predicted forward times over {len(grid)} shapes: live vs start-up, median difference "
           f"{statistics.median(diffs):.1%}, largest {max(diffs):.1%}")

@@ -11,8 +11,9 @@ At start-up (`autotune`, TICKETQ_AUTOTUNE): a few seconds of timed forward passe
 
 While serving (`LiveCostModel`, TICKETQ_LIVE_COST): the worker times every forward anyway; every
 REFIT_EVERY forwards the model is refitted from the recent ones (the fastest time of each shape,
-then, one at a time, the shape the fit misses most dropped while it misses it by more than half:
-a neighbour's burst moves one shape, not the fit). A fit is kept only where it is sound (positive fixed and
+then, one at a time, the shape measured furthest above the fit dropped while one is more than
+15% above it: a neighbour's bursts only slow forwards down, so what is left is the machine's own
+speed). A fit is kept only where it is sound (positive fixed and
 per-token cost, enough shapes); each kept fit is cached per machine, model, device, dtype, GEMM and
 threads (`~/.cache/ticketq/cost`, or $XDG_CACHE_HOME), and the next start on the same machine
 begins from it instead of the configured defaults.
@@ -203,7 +204,7 @@ def _cpu_name() -> str:
 REFIT_EVERY = 50  # forwards between two refits
 WINDOW = 400  # the most recent forwards a refit looks at
 MIN_SHAPES = 5  # distinct (rows, width) shapes a refit needs (at least 2 widths and 2 row counts)
-OUTLIER = 0.5  # a shape whose median the first fit misses by more than this share is left out
+SLOWER = 0.15  # a shape measured this share above the fit is taken for a burst and left out
 
 
 class LiveCostModel:
@@ -255,18 +256,24 @@ class LiveCostModel:
 
 
 def _robust_fit(shapes: list[tuple[int, int, float]]) -> CostModel | None:
-    """CostModel.fit, again and again without the shape it misses most, until it misses none by
-    more than OUTLIER of its own prediction (a burst triples a forward: 200% over, where a true
-    shape under a skewed fit is off by far less); None when too few shapes are left."""
+    """CostModel.fit (relative errors), again and again without the shape it most underestimates,
+    until none takes more than SLOWER over its prediction; None when too few shapes are left.
+
+    A neighbour's burst only ever slows a forward down, and the planner's widths make most served
+    shapes unique, so a shape's fastest time is usually its only time: the fit is trimmed from
+    above, one slow shape at a time, which leaves the lower envelope, the machine's own speed. A
+    machine slowed evenly (a constant neighbour) is no outlier: every shape moves, nothing is
+    dropped, and the fit follows it.
+    """
     kept = list(shapes)
     while _spans(kept):
         try:
             cost = CostModel.fit(kept, relative=True)
         except ValueError:  # degenerate shapes
             return None
-        misses = [abs(ms - cost.batch_ms(r, w)) / max(cost.batch_ms(r, w), 1e-9) for r, w, ms in kept]
-        worst = max(range(len(kept)), key=misses.__getitem__)
-        if misses[worst] <= OUTLIER:
+        over = [(ms - cost.batch_ms(r, w)) / max(cost.batch_ms(r, w), 1e-9) for r, w, ms in kept]
+        worst = max(range(len(kept)), key=over.__getitem__)
+        if over[worst] <= SLOWER:
             return cost
         del kept[worst]
     return None
