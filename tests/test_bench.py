@@ -111,6 +111,11 @@ def test_outputs_carry_the_required_fields(bench_run):
         assert set(row) >= ROW_KEYS
         assert row["items_per_s"] > 0 and row["peak_rss_mb"] > 0
     assert rows["sequential"]["speedup"] == pytest.approx(1.0)
+    ceiling = rows["ticketq"]["linear_ceiling"]  # timed after each of the 3 rounds, at the mean forward
+    assert ceiling["rows"] >= 1 and len(ceiling["tokens_per_s"]) == len(ceiling["share"]) == 3
+    assert all(rate > 0 for rate in ceiling["tokens_per_s"]) and all(0 < share < 5 for share in ceiling["share"])
+    assert sum("ticketq: tokens/s against the linear-layer ceiling" in note for note in header["notes"]) == 1
+    assert "linear_ceiling" not in rows["sequential"]
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     markdown = (out / "bench.md").read_text().splitlines()
     for mode, row in rows.items():  # one Markdown row per mode, carrying the JSON's figures
