@@ -122,6 +122,7 @@ def test_outputs_carry_the_required_fields(bench_run):
         line = next(line for line in markdown if line.startswith(f"| `{mode}` |"))
         assert f"| {row['items_per_s']:.2f} |" in line and f"| {row['padding_ratio']:.1%} |" in line, line
     assert header["command"] in markdown[-1]
+    assert sum("ticketq: tokens/s against the linear-layer ceiling" in line for line in markdown) == 1
 
 
 def test_compare_separates_near_ties_from_real_disagreements():

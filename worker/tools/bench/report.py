@@ -414,9 +414,17 @@ def markdown_table(header: dict, rows: list[dict]) -> str:
         row = token_rates(row["computed_tokens"], row["tickets"], row["seconds"]) | row  # older JSON lacks them
         lines.append(f"| {mode} | " + " | ".join(_cells(row, markdown=True)) + " |")
     reasons = [f"- `{row['mode']}`: {row['reason']}" for row in rows if row.get("reason")]
-    words = [f"- {line}" for line in schema_lines(rows)]
+    words = [f"- {line}" for line in schema_lines(rows)] + [f"- {line}" for line in ceiling_lines(rows)]
     return "\n".join([*lines, "", *reasons, *words, *([""] if reasons or words else []), _run_line(header), "",
                       f"`{header['command']}`", ""])  # fmt: skip
+
+
+def ceiling_lines(rows: list[dict]) -> list[str]:
+    """A line per mode timed against its linear-layer ceiling (`worker.tools.bench.ceiling`)."""
+    from worker.tools.bench.ceiling import ceiling_note
+
+    return [ceiling_note(row["mode"], row["linear_ceiling"]["rows"], row["linear_ceiling"]["share"])
+            for row in rows if (row.get("linear_ceiling") or {}).get("share")]  # fmt: skip
 
 
 def _round_loads(header: dict) -> str:
