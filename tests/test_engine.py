@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from texts import long_text
 
 from producer.synthetic import awkward_texts, generate_tickets
 from worker.engine import Engine, ModelNotFound, batching
@@ -52,22 +53,11 @@ N_SYNTHETIC = 220
 LONG = ((450, 21), (505, 22), (540, 23), (900, 24))  # (min tokens, seed) of constructed long tickets
 
 
-def long_text(min_tokens: int, engine: Engine, seed: int) -> str:
-    """Synthetic tickets joined with blank lines until the text has at least `min_tokens` tokens."""
-    parts, count = [], 0
-    for ticket in generate_tickets(200, seed=seed):
-        parts.append(ticket["text"])
-        count = len(engine.tokenizer("\n\n".join(parts), add_special_tokens=False)["input_ids"])
-        if count >= min_tokens:
-            return "\n\n".join(parts)
-    raise AssertionError(f"could not reach {min_tokens} tokens")
-
-
 @pytest.fixture(scope="module")
 def corpus(tiny_engine) -> list[str]:
     """>= 200 varied tickets: synthetic long tail, constructed 450-900 token ones, awkward and injection text."""
     texts = [t["text"] for t in generate_tickets(N_SYNTHETIC, seed=11)]
-    texts += [long_text(n, tiny_engine, seed) for n, seed in LONG]
+    texts += [long_text(tiny_engine, n, seed) for n, seed in LONG]
     texts += awkward_texts() + INJECTIONS + VARIED
     return texts
 
@@ -275,7 +265,7 @@ def test_colliding_labels_match_reference(colliding_engine, collision_tickets):
 def test_long_ticket_is_truncated_and_flagged(tiny_engine):
     engine = tiny_engine
     limit = engine.prompt.max_ticket_tokens
-    exact, over, natural = "7" * limit, "7" * (limit + 1), long_text(limit + 200, engine, seed=31)
+    exact, over, natural = "7" * limit, "7" * (limit + 1), long_text(engine, limit + 200, seed=31)
     predictions, _ = engine.classify([exact, over, natural, "short ticket"])
     references = [engine.reference(t) for t in (exact, over, natural, "short ticket")]
     assert_matches_reference(predictions, references)
@@ -596,8 +586,13 @@ def test_bfloat16_packed_for_onednn_gives_torchs_own_bf16_answers(tiny_settings,
     the same probabilities; TICKETQ_MATMUL=torch leaves them plain."""
     from worker.engine.kernels import cpu_has_native_bf16
 
-    if not cpu_has_native_bf16():
-        pytest.skip("this CPU has no native bf16: torch's bf16 GEMM is not oneDNN's here, nothing is packed")
+    if not cpu_has_native_bf16():  # torch's bf16 GEMM is not oneDNN's here: auto packs nothing, onednn is refused
+        plain = Engine.from_settings(tiny_settings.model_copy(update={"dtype": "bfloat16", "matmul": "auto"}))
+        assert plain.info.matmul == "torch" and not plain.info.fused
+        assert not any(isinstance(layer.mlp.up_proj, PackedLinear) for layer in plain.decoder.layers)
+        with pytest.raises(ValueError, match="native bf16"):
+            Engine.from_settings(tiny_settings.model_copy(update={"dtype": "bfloat16", "matmul": "onednn"}))
+        return
     # transformers' layers on both sides (the fused loop has its own test, tests/test_fused.py)
     packed = Engine.from_settings(tiny_settings.model_copy(update={"dtype": "bfloat16", "matmul": "auto",
                                                                    "fuse": False}))  # fmt: skip

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from texts import long_text
 
 from producer.synthetic import awkward_texts, generate_tickets
 from ticketq.schema import DEFAULT_FIELD, TicketFields, default_schema, load_schema, parse_schema
@@ -39,15 +40,6 @@ SCHEMA = {
         },
     },
 }
-
-
-def long_text(engine: Engine, min_tokens: int, seed: int) -> str:
-    parts = []
-    for ticket in generate_tickets(200, seed=seed):
-        parts.append(ticket["text"])
-        if len(engine.tokenizer("\n\n".join(parts), add_special_tokens=False)["input_ids"]) >= min_tokens:
-            return "\n\n".join(parts)
-    raise AssertionError(f"could not reach {min_tokens} tokens")
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from texts import long_text
 
 from producer.synthetic import awkward_texts, generate_tickets
 from ticketq.schema import parse_schema
@@ -26,15 +27,6 @@ PROB_TOL = 1e-4  # batched vs reference, float32 (as tests/test_engine.py)
 PATH_TOL = 1e-5  # fused vs transformers' layers, the same batches
 
 NESTED = ("account", "account security", "account security review", "technical")  # two trie levels
-
-
-def long_text(engine: Engine, min_tokens: int, seed: int) -> str:
-    parts = []
-    for ticket in generate_tickets(200, seed=seed):
-        parts.append(ticket["text"])
-        if len(engine.tokenizer("\n\n".join(parts), add_special_tokens=False)["input_ids"]) >= min_tokens:
-            return "\n\n".join(parts)
-    raise AssertionError(f"could not reach {min_tokens} tokens")
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +70,10 @@ def test_bfloat16_batches_run_fused_without_post_ops_and_agree(tiny_settings, ti
     labels as transformers' bf16 layers give them off near-ties, probabilities within bf16 noise."""
     from worker.engine.kernels import cpu_has_native_bf16
 
-    if not cpu_has_native_bf16():
-        pytest.skip("this CPU has no native bf16: bf16 weights are not packed, nothing is fused")
+    if not cpu_has_native_bf16():  # bf16 weights stay plain here (tests/test_engine.py): nothing to fuse
+        plain = Engine.from_settings(tiny_settings.model_copy(update={"dtype": "bfloat16", "matmul": "auto"}))
+        assert not plain.info.fused and FusedDecoder.build(plain.decoder) is None
+        return
     bf16 = Engine.from_settings(tiny_settings.model_copy(update={"dtype": "bfloat16", "matmul": "onednn"}))
     plain = Engine.from_settings(tiny_settings.model_copy(update={"dtype": "bfloat16", "matmul": "onednn",
                                                                   "fuse": False}))  # fmt: skip

@@ -8,7 +8,7 @@ layer's MLP takes 68-81 ms where its three GEMMs alone take 58-60. oneDNN applie
 the GEMM, on the accumulator before it is stored ("post-ops"), and `kernels.PackedLinear` (the
 weights the engine has already prepacked) exposes them: `gate` with SiLU, `up` times that, `o`
 and `down` plus the residual. The rest of the layer is transformers' own code, called as it is
-(its RMSNorm, its rotary tables) or the same ops (rotary, the cache update); attention is two
+(its RMSNorm, its rotary tables and `apply_rotary_pos_emb`, the cache update); attention is two
 matmuls and a softmax in float32 over the engine's 4D mask (`_attention`: faster than torch's
 SDPA kernel on the CPU for these shapes).
 
@@ -29,6 +29,7 @@ every position, as the cache needs them), which saves 1/num_layers of the linear
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -58,15 +59,11 @@ class _Layer:
     scaling: float
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class FusedDecoder:
     """A Llama/Qwen2-style decoder (its modules, not a copy) run with fused GEMMs; see the module doc."""
 
     def __init__(self, decoder: torch.nn.Module, layers: list[_Layer]) -> None:
+        self.rope = _model_module(decoder).apply_rotary_pos_emb  # the model family's own, op for op
         self.embed = decoder.embed_tokens
         self.rotary = decoder.rotary_emb
         self.norm = decoder.norm
@@ -99,7 +96,7 @@ class FusedDecoder:
         """The final hidden states (B, W, H) of `ids` (B, W) after `cache`'s contents, or (B, K, H)
         at the positions `keep` (B, K). `mask` is the additive (B, 1, W, KV) mask, `positions` (B, W)."""
         hidden = self.embed(ids)  # (B, W, H)
-        cos, sin = (t[:, None] for t in self.rotary(hidden, positions))  # (B, 1, W, D) each
+        cos, sin = self.rotary(hidden, positions)  # (B, W, D) each
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             rows, width, _ = hidden.shape
@@ -107,8 +104,7 @@ class FusedDecoder:
             q = layer.q(x).view(rows, width, layer.heads, layer.head_dim).transpose(1, 2)  # (B, Hq, W, D)
             k = layer.k(x).view(rows, width, layer.kv_heads, layer.head_dim).transpose(1, 2)
             v = layer.v(x).view(rows, width, layer.kv_heads, layer.head_dim).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k = self.rope(q, k, cos, sin)
             k, v = cache.update(k, v, index)  # (B, KVH, KV, D): the prefix's, then this batch's
             if index == last and keep is not None:  # only the asked-for positions go on
                 at = keep[:, None, :, None]  # (B, 1, K, 1)
@@ -149,11 +145,18 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     return out.to(q.dtype)
 
 
+def _model_module(decoder: torch.nn.Module):
+    """The transformers module defining `decoder`'s layers (`modeling_qwen2`, `modeling_llama`, ...)."""
+    return sys.modules[type(decoder.layers[0].self_attn).__module__]
+
+
 def _unsupported(decoder: torch.nn.Module) -> str | None:
     """Why `decoder` cannot run fused, or None."""
     for attr in ("embed_tokens", "rotary_emb", "norm", "layers"):
         if not hasattr(decoder, attr):
             return f"{type(decoder).__name__} has no {attr}"
+    if not len(decoder.layers):
+        return f"{type(decoder).__name__} has no layers"
     if decoder.embed_tokens.weight.dtype not in (torch.float32, torch.bfloat16):
         return f"its weights are {str(decoder.embed_tokens.weight.dtype).removeprefix('torch.')}"
     for layer in decoder.layers:
@@ -170,4 +173,6 @@ def _unsupported(decoder: torch.nn.Module) -> str | None:
             return f"{type(layer).__name__} is not a pre-norm layer"
         if not hasattr(attn, "head_dim") or not hasattr(attn, "scaling"):
             return f"{type(attn).__name__} has no head_dim / scaling"
+    if not hasattr(_model_module(decoder), "apply_rotary_pos_emb"):
+        return f"{_model_module(decoder).__name__} has no apply_rotary_pos_emb"
     return None

@@ -50,11 +50,8 @@ def linear_ceiling(engine, rows: int, repeats: int = 3) -> float | None:
     return rows / (best * len(layers))
 
 
-NOTE = "tokens/s against the linear-layer ceiling"
-
-
 def ceiling_note(mode: str, rows: int, shares: list[float]) -> str:
     """The line under the table: each round's share of the ceiling and their median."""
     each = ", ".join(f"{share:.0%}" for share in shares)
-    return (f"{mode}: {NOTE} timed after each round (the engine's own linear layers at M = {rows} rows): "
-            f"{each} (median {statistics.median(shares):.0%})")  # fmt: skip
+    return (f"{mode}: tokens/s against the linear-layer ceiling timed after each round (the engine's own "
+            f"linear layers at M = {rows} rows): {each} (median {statistics.median(shares):.0%})")  # fmt: skip

@@ -283,7 +283,7 @@ def _notes(bench: Bench, rows: list[dict]) -> list[str]:
                 f"{row['mode']}: ANSWERS CHANGED BETWEEN ROUNDS: {row['round_label_changes']} tickets' labels "
                 f"(max |Δp| {row['round_max_abs_prob_diff']:.1e} against the first round)"
             )
-    return notes
+    return notes + ceiling_lines(rows)
 
 
 def _machine() -> dict:

@@ -29,8 +29,7 @@ from tqdm import tqdm
 
 from worker.results import BatchReport
 from worker.tools.bench import baselines
-from worker.tools.bench.ceiling import NOTE as CEILING_NOTE
-from worker.tools.bench.ceiling import ceiling_note, linear_ceiling
+from worker.tools.bench.ceiling import linear_ceiling
 from worker.tools.bench.memory import peak_rss_mb, reset_peak_rss
 from worker.tools.bench.records import FIELD_MODES, PEER_MODES, SCHEMA_MODES, Answer, ModeResult, Options
 from worker.tools.bench.report import describe_cost, load_average
@@ -265,9 +264,8 @@ class InProcessRun(ModeRun):
             if result.mode == "generate":
                 result.notes += baselines.generate_notes(answers, bench.engine.info.standin)
         result.add_round(answers, seconds, load)
-        engine = bench.int8_engine if result.mode == "ticketq-int8" else bench.engine
         if result.mode in ("ticketq", "ticketq-int8") and reports:
-            self.ceiling(engine, reports, seconds)
+            self.ceiling(bench.int8_engine if result.mode == "ticketq-int8" else bench.engine, reports, seconds)
 
     def ceiling(self, engine, reports: list[BatchReport], seconds: float) -> None:
         """The round's tokens/s against its linear layers' ceiling at its mean forward (see `ceiling`)."""
@@ -279,9 +277,7 @@ class InProcessRun(ModeRun):
         if tokens_per_s is None:
             return
         entry["tokens_per_s"].append(tokens_per_s)
-        entry["share"].append(computed / seconds / tokens_per_s)
-        notes = [note for note in self.result.notes if not note.startswith(f"{self.result.mode}: {CEILING_NOTE}")]
-        self.result.notes = [*notes, ceiling_note(self.result.mode, entry["rows"], entry["share"])]
+        entry["share"].append(computed / seconds / tokens_per_s)  # the report's notes read it from the row
 
     def timed(self, runner: Callable[[list[str], tqdm | None], object]) -> tuple[object, float]:
         """`runner(texts, bar)` on the warm-up tickets, then timed on every ticket (peak RSS read):
