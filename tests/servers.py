@@ -88,7 +88,9 @@ class SentinelSet:
     def url(self) -> str:
         return ";".join(f"sentinel://127.0.0.1:{sentinel.port}" for sentinel in self.sentinels)
 
-    def start(self, timeout: float = 30) -> SentinelSet:
+    def start(self, timeout: float = 75) -> SentinelSet:
+        # A sentinel whose timer is held up for over 2 s (a loaded machine) enters TILT mode for 30 s
+        # (SENTINEL_TILT_PERIOD); the wait allows one TILT plus Sentinel's 10 s INFO period, twice.
         self.primary.start()
         self.replica.start()
         for sentinel in self.sentinels:
@@ -102,11 +104,12 @@ class SentinelSet:
     def _sync_state(self) -> str:
         try:
             link = self.replica.client().info("replication").get("master_link_status")
-            seen = [(sentinel.port, int(m["num-other-sentinels"]), int(m["num-slaves"]), m.get("flags"))
+            seen = [(sentinel.port, int(m["num-other-sentinels"]), int(m["num-slaves"]), m.get("flags"),
+                     sentinel.client().info("sentinel").get("sentinel_tilt"))
                     for sentinel in self.sentinels for m in [sentinel.master()]]  # fmt: skip
         except (redis.RedisError, KeyError, ValueError) as error:
             return f"state unreadable ({error!r})"
-        return f"replica link {link}; per sentinel (port, other sentinels, replicas, flags): {seen}"
+        return f"replica link {link}; per sentinel (port, other sentinels, replicas, flags, tilt): {seen}"
 
     def _in_sync(self) -> bool:
         link = self.replica.client().info("replication")
