@@ -442,10 +442,10 @@ def test_auto_dtype_takes_bfloat16_only_where_it_measures_faster(monkeypatch):
     assert engine_module.resolve_dtype("bfloat16", cpu) is torch.bfloat16
     monkeypatch.setattr(engine_module, "cpu_has_native_bf16", lambda: True)
     for speedup, expected in ((2.0, torch.bfloat16), (1.1, torch.float32), (0.5, torch.float32)):
-        monkeypatch.setattr(engine_module, "bf16_matmul_speedup", lambda s=speedup: s)
+        monkeypatch.setattr(engine_module, "bf16_matmul_speedup", lambda s=speedup, **_: s)
         assert engine_module.resolve_dtype("auto", cpu) is expected, speedup
     monkeypatch.setattr(engine_module, "cpu_has_native_bf16", lambda: False)
-    monkeypatch.setattr(engine_module, "bf16_matmul_speedup", lambda: pytest.fail("no probe without native bf16"))
+    monkeypatch.setattr(engine_module, "bf16_matmul_speedup", lambda **_: pytest.fail("no probe without native bf16"))
     assert engine_module.resolve_dtype("auto", cpu) is torch.float32
 
 
@@ -645,7 +645,7 @@ def test_matmul_is_chosen_by_measurement_and_refused_where_it_cannot_apply(monke
         assert engine_module.resolve_matmul("auto", cpu, torch.float32) == expected, speedup
     # bfloat16 must beat the faster float32 kernel: 2x torch's float32 GEMM, but oneDNN's is 2.3x
     monkeypatch.setattr(engine_module, "cpu_has_native_bf16", lambda: True)
-    monkeypatch.setattr(engine_module, "bf16_matmul_speedup", lambda: 2.0)
+    monkeypatch.setattr(engine_module, "bf16_matmul_speedup", lambda **_: 2.0)
     monkeypatch.setattr(engine_module, "onednn_linear_speedup", lambda: 2.3)
     assert engine_module.resolve_dtype("auto", cpu, "auto") is torch.float32
     assert engine_module.resolve_dtype("auto", cpu, "torch") is torch.bfloat16

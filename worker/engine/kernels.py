@@ -6,13 +6,15 @@ bf16, AMX), so `auto` times one decoder-sized GEMM instead of trusting /proc/cpu
 `PackedLinear` is the one place that calls oneDNN's private linear ops; the start-up guard
 (`worker.transport.guards`) checks that they exist.
 
-A probe measures until two measurements in a row agree within PROBE_AGREEMENT (a neighbour's
-burst moves one, rarely two alike), keeps the safe choice (float32, torch's GEMM) when
-PROBE_TRIES never do, and caches its verdict per machine (`~/.cache/ticketq/kernels`, or
-$XDG_CACHE_HOME; keyed by CPU model and flags, torch version, threads and GEMM shape): the next
-start on the same machine skips it. A verdict is measured again after PROBE_MAX_AGE_S
-(UNSETTLED_MAX_AGE_S for the safe choice of measurements that never agreed), or at the next
-start once its file is deleted.
+A probe decides between two choices by a speed ratio and its threshold. It measures until
+SETTLE_RUN measurements in a row fall on the same side of the threshold, each clear of it by
+PROBE_MARGIN (a neighbour's burst moves a ratio, rarely across the line twice), and keeps the
+safe choice (float32, torch's GEMM) only when PROBE_TRIES measurements straddle it. Its cost: at
+most PROBE_TRIES measurements of one decoder-sized GEMM per choice, once per machine. The verdict
+is cached per machine (`~/.cache/ticketq/kernels`, or $XDG_CACHE_HOME; keyed by CPU model and
+flags, torch version, threads, GEMM shape and threshold): the next start on the same machine skips
+it. A verdict is measured again after PROBE_MAX_AGE_S (UNSETTLED_MAX_AGE_S for the safe choice of
+measurements that straddled), or at the next start once its file is deleted.
 
 Importing this module bounds oneDNN's two shape-keyed caches (`bound_onednn_caches`) before the
 process creates its first oneDNN primitive: every forward batch has its own (rows x width), and at
@@ -29,6 +31,7 @@ import logging
 import math
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -100,16 +103,15 @@ BF16_MIN_SPEEDUP = 1.25
 HIDDEN, INTERMEDIATE = 896, 4864
 
 
-def bf16_matmul_speedup(rows: int = 256, reps: int = 3) -> float:
+def bf16_matmul_speedup(rows: int = 256, reps: int = 3, threshold: float = BF16_MIN_SPEEDUP) -> float:
     """float32 time / bfloat16 time of one decoder-sized GEMM (Qwen2.5-0.5B's MLP) on this CPU,
-    settled and cached (`settled_speedup`): 1.0 where the measurements never agree.
+    settled against `threshold` and cached (`settled_speedup`): 1.0 where the measurements straddle it.
 
-    "Native bf16" in /proc/cpuinfo is not enough: some CPUs with AVX-512 BF16 run the model about
-    twice as fast in bfloat16, others (measured here) about twice as slow. A tenth of a second of
-    timing settles it.
+    "Native bf16" in /proc/cpuinfo is not enough: some CPUs with AVX-512 BF16 run the model far
+    faster in bfloat16, others slower. A tenth of a second of timing settles it.
     """
     shape = {"rows": rows, "in": HIDDEN, "out": INTERMEDIATE, "reps": reps}
-    return settled_speedup("bf16-matmul", lambda: bf16_gemm_ratio(rows, reps), shape)
+    return settled_speedup("bf16-matmul", lambda: bf16_gemm_ratio(rows, reps), shape, threshold)
 
 
 def bf16_gemm_ratio(rows: int = 256, reps: int = 3) -> float:
@@ -136,11 +138,11 @@ def resolve_dtype(name: str, device: torch.device, matmul: str = "torch") -> tor
     if device.type == "cuda":
         return torch.bfloat16
     if device.type == "cpu" and cpu_has_native_bf16():
-        bf16 = speedup = bf16_matmul_speedup()
         onednn = 1.0
         if matmul != "torch" and PackedLinear.available():  # bf16 must beat float32's faster kernel
             onednn = max(1.0, onednn_linear_speedup())
-            speedup /= onednn
+        bf16 = bf16_matmul_speedup(threshold=round(BF16_MIN_SPEEDUP * onednn, 2))
+        speedup = bf16 / onednn
         dtype = torch.bfloat16 if speedup >= BF16_MIN_SPEEDUP else torch.float32
         log.info("dtype auto: bfloat16 GEMM %.2fx float32's (torch), float32 through oneDNN %.2fx torch's: bfloat16 "
                  "%.2fx the faster float32 (needs %.2fx) -> %s", bf16, onednn, speedup, BF16_MIN_SPEEDUP,
@@ -235,9 +237,10 @@ def release_freed_memory() -> None:
 @functools.cache  # asked twice a start-up: resolve_dtype and resolve_matmul
 def onednn_linear_speedup(rows: int = 256, reps: int = 3) -> float:
     """torch's float32 `linear` time / oneDNN's on prepacked weights, one decoder-sized GEMM (the MLP's),
-    settled and cached (`settled_speedup`): 1.0 where the measurements never agree."""
+    settled against ONEDNN_MIN_SPEEDUP and cached (`settled_speedup`): 1.0 where the measurements
+    straddle it."""
     shape = {"rows": rows, "in": HIDDEN, "out": INTERMEDIATE, "reps": reps}
-    return settled_speedup("onednn-linear", lambda: onednn_gemm_ratio(rows, reps), shape)
+    return settled_speedup("onednn-linear", lambda: onednn_gemm_ratio(rows, reps), shape, ONEDNN_MIN_SPEEDUP)
 
 
 def onednn_gemm_ratio(rows: int = 256, reps: int = 3) -> float:
@@ -283,38 +286,54 @@ def resolve_matmul(name: str, device: torch.device, dtype: torch.dtype) -> str:
     return choice
 
 
-# ----- the probes: settled by agreement, cached per machine ---------------------------------
+# ----- the probes: settled on their decision, cached per machine -----------------------------
 
-PROBE_TRIES = 5  # measurements at most; a probe whose measurements never agree keeps the safe choice
-PROBE_AGREEMENT = 0.10  # two measurements in a row within 10% of the larger settle a probe
+PROBE_TRIES = 5  # measurements at most; a probe whose measurements straddle its threshold keeps the safe choice
+SETTLE_RUN = 2  # this many measurements in a row on one side of the threshold settle a probe
+PROBE_MARGIN = 0.05  # a measurement within 5% of the threshold takes no side
 PROBE_MAX_AGE_S = 30 * 86400  # a settled verdict is measured again after 30 days
 UNSETTLED_MAX_AGE_S = 86400  # an unsettled one (a busy machine) after a day
 NO_SPEEDUP = 1.0  # an unsettled probe's ratio: below both thresholds, so float32 and torch's GEMM stay
 
 
-def settled_speedup(probe: str, measure: Callable[[], float], shape: dict[str, int]) -> float:
-    """This machine's cached ratio for `probe`, else `measure()` (a speed ratio) until two
-    measurements in a row agree: their mean, or NO_SPEEDUP after PROBE_TRIES; cached either way."""
-    path, key = probe_cache_path(probe, shape)
+def settled_speedup(probe: str, measure: Callable[[], float], shape: dict[str, int], threshold: float) -> float:
+    """This machine's cached ratio for `probe`, else `measure()` (a speed ratio) until SETTLE_RUN
+    measurements in a row take the same side of `threshold` (`decision`): the median of the
+    measurements on that side, or NO_SPEEDUP when PROBE_TRIES straddle it; cached either way."""
+    path, key = probe_cache_path(probe, {**shape, "threshold": threshold})
     cached = _cached_probe(path, key)
     if cached is not None:
         ratio, agreed, age = cached
         log.info("%s probe: %.2fx%s, cached %s ago in %s (delete it to measure again)", probe, ratio,
-                 "" if agreed else " (measurements that never agreed)", _age(age), path)  # fmt: skip
+                 "" if agreed else " (measurements that straddled the threshold)", _age(age), path)  # fmt: skip
         return ratio
-    measured, agreed = [measure()], False
-    while not agreed and len(measured) < PROBE_TRIES:
+    measured: list[float] = []
+    side = None
+    while side is None and len(measured) < PROBE_TRIES:
         measured.append(measure())
-        agreed = _agree(measured[-2], measured[-1])
-    ratio = (measured[-2] + measured[-1]) / 2 if agreed else NO_SPEEDUP
+        side = decision(measured[-SETTLE_RUN:], threshold) if len(measured) >= SETTLE_RUN else None
     shown = ", ".join(f"{m:.2f}x" for m in measured)
-    if agreed:
-        log.info("%s probe: measured %s -> %.2fx (cached in %s)", probe, shown, ratio, path)
+    if side is not None:
+        ratio = statistics.median(m for m in measured if decision([m], threshold) == side)
+        log.info("%s probe: measured %s, %s the %.2fx threshold -> %.2fx (cached in %s)", probe, shown,
+                 "above" if side else "below", threshold, ratio, path)  # fmt: skip
     else:
-        log.warning("%s probe: %d measurements never agreed within %.0f%% (%s): keeping the safe choice "
-                    "(cached for a day in %s)", probe, len(measured), 100 * PROBE_AGREEMENT, shown, path)  # fmt: skip
-    _save_probe(path, {"key": key, "ratio": ratio, "agreed": agreed, "measured": measured, "at": time.time()})
+        ratio = NO_SPEEDUP
+        log.warning("%s probe: %d measurements straddled the %.2fx threshold (%s): keeping the safe choice "
+                    "(cached for a day in %s)", probe, len(measured), threshold, shown, path)  # fmt: skip
+    _save_probe(path, {"key": key, "ratio": ratio, "agreed": side is not None, "measured": measured,
+                       "at": time.time()})  # fmt: skip
     return ratio
+
+
+def decision(measured: list[float], threshold: float) -> bool | None:
+    """True when every measurement is above `threshold` by PROBE_MARGIN, False when every one is
+    below it by as much, None when they straddle it (or one sits within the margin)."""
+    if all(m >= threshold * (1 + PROBE_MARGIN) for m in measured):
+        return True
+    if all(m <= threshold / (1 + PROBE_MARGIN) for m in measured):
+        return False
+    return None
 
 
 def probe_cache_path(probe: str, shape: dict[str, int]) -> tuple[Path, list]:
@@ -329,10 +348,6 @@ def cache_dir(kind: str) -> Path:
     """ticketq's per-machine cache of `kind` (kernel verdicts, cost fits): ~/.cache/ticketq/<kind>,
     or under $XDG_CACHE_HOME."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ticketq" / kind
-
-
-def _agree(a: float, b: float) -> bool:
-    return abs(a - b) <= PROBE_AGREEMENT * max(a, b)
 
 
 def _cached_probe(path: Path, key: list) -> tuple[float, bool, float] | None:
