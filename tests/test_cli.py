@@ -246,8 +246,23 @@ def test_produce_file_writes_a_row_for_every_input_line(tmp_path, queue_service)
 # --- ticketq config and the README ---
 
 
+def test_config_piped_is_one_grep_able_line_per_setting():
+    env = {"TICKETQ_NULL_CLASSIFIER": "1", "TICKETQ_BROKER_URL": "redis://:s3cret@h:6379/0"}
+    result = run(["ticketq", "config"], env)  # stdout is a pipe here
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "TICKETQ_NULL_CLASSIFIER=True" in lines
+    assert "TICKETQ_BROKER_URL=redis://:**@h:6379/0" in lines and "s3cret" not in result.stdout
+    assert all(line.startswith("TICKETQ_") and "=" in line for line in lines)
+    assert len(lines) == len(Settings.model_fields)
+    as_json = json.loads(run(["ticketq", "config", "--format", "json"], env).stdout)
+    assert as_json["TICKETQ_NULL_CLASSIFIER"]["value"] == "True" and len(as_json) == len(Settings.model_fields)
+    bad = run(["ticketq", "config"], {"TICKETQ_MAX_BATCH_TOKENS": "-1"})
+    assert bad.returncode == EXIT_USAGE and "# TICKETQ_MAX_BATCH_TOKENS: INVALID" in bad.stdout
+
+
 def test_config_is_not_cut_at_80_columns():
-    result = run(["ticketq", "config"])
+    result = run(["ticketq", "config", "--format", "table"])
     assert result.returncode == 0, result.stderr
     assert "…" not in result.stdout
     flat = re.sub(r"[\s│┃|]+", " ", result.stdout)

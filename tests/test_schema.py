@@ -154,6 +154,7 @@ multi = "yes"
          '[fields.b]\ninstruction = "q"\nlabels = ["x", "y"]\n', 'layout: "system" holds exactly one'),
         ('name = "x"\nlayout = "grid"\n[fields.a]\ninstruction = "q"\nlabels = ["x", "y"]\n', "layout: must be one of"),
         ("name = [", "s.toml: not valid TOML"),
+        ('name = "default"\n[fields.a]\ninstruction = "q"\nlabels = ["x", "y"]\n', '"default" is reserved'),
     ],
 )  # fmt: skip
 def test_each_problem_names_its_place(text, message):

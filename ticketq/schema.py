@@ -179,6 +179,9 @@ def _build(document: object, problems: _Problems) -> Schema | None:
         problems.add("name", 'is missing: every schema needs a name (name = "support")')
     elif not isinstance(name, str) or not SCHEMA_NAME.fullmatch(name):
         problems.add("name", f"must be letters, digits, '_', '-' or '.' (at most 128), got {name!r}")
+    elif name == DEFAULT_SCHEMA_NAME:  # clients sending no schema rely on its single-label shape
+        problems.add("name", f'"{DEFAULT_SCHEMA_NAME}" is reserved for the single field of TICKETQ_LABELS; '
+                             "give this schema a name of its own")  # fmt: skip
     system = document.get("system", DEFAULT_SYSTEM)
     if not isinstance(system, str) or not system.strip():
         problems.add("system", f"must be non-empty text, got {system!r}")

@@ -316,7 +316,11 @@ def demo(
 
 
 @cli.command()
-def config(markdown: Annotated[bool, typer.Option(help="Print a Markdown table (for docs).")] = False) -> None:
+def config(
+    fmt: Annotated[str | None, typer.Option("--format", help="table, env (NAME=value lines, for grep and shells) or "
+                   "json. Default: table on a terminal, env when piped.")] = None,  # fmt: skip
+    markdown: Annotated[bool, typer.Option(help="Print a Markdown table (for docs).")] = False,
+) -> None:
     """Show every TICKETQ_* setting: its effective value, default and meaning (passwords masked).
     Invalid ones are marked, with what is allowed, and the exit status is then 2."""
     if markdown:
@@ -324,26 +328,45 @@ def config(markdown: Annotated[bool, typer.Option(help="Print a Markdown table (
 
         print(settings_table())
         return
-    from ticketq.config import mask_url
-    from worker.settings import Settings
+    import sys
 
+    fmt = fmt or ("table" if sys.stdout.isatty() else "env")
+    if fmt not in ("table", "env", "json"):
+        _fail(f"--format {fmt}: must be table, env or json")
     current, problems = _settings_marking_invalid()
-    table = Table(title="ticketq settings (environment)")
-    for column in ("setting", "value", "default", "meaning"):
-        table.add_column(column, overflow="fold")  # wrap long values, never cut them with "…"
-    for name, field in Settings.model_fields.items():
-        env = f"TICKETQ_{name.upper()}"
-        value = getattr(current, name)
-        shown = mask_url(value) if isinstance(value, str) and "://" in value else value
-        shown = ",".join(shown) if isinstance(shown, tuple) else str(shown)
-        if env in problems:
-            shown = f"[red]INVALID[/] {problems[env].split(': ', 1)[-1]}"
-        default = ",".join(field.default) if isinstance(field.default, tuple) else field.default
-        table.add_row(env, shown, str(default), field.description or "")
-    Console().print(table)
+    rows = _setting_rows(current, problems)
+    if fmt == "json":
+        print(json.dumps({env: {"value": value, "default": default, "invalid": problems.get(env)}
+                          for env, value, default, _ in rows}, indent=2))  # fmt: skip
+    elif fmt == "env":
+        for env, value, _, _ in rows:
+            print(f"# {env}: INVALID {problems[env]}" if env in problems else f"{env}={value}")
+    else:
+        table = Table(title="ticketq settings (environment)")
+        for column in ("setting", "value", "default", "meaning"):
+            table.add_column(column, overflow="fold")  # wrap long values, never cut them with "…"
+        for env, value, default, meaning in rows:
+            shown = f"[red]INVALID[/] {problems[env].split(': ', 1)[-1]}" if env in problems else value
+            table.add_row(env, shown, default, meaning)
+        Console().print(table)
     if problems:  # and the usual one line per problem on stderr, exit 2
         lines = [f"{env}={why}" for env, why in problems.items()]
         _fail("invalid settings:\n" + "\n".join(lines) if len(lines) > 1 else lines[0])
+
+
+def _setting_rows(current, problems: dict[str, str]) -> list[tuple[str, str, str, str]]:
+    """(variable, effective value, default, meaning) of every setting, URLs' passwords masked."""
+    from ticketq.config import mask_url
+    from worker.settings import Settings
+
+    rows = []
+    for name, field in Settings.model_fields.items():
+        value = getattr(current, name)
+        shown = mask_url(value) if isinstance(value, str) and "://" in value else value
+        shown = ",".join(shown) if isinstance(shown, tuple) else str(shown)
+        default = ",".join(field.default) if isinstance(field.default, tuple) else field.default
+        rows.append((f"TICKETQ_{name.upper()}", shown, str(default), field.description or ""))
+    return rows
 
 
 def _settings_marking_invalid():
