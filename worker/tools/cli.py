@@ -318,7 +318,7 @@ def demo(
 @cli.command()
 def config(
     fmt: Annotated[str | None, typer.Option("--format", help="table, env (NAME=value lines, for grep and shells) or "
-                   "json. Default: table on a terminal, env when piped.")] = None,  # fmt: skip
+                   "json. Default: table on a terminal, env when piped.")] = None,
     markdown: Annotated[bool, typer.Option(help="Print a Markdown table (for docs).")] = False,
 ) -> None:
     """Show every TICKETQ_* setting: its effective value, default and meaning (passwords masked).
