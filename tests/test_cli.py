@@ -152,6 +152,35 @@ def test_classify_writes_a_row_for_every_input_line(tmp_path, tiny_model_dir):
     assert f"{tickets}:51: malformed_csv: malformed CSV: unterminated quote" in result.stderr
 
 
+def test_classify_answers_a_schema_in_the_workers_result_shape(tmp_path, tiny_model_dir, tiny_engine):
+    """`classify --schema`: every field of every row, the `Triaged` shape, each field's label the
+    schema's own reference path's."""
+    from ticketq.contract import Triaged
+    from ticketq.schema import load_schema
+
+    schema_file = ROOT / "examples" / "schema.toml"
+    tickets = tmp_path / "t.jsonl"
+    texts = ["refund the double charge on my invoice", "the app crashes when I log in", "change my email address"]
+    tickets.write_text("".join(json.dumps({"id": f"T-{i}", "text": text}) + "\n" for i, text in enumerate(texts)))
+    env = {**engine_env(tiny_model_dir), "TICKETQ_MATMUL": "torch"}  # the kernels of `tiny_engine`
+    result = run(["ticketq", "classify", str(tickets), "--schema", str(schema_file), "--out", "r.jsonl",
+                  "--no-progress"], env, cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    worker_only = {"task_id", "worker", "queue_wait_s", "processing_s"}
+    schema = load_schema(schema_file)
+    reference = tiny_engine.fields(schema)
+    for row, text in zip(rows, texts, strict=True):
+        assert set(Triaged.__annotations__) - worker_only <= set(row), row
+        assert row["schema"] == schema.name and set(row["fields"]) == {spec.name for spec in schema.fields}
+        want = reference.reference(text)
+        assert {name: answer.get("label", answer.get("labels")) for name, answer in row["fields"].items()} == {
+            name: (list(r.labels) if r.multi else r.label) for name, r in want.fields.items()}
+    assert "read 3 rows: 3 ok, 0 failed" in result.stderr
+    bad = run(["ticketq", "classify", str(tickets), "--schema", str(tmp_path / "none.toml")], env, cwd=tmp_path)
+    assert bad.returncode == EXIT_USAGE and not (tmp_path / "results.jsonl").exists()
+
+
 def test_classify_never_overwrites(tmp_path, tiny_model_dir):
     env = engine_env(tiny_model_dir)
     tickets = tmp_path / "t.jsonl"

@@ -112,6 +112,8 @@ def classify(
         bool, typer.Option("--resume", help="Continue a stopped run from OUT.partial (its rows are kept).")
     ] = False,
     fmt: Annotated[str, typer.Option("--format", help="auto (by extension, then content), jsonl or csv.")] = "auto",
+    schema_path: Annotated[Path | None, typer.Option("--schema", help="Answer every field of this schema (TOML), "
+                           "in the worker's result shape, instead of TICKETQ_LABELS.")] = None,
     model: Annotated[str | None, typer.Option(help="Hub id or local dir (default TICKETQ_MODEL).")] = None,
     dtype: Annotated[str | None, typer.Option(help="auto|float32|bfloat16|float16|int8.")] = None,
     device: Annotated[str | None, typer.Option(help="auto|cpu|cuda|mps.")] = None,
@@ -124,6 +126,7 @@ def classify(
     its rows there, and --resume continues it.
     """
     settings = _settings(ENGINE_FLAGS, model=model, dtype=dtype, device=device)
+    schema = _schema_option(schema_path)
     if fmt not in ("auto", "jsonl", "csv"):
         _fail(f"--format {fmt}: must be auto, jsonl or csv")
     try:
@@ -143,7 +146,7 @@ def classify(
         if resume:
             done = f"{partial.rows} rows of {partial.path} kept" if partial.resumed else f"no {partial.path}"
             console.print(f"resuming: {done}; classifying the rows after them", highlight=False, markup=False)
-        _classify(settings, reader, partial, summary, progress)
+        _classify(settings, reader, partial, summary, progress, schema)
     try:
         partial.publish(overwrite=force)
     except OutputError as exc:
@@ -155,7 +158,7 @@ def classify(
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command stopped by Ctrl-C
 
 
-def _classify(settings, reader: TicketReader, partial: PartialResults, summary, progress: bool) -> None:
+def _classify(settings, reader: TicketReader, partial: PartialResults, summary, progress: bool, schema=None) -> None:
     """Classify the rows not yet in `partial`, loading the model only if a row needs it.
 
     However it stops (Ctrl-C, a crash, a model that cannot load), the rows done stay in the
@@ -164,7 +167,8 @@ def _classify(settings, reader: TicketReader, partial: PartialResults, summary, 
     from worker.tools.offline import classify_rows
 
     try:
-        classify_rows(lambda: _load_engine(settings), reader, partial, summary, progress)
+        load = (lambda: _load_engine(settings)) if schema is None else (lambda: _load_engine(settings).fields(schema))
+        classify_rows(load, reader, partial, summary, progress)
     except OutputError as exc:  # --resume: the partial file is not this input's; it stays as it was
         partial.close()
         _fail(str(exc))
@@ -235,7 +239,7 @@ def evaluate(
     recall and exact-set accuracy. A row naming a field or label the schema lacks is refused.
     """
     settings = _settings(ENGINE_FLAGS, model=model, dtype=dtype, device=device)
-    schema = _eval_schema(schema_path)
+    schema = _schema_option(schema_path)
     if fmt not in ("auto", "jsonl", "csv"):
         _fail(f"--format {fmt}: must be auto, jsonl or csv")
     try:
@@ -266,8 +270,8 @@ def evaluate(
         raise typer.Exit(3)
 
 
-def _eval_schema(path: Path | None):
-    """`eval --schema`: the schema, or one line per problem and exit 2, before the model loads."""
+def _schema_option(path: Path | None):
+    """`--schema`: the schema, or one line per problem and exit 2, before the model loads."""
     if path is None:
         return None
     from ticketq.schema import SchemaError, load_schema

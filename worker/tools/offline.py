@@ -27,11 +27,13 @@ from tqdm import tqdm
 
 from producer.clitools import MAX_SHOWN
 from producer.tickets import PartialResults, Row, RowError, TicketReader, TicketRow
+from ticketq.schema import TicketFields
 from worker.engine.prompt import InvalidTicket
-from worker.results import BatchReport
+from worker.results import BatchReport, Prediction
 
 if TYPE_CHECKING:
     from worker.engine import Engine
+    from worker.engine.fields import FieldsEngine
 
 FIRST_CHUNK = 1  # rows
 LARGEST_CHUNK = 2048  # rows
@@ -92,11 +94,15 @@ class Summary:
         return self.pad_tokens / self.computed_tokens if self.computed_tokens else 0.0
 
     def add(self, row: dict) -> None:
-        """Count one row of the results file."""
+        """Count one row of the results file (a schema's answer: each field's labels, `field=label`)."""
         self.rows += 1
         if row.get("status") == "ok":
             self.ok += 1
-            self.labels[row.get("label")] += 1
+            if "fields" not in row:
+                self.labels[row.get("label")] += 1
+            for name, answer in (row.get("fields") or {}).items():
+                for label in answer.get("labels") or [answer.get("label")]:
+                    self.labels[f"{name}={label}"] += 1
             return
         self.reasons[str(row.get("reason") or row.get("status"))] += 1
         self.failures.add(f"{row.get('source')}: {row.get('reason')}: {row.get('error')}")
@@ -112,12 +118,13 @@ class Summary:
         return f"read {self.rows} rows: {self.ok} ok, {self.failed} failed" + (f" ({detail})" if detail else "")
 
 
-def classify_rows(load_engine: Callable[[], Engine], reader: TicketReader, partial: PartialResults,
+def classify_rows(load_engine: Callable[[], Engine | FieldsEngine], reader: TicketReader, partial: PartialResults,
                   summary: Summary, progress: bool = True) -> Summary:  # fmt: skip
     """Classify the rows of `reader` that `partial` has no result for, appending each chunk's results.
 
     `load_engine` is called once, when the first chunk with a ticket in it comes, so a file with
-    nothing to classify never loads the model.
+    nothing to classify never loads the model. It may return a schema's `FieldsEngine`: each row is
+    then answered with every field of the schema, the worker's result shape (`contract.Triaged`).
     """
     bar, engine, started = None, None, time.perf_counter()
     try:
@@ -181,7 +188,7 @@ def chunked(rows: Iterable[Row], first: int = FIRST_CHUNK, largest: int = LARGES
         yield chunk
 
 
-def classify_chunk(engine: Engine | None, chunk: Sequence[Row], summary: Summary,
+def classify_chunk(engine: Engine | FieldsEngine | None, chunk: Sequence[Row], summary: Summary,
                    on_batch: Callable[[BatchReport], None] | None = None) -> list[dict]:  # fmt: skip
     """One result row per row of `chunk`, in its order: refused rows failed, the tickets classified in one plan.
 
@@ -193,7 +200,7 @@ def classify_chunk(engine: Engine | None, chunk: Sequence[Row], summary: Summary
             for row in chunk]  # fmt: skip
 
 
-def _answers(engine: Engine, tickets: list[TicketRow], summary: Summary,
+def _answers(engine: Engine | FieldsEngine, tickets: list[TicketRow], summary: Summary,
              on_batch: Callable[[BatchReport], None] | None) -> dict[int, dict]:  # fmt: skip
     """Each ticket's result (all but its `source`), by line."""
     answers, encoded, good = {}, [], []
@@ -206,15 +213,16 @@ def _answers(engine: Engine, tickets: list[TicketRow], summary: Summary,
     predictions, reports = engine.classify_encoded(encoded, on_batch=on_batch) if encoded else ([], [])
     summary.add_reports(reports)
     summary.classified += len(predictions)
+    info = getattr(engine, "engine", engine).info  # a FieldsEngine answers on its engine's model
     for row, prediction in zip(good, predictions, strict=True):
-        answers[row.line] = {
-            "id": row.result_id,
-            "status": "ok",
-            "label": prediction.label,
-            "probs": prediction.probs,
-            "margin": prediction.margin,
-            "truncated": prediction.truncated,
-            "model": engine.info.name,
-            "standin": engine.info.standin,
-        }  # fmt: skip
+        answers[row.line] = {"id": row.result_id, "status": "ok", **_answer(prediction), "model": info.name,
+                             "standin": info.standin}  # fmt: skip
     return answers
+
+
+def _answer(prediction: Prediction | TicketFields) -> dict:
+    """The answer's part of a result row, as the worker words it (`contract.Classified` / `Triaged`)."""
+    if isinstance(prediction, TicketFields):
+        return prediction.to_json()
+    return {"label": prediction.label, "probs": prediction.probs, "margin": prediction.margin,
+            "truncated": prediction.truncated}  # fmt: skip
