@@ -235,6 +235,25 @@ def test_classify_of_an_empty_file_exits_3_in_either_format(tmp_path, name, cont
     assert not (tmp_path / "r.jsonl.partial").exists()
 
 
+def test_a_model_that_is_not_a_causal_lm_is_refused_and_leaves_nothing_behind(tmp_path, tiny_model_dir):
+    """A BERT directory: one line naming what is supported, exit 2, before any weight is read; no
+    `.partial` left, so the rerun with a good model needs neither --resume nor --force."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    bert = tmp_path / "bert"
+    BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                               intermediate_size=32)).save_pretrained(bert)  # fmt: skip
+    tickets = tmp_path / "t.jsonl"
+    tickets.write_text('{"id": "a", "text": "refund please"}\n')
+    args = ["ticketq", "classify", str(tickets), "--out", "r.jsonl", "--no-progress"]
+    refused = run(args, {**engine_env(tiny_model_dir), "TICKETQ_MODEL": str(bert)}, cwd=tmp_path)
+    assert_one_line_error(refused, "BertForMaskedLM (model_type bert) is not a decoder-only language model")
+    assert not list(tmp_path.glob("r.jsonl*"))
+    again = run(args, engine_env(tiny_model_dir), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "r.jsonl").is_file() and not (tmp_path / "r.jsonl.partial").exists()
+
+
 def test_error_lists_are_never_cut_silently(tmp_path):
     tickets = tmp_path / "t.jsonl"
     tickets.write_text("".join("{broken\n" for _ in range(25)))

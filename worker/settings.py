@@ -8,6 +8,7 @@ setting.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -195,6 +196,18 @@ _warned: set[str] = set()
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
+def _directory_problem(model: str, path: Path) -> str | None:
+    """A model directory whose config.json names no decoder-only language model (read as JSON:
+    nothing heavy is imported); a missing or unreadable one is left to the load's own message."""
+    from worker.engine.loading import decoder_only_problem
+
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return decoder_only_problem(model, config) if isinstance(config, dict) else None
+
+
 def model_problem(model: str) -> str | None:
     """Why TICKETQ_MODEL cannot be loaded, when that is clear without loading it; else None.
 
@@ -203,7 +216,8 @@ def model_problem(model: str) -> str | None:
     """
     path = Path(model).expanduser()
     if path.exists():
-        return None if path.is_dir() else f"TICKETQ_MODEL={model}: is a file; it must be a model directory or a Hub id"
+        return _directory_problem(model, path) if path.is_dir() else \
+            f"TICKETQ_MODEL={model}: is a file; it must be a model directory or a Hub id"  # fmt: skip
     first = Path(model.split("/", 1)[0]).expanduser()
     if _HUB_ID.match(model) and not (("/" in model) and first.is_dir()):
         return None

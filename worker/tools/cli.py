@@ -162,7 +162,7 @@ def _classify(settings, reader: TicketReader, partial: PartialResults, summary, 
     """Classify the rows not yet in `partial`, loading the model only if a row needs it.
 
     However it stops (Ctrl-C, a crash, a model that cannot load), the rows done stay in the
-    partial file and one line says how many and how to go on.
+    partial file and one line says how many and how to go on; with no row done, no file is left.
     """
     from worker.tools.offline import classify_rows
 
@@ -174,9 +174,15 @@ def _classify(settings, reader: TicketReader, partial: PartialResults, summary, 
         _fail(str(exc))
     except BaseException as exc:
         partial.close()
+        nothing = partial.rows == 0 and not partial.resumed
+        if nothing:  # nothing done leaves nothing behind: the fixed rerun needs no --resume or --force
+            partial.path.unlink(missing_ok=True)
         stopped = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stopped"
-        console.print(f"{stopped}: {partial.rows} rows are in {partial.path}; run the same command with --resume "
-                      "to classify the rest", highlight=False, markup=False, soft_wrap=True)  # fmt: skip
+        if not nothing:
+            console.print(f"{stopped}: {partial.rows} rows are in {partial.path}; run the same command with --resume "
+                          "to classify the rest", highlight=False, markup=False, soft_wrap=True)  # fmt: skip
+        elif stopped == "interrupted":
+            console.print("interrupted: nothing was classified", highlight=False, markup=False)
         if isinstance(exc, KeyboardInterrupt):
             raise typer.Exit(EXIT_INTERRUPTED) from None
         raise
