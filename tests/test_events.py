@@ -98,6 +98,8 @@ def test_flower_sees_the_worker_its_tasks_and_what_is_in_flight(monitored):
                  f"{kind} for every task; got {sorted({e['type'] for e in recorder.events})}")
     runtimes = [e["runtime"] for e in recorder.of("task-succeeded") if e["uuid"] in ids]
     assert all(runtime > 0 for runtime in runtimes), runtimes
+    shown = {e["uuid"]: e["result"] for e in recorder.of("task-succeeded") if e["uuid"] in ids}
+    assert shown == {result.id: repr(answer["label"]) for result, answer in zip(results, answered, strict=True)}
     stats = inspect.stats()[hostname]
     assert stats["total"].get("ticketq.classify", 0) >= 12
     assert inspect.active()[hostname] == [] and inspect.reserved()[hostname] == []
@@ -137,7 +139,7 @@ def test_flower_shows_the_worker_and_each_task(monitored, tmp_path):
         app.control.enable_events(destination=[hostname], reply=True, timeout=5)  # Flower does so every few seconds
         with Producer(Settings(broker_url=REDIS_URL, queue=queue)) as producer:
             results = [producer.submit(f"ticket {i}: password reset", id=f"f-{i}") for i in range(5)]
-            producer.wait(results, timeout=60)
+            answered = producer.wait(results, timeout=60)
         ids = {result.id for result in results}
 
         def succeeded():
@@ -146,6 +148,8 @@ def test_flower_shows_the_worker_and_each_task(monitored, tmp_path):
 
         tasks = wait_for(succeeded, 30, "Flower showing every task SUCCESS")
         assert all(tasks[uid]["runtime"] is not None for uid in ids)
+        labels = {result.id: repr(answer["label"]) for result, answer in zip(results, answered, strict=True)}
+        assert {uid: tasks[uid]["result"] for uid in ids} == labels  # the answer, not an empty result
         assert "Traceback" not in worker.log(), worker.log()[-3000:]
     finally:
         flower.terminate()

@@ -186,7 +186,7 @@ class RecordingFeed:
     def more(self) -> list[SimpleRequest]:
         return []
 
-    def done(self, task_ids: Sequence[str], failures=None) -> None:
+    def done(self, task_ids: Sequence[str], failures=None, answers=None) -> None:
         self.acked += task_ids
 
 
@@ -294,7 +294,7 @@ class EndlessFeed:
         self.given += arrived
         return arrived
 
-    def done(self, task_ids: Sequence[str], failures=None) -> None:
+    def done(self, task_ids: Sequence[str], failures=None, answers=None) -> None:
         self.acked += task_ids
 
 

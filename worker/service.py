@@ -77,9 +77,10 @@ class Feed(Protocol):
         """Requests that arrived since the job started; from now on they are part of it."""
         ...
 
-    def done(self, task_ids: Sequence[str], failures: Mapping[str, str] | None = None) -> None:
+    def done(self, task_ids: Sequence[str], failures: Mapping[str, str] | None = None,
+             answers: Mapping[str, str] | None = None) -> None:  # fmt: skip
         """These messages' results are out: acknowledge them (never raises). `failures`: the error
-        of each that ended in state FAILURE."""
+        of each that ended in state FAILURE; `answers`: a short text of each one's answer."""
         ...
 
     def taken_over(self, task_ids: Sequence[str]) -> set[str]:
@@ -501,7 +502,7 @@ class TicketService:
         failures = self._publish_backend(work, [task_id for task_id in complete if task_id not in reused])
         work.published.update(complete)
         if work.feed is not None and complete:
-            work.feed.done(complete, failures)
+            work.feed.done(complete, failures, {task_id: _answer_text(work.by_task[task_id]) for task_id in complete})
         self.metrics.publish.observe(time.perf_counter() - begun)
         self._count_outcomes([slot for slot in slots if (slot.request.id, slot.index) not in repeated])
         if not work.first_out:
@@ -670,6 +671,18 @@ def _outcome(result: dict) -> str:
 
 def _result_id(slot: Slot, given: object) -> str:
     return result_id(given, slot.request.id, slot.index, slot.packed)
+
+
+def _answer_text(slots: Sequence[Slot]) -> str:
+    """A message's answer in a few words: its label (or each field's), a list for a packed message."""
+    answers = []
+    for slot in slots:
+        result = slot.result or {}
+        if "fields" in result:
+            answers.append({name: field.get("labels", field.get("label")) for name, field in result["fields"].items()})
+        else:
+            answers.append(result.get("label") or result.get("reason") or result.get("status"))
+    return repr(answers if slots and slots[0].packed else answers[0] if answers else None)
 
 
 def _ticket_count(request: Any) -> int:

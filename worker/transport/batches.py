@@ -87,9 +87,11 @@ class Batches(celery_batches.Batches):
             self.events.started(held)
         return [celery_batches.SimpleRequest.from_request(request) for request in held]
 
-    def done(self, task_ids: Any, failures: Mapping[str, str] | None = None) -> None:
+    def done(self, task_ids: Any, failures: Mapping[str, str] | None = None,
+             answers: Mapping[str, str] | None = None) -> None:  # fmt: skip
         """The results of these messages are out (stream and backend): acknowledge them now.
-        `failures`: the error of each message among them that ended in state FAILURE.
+        `failures`: the error of each message among them that ended in state FAILURE; `answers`:
+        a short text of each one's answer, for the task-succeeded event (what Flower shows).
 
         Never raises: a message whose ack fails (Celery logs a broker error itself) stays unacked
         and comes back; its results are published once, so a redelivery only costs a recompute.
@@ -99,7 +101,7 @@ class Batches(celery_batches.Batches):
         _acknowledge(requests)
         if self.events is not None:
             for request in requests:
-                self.events.finished(request, (failures or {}).get(request.id))
+                self.events.finished(request, (failures or {}).get(request.id), (answers or {}).get(request.id, ""))
 
     def taken_over(self, task_ids: Any) -> set[str]:
         """Task ids of the running job whose every message another worker has taken over: this

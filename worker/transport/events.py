@@ -33,6 +33,7 @@ from kombu.exceptions import OperationalError
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 2.0  # Celery's default; Flower counts a worker offline after a few missed beats
+RESULT_REPR_MAX = 1024  # characters of a result in its event: Celery's default `resultrepr_maxsize`
 _STOP = object()
 
 
@@ -86,13 +87,15 @@ class WorkerEvents(threading.Thread):
             self._started_at[request.id] = now
             self.send("task-started", uuid=request.id)  # the dispatcher adds hostname, pid and clock
 
-    def finished(self, request: Any, failure: str | None = None) -> None:
-        """The message's result is out: `failure` is the error of a message that ended FAILURE."""
+    def finished(self, request: Any, failure: str | None = None, answer: str = "") -> None:
+        """The message's result is out: `failure` is the error of a message that ended FAILURE,
+        `answer` a short text of a successful one's answer (the event's `result`, what Flower shows),
+        cut at Celery's own bound for a result's repr."""
         worker_state.task_ready(request, successful=failure is None)
         started = self._started_at.pop(request.id, None)
         runtime = time.monotonic() - started if started is not None else 0.0
         if failure is None:
-            self.send("task-succeeded", uuid=request.id, result="", runtime=runtime)
+            self.send("task-succeeded", uuid=request.id, result=_bounded(answer), runtime=runtime)
         else:
             self.send("task-failed", uuid=request.id, exception=failure, traceback="", runtime=runtime)
 
@@ -174,3 +177,7 @@ def _load_average() -> tuple[float, float, float]:
         return tuple(round(value, 2) for value in os.getloadavg())  # type: ignore[return-value]
     except OSError:
         return (0.0, 0.0, 0.0)
+
+
+def _bounded(text: str, limit: int = RESULT_REPR_MAX) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
