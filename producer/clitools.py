@@ -47,7 +47,30 @@ def command(app: typer.Typer, prog: str) -> Callable[..., Any]:
         bool, typer.Option("--version", callback=_show_version(prog), is_eager=True, help="Show the version and exit.")
     ]
     _add_version(app, flag)
-    return typer.main.get_command(app)
+    built = typer.main.get_command(app)
+    _reflow_help(built)
+    return built
+
+
+def _reflow_help(command: Any) -> None:
+    """Help text as paragraphs that the terminal wraps, for `command` and every subcommand: typer
+    keeps a docstring's single line breaks, which then cut sentences wherever the terminal is
+    narrower or wider than the source. A line starting a list item or indented stays a line."""
+    if command.help:
+        command.help = "\n\n".join(_joined(paragraph) for paragraph in inspect.cleandoc(command.help).split("\n\n"))
+    for sub in getattr(command, "commands", {}).values():
+        _reflow_help(sub)
+
+
+def _joined(paragraph: str) -> str:
+    lines = paragraph.splitlines()
+    out = lines[:1]
+    for line in lines[1:]:
+        if line.startswith(("-", "*", " ", "\b")) or out[-1].startswith("\b"):
+            out.append(line)
+        else:
+            out[-1] = f"{out[-1]} {line}"
+    return "\n".join(out)
 
 
 def _add_version(app: typer.Typer, flag: object) -> None:

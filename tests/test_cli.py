@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import click.testing
 import pytest
 import redis
 from typer.testing import CliRunner
@@ -70,6 +71,26 @@ def test_version_and_short_help_on_every_command(app):
         if path not in (["bench"], ["loadtest"]):  # these hand -h to their own argparse (SystemExit(0))
             short = runner.invoke(app, [*path, "-h"])
             assert short.exit_code == 0 and "Usage" in short.output, (path, short.output)
+
+
+@pytest.mark.parametrize("app", [ticketq_app, produce_app], ids=["ticketq", "ticketq-produce"])
+def test_help_texts_read_whole(app):
+    """Command lists show each summary as one sentence (typer kept the docstring's line breaks),
+    and help text shows its brackets (rich took `[labels]` for markup)."""
+
+    def groups(group):
+        yield group
+        for sub in getattr(group, "commands", {}).values():
+            yield from groups(sub)
+
+    for group in groups(command(app, "x")):
+        for paragraph in (group.help or "").split("\n\n"):
+            assert all(line.startswith(("-", "*", " ")) for line in paragraph.splitlines()[1:]), group.name
+    if app is ticketq_app:
+        raw = click.testing.CliRunner().invoke(command(app, "ticketq"), ["eval", "-h"]).output  # as main() builds it
+        assert not re.search(r"without one, and *\n", raw), raw  # the docstring's own line break
+        shown = " ".join(raw.replace("│", " ").split())
+        assert "{field: label} or {field: [labels]}" in shown, shown
 
 
 # --- every invalid setting: one line, the variable, the value, what is allowed; exit 2; no model load ---

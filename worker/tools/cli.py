@@ -227,7 +227,7 @@ def evaluate(
         str, typer.Option(help="Margin (confidence) thresholds for the coverage tables, comma-separated.")
     ] = "0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9",
     schema_path: Annotated[Path | None, typer.Option("--schema", help="Score every field of this schema "
-                           "(TOML): `expected` is then {field: label} or {field: [labels]}.")] = None,
+                           "(TOML): `expected` is then {field: label} or {field: \\[labels]}.")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write every figure to this JSON file.")] = None,
     model: Annotated[str | None, typer.Option(help="Hub id or local dir (default TICKETQ_MODEL).")] = None,
     dtype: Annotated[str | None, typer.Option(help="auto|float32|bfloat16|float16|int8.")] = None,
