@@ -202,6 +202,24 @@ def test_classify_answers_a_schema_in_the_workers_result_shape(tmp_path, tiny_mo
     assert bad.returncode == EXIT_USAGE and not (tmp_path / "results.jsonl").exists()
 
 
+def test_schema_check_says_what_a_file_holds_or_each_problem(tmp_path):
+    good = run(["ticketq", "schema", "check", str(ROOT / "examples" / "schema.toml")])
+    assert good.returncode == 0 and "schema 'support', 3 field(s): category (3 labels)" in good.stdout, good.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "default"\n[fields.a]\nlabels = 3\n')
+    refused = run(["ticketq", "schema", "check", str(bad)])
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == EXIT_USAGE and "Traceback" not in refused.stderr
+    assert len(lines) == 3 and all(line.startswith(f"error: {bad}: ") for line in lines), refused.stderr
+
+
+def test_standin_says_once_what_it_built(tmp_path):
+    result = run(["ticketq", "standin", "--size", "tiny", "--out", str(tmp_path / "m")])
+    assert result.returncode == 0, result.stderr
+    said = (result.stdout + result.stderr).count("labels are meaningless")
+    assert said == 1, result.stdout + result.stderr
+
+
 def test_classify_never_overwrites(tmp_path, tiny_model_dir):
     env = engine_env(tiny_model_dir)
     tickets = tmp_path / "t.jsonl"
@@ -392,4 +410,5 @@ def test_demo_report_names_the_dtype_and_the_time_to_first_result():
     report(console, results, 1.5, metrics, "http://127.0.0.1:1/metrics", "m", first_result_s=1.25)
     text = console.export_text()
     assert "ticketq demo — m on cpu/bfloat16" in text
-    assert "2 (mean 3.0 tickets, 1.00 s)" in text and "1.25 s after the first send (1.2 mean forwards)" in text, text
+    assert "2 (mean 3.0 tickets, 1.00 s)" in text, text
+    assert "1.25 s after the first send (a forward pass: 1.00 s on average)" in text, text

@@ -426,6 +426,33 @@ def loadtest(ctx: typer.Context) -> None:
     raise typer.Exit(loadtest_main(ctx.args))
 
 
+schema_cli = typer.Typer(help="Triage schemas (TOML): check a file before a worker serves it.",
+                         no_args_is_help=True, context_settings=CONTEXT_SETTINGS)  # fmt: skip
+cli.add_typer(schema_cli, name="schema")
+
+
+@schema_cli.command("check")
+def schema_check(paths: Annotated[list[Path], typer.Argument(help="Schema files (TOML).")]) -> None:
+    """Load each schema as the worker does: one line per schema that is good (its fields and
+    labels), one line per problem of one that is not (exit status 2)."""
+    from ticketq.schema import SchemaError, load_schema
+
+    bad = False
+    for path in paths:
+        try:
+            schema = load_schema(path)
+        except SchemaError as exc:
+            bad = True
+            for problem in exc.problems:
+                error(console, problem)
+            continue
+        fields = ", ".join(f"{spec.name} ({'multi-label, ' if spec.multi else ''}{len(spec.labels)} labels)"
+                           for spec in schema.fields)  # fmt: skip
+        print(f"{path}: schema {schema.name!r}, {len(schema.fields)} field(s): {fields}")
+    if bad:
+        raise typer.Exit(EXIT_USAGE)
+
+
 dead = typer.Typer(help="Dead letters (stream ticketq:dead): list, show, requeue once the cause is fixed.",
                    no_args_is_help=True, context_settings=CONTEXT_SETTINGS)  # fmt: skip
 cli.add_typer(dead, name="dead")

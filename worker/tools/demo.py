@@ -123,4 +123,4 @@ def _first(first_result_s: float | None, forward_s: float | None) -> str:
         return "-"
     if not forward_s:
         return f"{first_result_s:.2f} s"
-    return f"{first_result_s:.2f} s after the first send ({first_result_s / forward_s:.1f} mean forwards)"
+    return f"{first_result_s:.2f} s after the first send (a forward pass: {forward_s:.2f} s on average)"

@@ -148,7 +148,7 @@ def build(size: Literal["full", "tiny"], out: Path, seed: int = 0) -> Path:
         "note": STANDIN_NOTE,
     }
     (out / STANDIN_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-    log.warning("built %s stand-in at %s (%s)", size, out, STANDIN_NOTE)
+    log.info("built %s stand-in at %s (%s)", size, out, STANDIN_NOTE)  # `ticketq standin` says it itself
     return out
 
 
