@@ -223,7 +223,7 @@ def test_kill9_mid_batch_loses_nothing(redis_server, workers, tiny_model_dir):
 
     second = workers(env, "kill9-second")
     ready_s = time.monotonic() - killed_at
-    wait_all_final(client, keys, 120, "every ticket's result after the kill")
+    wait_all_final(client, keys, 600, "every ticket's result after the kill")
     recovered_s = time.monotonic() - killed_at
     counts = finals(client)
     stream_dups = sum(n - 1 for n in counts.values())
@@ -240,7 +240,9 @@ def test_kill9_mid_batch_loses_nothing(redis_server, workers, tiny_model_dir):
     assert {meta["status"] for meta in states.values() if meta} == {"SUCCESS"} and None not in states.values()
     # A batch's messages are acked when its batch function returns, just after its last publish.
     wait_for(lambda: nothing_in_flight(client), 30, "every message acked, nothing left in flight")
-    assert recovered_s < 120, "recovered by the lease, long before the visibility timeout"
+    # The lease brought them back, not the visibility timeout (an hour): the second worker says so.
+    # How long it took is a figure of the machine's load, printed above, not a pass/fail line.
+    assert recovered_s < 3600 and "(lease expired)" in second.log(), second.log()[-3000:]
 
 
 def test_kill9_idle_worker_under_traffic(redis_server, workers):
