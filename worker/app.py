@@ -31,6 +31,7 @@ from ticketq.names import TASK_CLASSIFY
 from worker import store
 from worker.metrics import Metrics
 from worker.nullclassifier import NullClassifier
+from worker.progress import CLASSIFYING
 from worker.service import Classifier, TicketService
 from worker.settings import Settings, load_settings
 from worker.store import Outbox, raw_entry
@@ -100,6 +101,10 @@ class Runtime:
         problems = store.write_problems()  # Redis refusing writes, results not on the replicas yet
         if not self.consumer_running:
             problems.insert(0, "consumer not running")
+        stalled = CLASSIFYING.stalled_for()  # its lease is no longer renewed meanwhile (worker.transport.lease)
+        if stalled:
+            problems.append(f"classifying stalled for {stalled:.0f} s (work in hand, no progress for longer than "
+                            f"TICKETQ_WORST_BATCH_S={CLASSIFYING.bound_s:g}s)")  # fmt: skip
         return "; ".join(problems) or None
 
 

@@ -38,6 +38,7 @@ from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from worker import constants as c
+from worker.progress import CLASSIFYING
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -180,6 +181,11 @@ class Metrics:
         self.cost_model_error = Gauge(c.M_COST_MODEL_ERROR, "Median relative error of the last live cost fit "
                                       "over the recent forwards' shapes.", registry=r)  # fmt: skip
         self.cost_model_fits = Counter(c.M_COST_MODEL_FITS, "Live refits of the planner's cost model kept.", registry=r)
+        self.stalled = Gauge(
+            c.M_STALLED, "Seconds the classifying loop has held work without progress, once past "
+            "TICKETQ_WORST_BATCH_S (its lease is then no longer renewed); 0 otherwise.", registry=r,
+        )  # fmt: skip
+        self.stalled.set_function(CLASSIFYING.stalled_for)
         self.flushes = Counter(c.M_FLUSHES, "Buffer drains (micro-batches handed to the engine).", registry=r)
         self.first_result = Histogram(
             c.M_FIRST_RESULT, "Batch start to its first result published, seconds.", buckets=LATENCY_BUCKETS, registry=r

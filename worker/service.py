@@ -35,6 +35,7 @@ from ticketq import codec
 from ticketq.contract import Reason, Ticket, TicketRejected, result_id, validate_ticket
 from ticketq.schema import DEFAULT_SCHEMA_NAME, TicketFields
 from worker.metrics import Metrics
+from worker.progress import CLASSIFYING
 from worker.results import BatchReport, Prediction
 from worker.settings import Settings
 from worker.shadow import ShadowChecker
@@ -160,15 +161,20 @@ class TicketService:
 
     def process(self, requests: Sequence[Any], backend: Backend, feed: Feed | None = None) -> None:
         """Classify and publish one buffer (and what `feed` adds while it runs); never raises (see
-        module docstring)."""
+        module docstring). Work is in hand meanwhile: the lease promises progress on it
+        (`worker.progress`)."""
         self.metrics.flushes.inc()
-        triaged = self._triage_or_fail(requests, backend, feed)
-        if triaged is None:
-            return
-        fresh, redelivered = triaged
-        self._guarded(fresh, backend, feed, lambda work: self._run_batch(work, fresh, redelivered))
-        for request in redelivered:
-            self._guarded([request], backend, feed, lambda work, request=request: self._run_alone(work, request))
+        CLASSIFYING.begin(self.settings.worst_batch_s)
+        try:
+            triaged = self._triage_or_fail(requests, backend, feed)
+            if triaged is None:
+                return
+            fresh, redelivered = triaged
+            self._guarded(fresh, backend, feed, lambda work: self._run_batch(work, fresh, redelivered))
+            for request in redelivered:
+                self._guarded([request], backend, feed, lambda work, request=request: self._run_alone(work, request))
+        finally:
+            CLASSIFYING.end()
 
     def _guarded(self, requests: Sequence[Any], backend: Backend, feed: Feed | None,
                  run: Callable[[Work], None]) -> None:  # fmt: skip
@@ -440,6 +446,7 @@ class TicketService:
                 self.metrics.field_answers.labels(schema=answer.schema, field=name, label=label, review=review).inc()
 
     def _observe(self, report: BatchReport) -> None:
+        CLASSIFYING.advanced()  # a forward computed: what follows (the live cost refit) starts the next wait
         self.metrics.observe_batch(report.rows, report.width, report.real_tokens, report.seconds)
         if self.on_forward is not None:
             self.on_forward(report)
@@ -504,6 +511,7 @@ class TicketService:
         if work.feed is not None and complete:
             work.feed.done(complete, failures, {task_id: _answer_text(work.by_task[task_id]) for task_id in complete})
         self.metrics.publish.observe(time.perf_counter() - begun)
+        CLASSIFYING.advanced()
         self._count_outcomes([slot for slot in slots if (slot.request.id, slot.index) not in repeated])
         if not work.first_out:
             work.first_out = True

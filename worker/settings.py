@@ -98,7 +98,9 @@ class Settings(ClientSettings):
         None, ge=1, description="Celery prefetch (default: 2 x batch_window so the window can fill)."
     )
     worst_batch_s: float = Field(
-        30.0, gt=0, description="Expected worst batch time; visibility must exceed 4x."
+        30.0, gt=0, description="Expected worst batch time; visibility must exceed 4x. A worker whose classifying "
+        "loop holds work without progress for longer stops renewing its lease (live workers take its messages "
+        "over) and is not ready until it moves again.",
     )
     max_retries: int = Field(3, ge=0, le=10, description="Retries of a ticket whose batch failed.")
     shadow_rate: float = Field(0.0, ge=0.0, le=1.0, description="Fraction re-checked on the reference path.")

@@ -6,6 +6,11 @@ out back to the queue within seconds, instead of after kombu's visibility timeou
 as a backstop). A channel lost to a broker outage is such a consumer too: its leftovers come
 back once its lease has run out. The thread has a client of its own (`Channel.own_client`: on
 Sentinel, one that follows the master), and rides out a Redis that refuses writes like any outage.
+
+A lease is a promise of progress: while the classifying loop holds work without progress for
+longer than its bound (`worker.progress`, TICKETQ_WORST_BATCH_S) the thread stops renewing and the
+channel stops fetching, so live workers take over what it holds once the lease runs out; it
+renews again at the first progress, and the late results are published once (the outbox's rules).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from kombu.utils.json import loads
 from ticketq import connections
 from ticketq.names import queue_lists
 from worker import store
+from worker.progress import CLASSIFYING
 from worker.transport.state import PushRecorder, WorkerState
 
 if TYPE_CHECKING:
@@ -34,7 +40,8 @@ log = logging.getLogger(__name__)
 
 
 class Lease(threading.Thread):
-    """This consumer's lease, renewed every lease/4 s, and the recovery of consumers whose lease ran out.
+    """This consumer's lease, renewed every lease/4 s while the classifying loop makes progress, and
+    the recovery of consumers whose lease ran out.
 
     A consumer is recovered only by a worker that has itself held its lease for a full lease
     period since it last (re)connected: after a Redis restart every live worker gets one period to
@@ -46,11 +53,17 @@ class Lease(threading.Thread):
         self.channel = channel
         self.lease_s = float(channel.ticketq_lease_s)
         self.started = time.time()
-        self.registered = False  # the consumer is in CONSUMERS_KEY: it may fetch (Channel.may_fetch)
+        self._registered = False  # the consumer is in CONSUMERS_KEY
         self.renewed_at: float | None = None  # monotonic time of the last renewal
         self.lapsed = False  # not renewed for a whole lease period: others may recover this consumer
+        self.stalled = False  # held back: the classifying loop holds work without progress
         self._queues: set[str] = set()
         self._stopped = threading.Event()
+
+    @property
+    def registered(self) -> bool:
+        """The consumer is in CONSUMERS_KEY and its lease is not held back: it may fetch (Channel.may_fetch)."""
+        return self._registered and not self.stalled
 
     def stop(self) -> None:
         self._stopped.set()
@@ -64,20 +77,30 @@ class Lease(threading.Thread):
         client = self.channel.own_client(timeout_s=max(1.0, self.lease_s / 2))
         try:
             while True:
-                try:
-                    self.beat(client)
-                    steady_since = steady_since or time.monotonic()
-                    if time.monotonic() - steady_since >= self.lease_s:
-                        self.recover_expired(client)
-                except redis.RedisError as exc:
-                    if not store.refused(exc, "the lease") and steady_since is not None:
-                        log.warning("lease not renewed, Redis unavailable (%s)", exc)
-                    steady_since = None
-                    self.check_lapse()
+                steady_since = self.tick(client, steady_since)
                 if self._stopped.wait(self.lease_s / 4):
                     break
         finally:
             connections.close(client)
+
+    def tick(self, client: redis.Redis, steady_since: float | None) -> float | None:
+        """One quarter-lease turn: renew (unless held back), and recover the consumers whose lease ran
+        out once this one has held its own for a full period. Returns when that period began (None:
+        the lease was not renewed)."""
+        if self.held_back():
+            self.check_lapse()
+            return None
+        try:
+            self.beat(client)
+            steady_since = steady_since or time.monotonic()
+            if time.monotonic() - steady_since >= self.lease_s:
+                self.recover_expired(client)
+            return steady_since
+        except redis.RedisError as exc:
+            if not store.refused(exc, "the lease") and steady_since is not None:
+                log.warning("lease not renewed, Redis unavailable (%s)", exc)
+            self.check_lapse()
+            return None
 
     @property
     def queues(self) -> list[str]:
@@ -89,12 +112,31 @@ class Lease(threading.Thread):
     def state(self) -> WorkerState:
         return self.channel.qos.state
 
+    def held_back(self) -> bool:
+        """Whether the classifying loop is stalled, so that this lease must not be renewed; logs once
+        when a stall begins and when it ends. Not while Redis refuses writes or the replicas lag
+        (`store.write_problems`): the loop then waits on Redis by design, with no deadline, and any
+        worker taking its messages over would wait the same way."""
+        quiet = 0.0 if store.write_problems() else CLASSIFYING.stalled_for()
+        if quiet and not self.stalled:
+            log.warning(
+                "lease of consumer %s no longer renewed: the classifying loop has held work for %.1fs without "
+                "progress (bound %gs, TICKETQ_WORST_BATCH_S); live workers take over the messages it holds once "
+                "the lease runs out (%gs), and this worker fetches nothing until it makes progress again",
+                self.channel.consumer, quiet, CLASSIFYING.bound_s, self.lease_s,
+            )  # fmt: skip
+        elif not quiet and self.stalled:
+            log.warning("the classifying loop moves again: renewing the lease of consumer %s, fetching resumes",
+                        self.channel.consumer)  # fmt: skip
+        self.stalled = bool(quiet)
+        return self.stalled
+
     def beat(self, client: redis.Redis) -> None:
         info = {"host": socket.gethostname(), "pid": os.getpid(), "queues": self.queues,
                 "since": round(self.started, 3)}  # fmt: skip
         new = self.state.beat(client, self.channel.consumer, int(self.lease_s * 1000), json.dumps(info))
         now = time.monotonic()
-        if self.registered and (new or self.lapsed):
+        if self._registered and (new or self.lapsed):
             gap = now - (self.renewed_at or now)
             if new:
                 log.warning(
@@ -106,7 +148,7 @@ class Lease(threading.Thread):
                 log.warning("lease of consumer %s renewed after %.1fs (lease %.0fs): other workers may have "
                             "recovered the messages it held meanwhile; its acks of those are skipped",
                             self.channel.consumer, gap, self.lease_s)  # fmt: skip
-        self.registered, self.renewed_at, self.lapsed = True, now, False
+        self._registered, self.renewed_at, self.lapsed = True, now, False
         store.accepted()
 
     def check_lapse(self) -> None:
