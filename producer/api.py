@@ -374,23 +374,27 @@ class Producer:
         """One pipeline of messages, tried again through an outage (`_Outage`, up to `retry_for_s`);
         `before`: what the run sent so far, for the exceptions that say so."""
         outage = _Outage("sending", None, self.retry_for_s, refusals=False)
-        attempted: list[TicketResult] = []
+        maybe: list[TicketResult] = []  # the most of the block any try handed to Redis
         try:
             while True:
-                attempted = []
+                attempted: list[TicketResult] = []
                 try:
                     with self._acquire_producer() as kombu_producer, _publish_batch(kombu_producer):
                         for chunk, task_id in zip(chunks, task_ids, strict=True):
                             attempted.append(self._send(chunk, packed, kombu_producer, task_id))
+                            maybe = max(maybe, attempted, key=len)
                     outage.over()
                     return attempted
                 except (*_CONNECTION_ERRORS, *_BATCH_ERRORS) as exc:  # a pipeline flushed at the end of the block
                     self._checked = False
+                    if len(attempted) < len(chunks):  # the message whose publish met the error flushed the pipeline
+                        at = len(attempted)
+                        maybe = max(maybe, [*attempted, self._result_of(task_ids[at], chunks[at], packed)], key=len)
                     error = self._unreachable(exc, sent=len(before))
                     if not outage.ride_out(error, raises=False):
-                        raise SendStopped(error, before, attempted) from None
+                        raise SendStopped(error, before, maybe) from None
         except KeyboardInterrupt:
-            raise SendInterrupted(before, attempted) from None
+            raise SendInterrupted(before, maybe) from None
 
     def _answered(self, task_ids: Sequence[str]) -> set[str]:
         """The task ids among `task_ids` that have a finished result in the Redis result backend."""
