@@ -583,7 +583,7 @@ class Producer:
                             break
                         continue
                     if resends is None or len(by_task) == len(sent):
-                        continue
+                        break
                     try:
                         self._resend_lost(resends, sent)
                     except (*_CONNECTION_ERRORS, RuntimeError) as exc:
