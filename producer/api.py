@@ -9,8 +9,13 @@ a ticket is checked here before anything is sent, `submit_many` also refuses a r
 each message goes to task `ticketq.names.TASK_CLASSIFY` on queue `settings.queue`, one ticket or a
 packed list. `wait()` gives one dict per ticket: the worker's `Classified` or `Failed` result;
 a failed task becomes `{"id", "task_id", "status": "failed", "error"}` for each of its tickets,
-and a task with no result by the deadline `status: "timeout"`; a Redis that goes away meanwhile is
-asked again until that deadline.
+and a task with no result by the deadline `status: "timeout"`.
+
+A Redis that goes away (a restart, a Sentinel failover) is asked again, sending and waiting alike,
+for up to `retry_for_s` (RETRY_FOR_S by default): a bulk send then sends again the pipeline it was
+flushing, under the same task ids. Past that, or when Redis refuses a send's writes (full),
+`SendStopped` / `WaitStopped` say what was sent and what came back. `wait(resend_after=S)` sends
+again what is plausibly lost, with a budget (`producer.resends`).
 
 `submit_many(..., idempotent=True)` (what `ticketq-produce file` sends) derives each message's task
 id from its queue and ticket ids, and does not send again a message that already has a result: a
@@ -39,6 +44,7 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult, ResultSet
 from tqdm import tqdm
 
+from producer.resends import Resends, Whereabouts, next_send
 from ticketq import codec, connections
 from ticketq.config import ClientSettings, is_redis_url, is_sentinel_url, mask_url
 from ticketq.connections import SOCKET_TIMEOUT_S, RedisUnavailable, connect, redis_client
@@ -58,7 +64,9 @@ _BATCH_ERRORS = tuple(getattr(kombu.exceptions, name) for name in ("BatchPublish
 PUBLISH_BATCH = 500  # messages per Redis pipeline in submit_many (kombu >= 5.7's Producer.batch)
 POLL_WINDOW = 200  # result keys read per MGET while waiting: the oldest pending, and a window rotating over the rest
 POLL_PAUSE_S = (0.005, 0.1)  # pause between reads: the shortest after a read that found results, the longest
-RECONNECT_PAUSE_S = (0.1, 2.0)  # while waiting on a Redis that went away: the first pause, the longest
+RECONNECT_PAUSE_S = (0.1, 2.0)  # while Redis is away: the first pause before asking again, the longest
+# How long sending and waiting ask a Redis that went away again (a Sentinel promotion takes a few seconds)
+RETRY_FOR_S = 30.0
 # uuid5 namespace of idempotent task ids: the same (queue, tickets of the message) always names the same task
 TASK_ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://ticketq/task-id")
 
@@ -123,6 +131,31 @@ class NotReplicated(BrokerUnavailable):
         return self._text
 
 
+class SendStopped(BrokerUnavailable):
+    """Redis stopped a bulk send: unreachable for longer than `retry_for_s`, or refusing its writes
+    (full, too few replicas). `results` are the messages Redis took, `unconfirmed` those of the
+    pipeline it failed, which it may or may not hold; the tickets after them were not sent. Sent
+    again with the same task ids (idempotent sends), each is answered once. `str()` is the cause."""
+
+    def __init__(self, error: BrokerUnavailable, results: list[TicketResult], unconfirmed: list[TicketResult]) -> None:
+        ConnectionError.__init__(self, str(error))
+        self.url, self.reason = error.url, error.reason
+        self.refused, self.write_refused = error.refused, error.write_refused
+        self.results, self.unconfirmed = results, unconfirmed
+
+
+class WaitStopped(BrokerUnavailable):
+    """Redis stayed unreachable for longer than `retry_for_s` while `wait` waited: `results` has a
+    row for every ticket, as `wait` returns them (`status: "timeout"` for those without a result).
+    `str()` is the cause."""
+
+    def __init__(self, error: BrokerUnavailable, results: list[dict]) -> None:
+        ConnectionError.__init__(self, str(error))
+        self.url, self.reason = error.url, error.reason
+        self.refused, self.write_refused = error.refused, error.write_refused
+        self.results = results
+
+
 class SendInterrupted(KeyboardInterrupt):
     """Ctrl-C during `submit_many`: `results` are the messages Redis took (their pipelines were
     flushed), `unconfirmed` the ones of the pipeline being flushed when it came, which Redis may or
@@ -149,6 +182,7 @@ class TicketResult(AsyncResult):
     ticket_ids: tuple[str, ...] = ()
     packed: bool = False
     message_args: tuple = ()  # what was sent, so `wait(resend_after=...)` can send it again
+    sent_seq: int | None = None  # `producer.resends.next_send()` of its latest send; None: sent by an earlier run
     sent_before: bool = False  # an idempotent send found it sent (or answered) already, and did not send it
 
 
@@ -158,7 +192,8 @@ class Producer:
     Build it from `ClientSettings` (read from `TICKETQ_*` by default; a worker's `Settings` will
     do too) or override the URLs:
     `Producer(broker_url="redis://:secret@redis:6379/0")`. The first send checks the broker once
-    and raises `BrokerUnavailable` within about `connect_timeout_s` instead of retrying.
+    and raises `BrokerUnavailable` within about `connect_timeout_s` instead of retrying; once
+    sending or waiting has begun, a Redis that went away is asked again for up to `retry_for_s`.
     """
 
     def __init__(
@@ -168,11 +203,14 @@ class Producer:
         broker_url: str | None = None,
         backend_url: str | None = None,
         connect_timeout_s: float = 3.0,
+        retry_for_s: float = RETRY_FOR_S,
     ) -> None:
         settings = settings if settings is not None else ClientSettings()
         # Checked as TICKETQ_BROKER_URL is: SettingsError (a ValueError), one line per problem.
         self.settings = settings.with_overrides(broker_url=broker_url or None, result_backend=backend_url or None)
-        self.connect_timeout_s = connect_timeout_s
+        if retry_for_s < 0:
+            raise ValueError(f"retry_for_s must be >= 0 seconds, got {retry_for_s!r}")
+        self.connect_timeout_s, self.retry_for_s = connect_timeout_s, retry_for_s
         self.app = _make_app(self.settings, connect_timeout_s)
         self._result_cls = self.app.subclass_with_self(TicketResult)
         self._redis: redis.Redis | None = None
@@ -306,7 +344,7 @@ class Producer:
         before = [self._result_of(task_ids[i], chunks[i], packed) for i in range(len(chunks)) if task_ids[i] in skipped]
         try:
             sent = self._send_chunks([chunks[i] for i in todo], [task_ids[i] for i in todo], packed, progress)
-        except SendInterrupted as stop:
+        except (SendInterrupted, SendStopped) as stop:
             stop.results[:0] = before  # what an earlier run sent is sent too
             raise
         self._confirm_replicas(sent)
@@ -316,30 +354,47 @@ class Producer:
     def _send_chunks(self, chunks: list, task_ids: list, packed: bool, progress: bool) -> list[TicketResult]:
         """Publish `chunks` one message each, PUBLISH_BATCH per Redis pipeline.
 
-        One pooled producer (and its broker connection) for the whole run, not one acquire per
-        message. A pipeline per block of PUBLISH_BATCH, each flushed before the next starts, so
-        what Redis took is known exactly when the run stops part way.
+        A pipeline per block of PUBLISH_BATCH, each flushed before the next starts, so what Redis
+        took is known exactly when the run stops part way: Ctrl-C (`SendInterrupted`), or Redis
+        lost for longer than `retry_for_s` or refusing the writes (`SendStopped`). A block whose
+        pipeline failed on a lost connection is sent again whole once Redis answers, under the
+        same task ids (fixed here, before the first try): at worst a duplicate, published once.
         """
+        task_ids = [task_id or str(uuid.uuid4()) for task_id in task_ids]
         results: list[TicketResult] = []
-        flushed = 0
-        try:
-            with (
-                tqdm(total=sum(map(len, chunks)), unit="ticket", desc="enqueue", disable=not progress) as bar,
-                self._acquire_producer() as kombu_producer,
-            ):
-                for first in range(0, len(chunks), PUBLISH_BATCH):
-                    block = range(first, min(first + PUBLISH_BATCH, len(chunks)))
-                    with _publish_batch(kombu_producer):
-                        for index in block:
-                            results.append(self._send(chunks[index], packed, kombu_producer, task_ids[index]))
-                    flushed = len(results)
-                    bar.update(sum(len(chunks[index]) for index in block))
-        except KeyboardInterrupt:
-            raise SendInterrupted(results[:flushed], results[flushed:]) from None
-        except (*_CONNECTION_ERRORS, *_BATCH_ERRORS) as exc:  # a pipeline flushed at the end of the block
-            self._checked = False
-            raise self._unreachable(exc, sent=flushed) from None
+        with tqdm(total=sum(map(len, chunks)), unit="ticket", desc="enqueue", disable=not progress) as bar:
+            for first in range(0, len(chunks), PUBLISH_BATCH):
+                block = range(first, min(first + PUBLISH_BATCH, len(chunks)))
+                results += self._send_block([chunks[i] for i in block], [task_ids[i] for i in block], packed, results)
+                bar.update(sum(len(chunks[index]) for index in block))
         return results
+
+    def _send_block(self, chunks: list, task_ids: list[str], packed: bool, before: list[TicketResult]
+                    ) -> list[TicketResult]:  # fmt: skip
+        """One pipeline of messages, tried again through an outage (`_Outage`, up to `retry_for_s`);
+        `before`: what the run sent so far, for the exceptions that say so."""
+        outage = _Outage("sending", None, self.retry_for_s, refusals=False)
+        maybe: list[TicketResult] = []  # the most of the block any try handed to Redis
+        try:
+            while True:
+                attempted: list[TicketResult] = []
+                try:
+                    with self._acquire_producer() as kombu_producer, _publish_batch(kombu_producer):
+                        for chunk, task_id in zip(chunks, task_ids, strict=True):
+                            attempted.append(self._send(chunk, packed, kombu_producer, task_id))
+                            maybe = max(maybe, attempted, key=len)
+                    outage.over()
+                    return attempted
+                except (*_CONNECTION_ERRORS, *_BATCH_ERRORS) as exc:  # a pipeline flushed at the end of the block
+                    self._checked = False
+                    if len(attempted) < len(chunks):  # the message whose publish met the error flushed the pipeline
+                        at = len(attempted)
+                        maybe = max(maybe, [*attempted, self._result_of(task_ids[at], chunks[at], packed)], key=len)
+                    error = self._unreachable(exc, sent=len(before))
+                    if not outage.ride_out(error, raises=False):
+                        raise SendStopped(error, before, maybe) from None
+        except KeyboardInterrupt:
+            raise SendInterrupted(before, maybe) from None
 
     def _answered(self, task_ids: Sequence[str]) -> set[str]:
         """The task ids among `task_ids` that have a finished result in the Redis result backend."""
@@ -426,6 +481,7 @@ class Producer:
             self._checked = False
             raise self._unreachable(exc) from None
         result.ticket_ids, result.packed, result.message_args = ticket_ids, packed, args
+        result.sent_seq = next_send()
         return result
 
     def resend(self, result: TicketResult) -> TicketResult:
@@ -443,6 +499,8 @@ class Producer:
     def _unreachable(self, exc: BaseException, sent: int | None = None) -> BaseException:
         """Name the Redis that failed and why (not reachable, credentials, a refused write);
         give back any other error unchanged. `sent`: messages of a bulk send before the failure."""
+        if isinstance(exc, BrokerUnavailable):
+            return exc  # said already (a check of the connection before a send)
         if isinstance(exc, RuntimeError):
             # The result backend's pub/sub gave up reconnecting; Celery wraps the connection error.
             if isinstance(exc.__cause__, _CONNECTION_ERRORS):
@@ -477,11 +535,13 @@ class Producer:
         Blocks until every task is done or `timeout` seconds pass overall; unfinished tickets come
         back as `status: "timeout"`. `on_result` gets each task's ticket dicts as they arrive.
         A Redis that goes away meanwhile (a restart, a failover) is asked again, pausing 0.1 s
-        doubling up to 2 s, until it answers or the timeout passes; results stored meanwhile are
-        read once it is back. Refused credentials still raise `BrokerUnavailable` at once.
-        With `resend_after`, a message still without a result after that many seconds (and again
-        after each further period) is sent again with the same task id: covers a message lost
-        on its way (a Redis that lost its last writes), at the cost of a duplicate computation.
+        doubling up to 2 s, for up to `retry_for_s` (within the timeout); results stored meanwhile
+        are read once it is back. Past `retry_for_s` it raises `WaitStopped` with every row;
+        refused credentials raise `BrokerUnavailable` at once.
+        With `resend_after`, a message still without a result after that many seconds is sent
+        again with the same task id when it is plausibly lost (not queued, not fetched by a
+        worker), with backoff per message and a budget per period tied to the answer rate; the
+        rule, its cost per period and the bound on a lost message are in `producer.resends`.
         """
         if resend_after is not None and resend_after <= 0:
             raise ValueError(f"resend_after must be > 0 seconds, got {resend_after!r}")
@@ -489,7 +549,8 @@ class Producer:
         sent = {result.id: result for result in results}
         total = sum(len(_ticket_ids(result)) or 1 for result in results)
         deadline = None if timeout is None else time.monotonic() + timeout
-        outage = _Outage(deadline)
+        outage = _Outage("waiting for results", deadline, self.retry_for_s)
+        resends = _resends_for(results, resend_after)
         with tqdm(total=total, unit="ticket", desc="results", disable=not progress) as bar, paused_gc():
             try:
                 while len(by_task) < len(sent):
@@ -497,13 +558,14 @@ class Producer:
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         break
-                    periods = [p for p in (remaining, resend_after) if p is not None]
-                    period = min(periods) if periods else None
+                    periods = [p for p in (remaining, resends and resends.period) if p is not None]
                     try:
-                        for task_id, state, value in self._iter_ready(pending, period):
+                        for task_id, state, value in self._iter_ready(pending, min(periods) if periods else None):
                             outage.over()
                             tickets = ticket_results(sent[task_id], state, value)
                             by_task[task_id] = tickets
+                            if resends is not None:
+                                resends.answered(task_id)
                             bar.update(len(tickets))
                             if on_result is not None:
                                 on_result(tickets)
@@ -514,28 +576,24 @@ class Producer:
                         outage.over()
                     except CeleryTimeoutError:
                         outage.over()  # what is missing is re-sent below, or reported as a timeout
+                        if resends is None:
+                            break
                     except (*_CONNECTION_ERRORS, RuntimeError) as exc:
                         if not outage.ride_out(self._unreachable(exc)):
                             break
                         continue
-                    if resend_after is None or len(by_task) == len(sent):
+                    if resends is None or len(by_task) == len(sent):
                         break
                     try:
-                        self._resend_missing(results, by_task)
+                        self._resend_lost(resends, sent)
                     except (*_CONNECTION_ERRORS, RuntimeError) as exc:
                         if not outage.ride_out(self._unreachable(exc)):
                             break
             finally:
                 self._unsubscribe(result for result in results if result.id not in by_task)
-
-        collected = []
-        for result in results:
-            if result.id in by_task:
-                collected.extend(by_task[result.id])
-            else:
-                error = f"no result within {timeout:g} s" if timeout is not None else "no result"
-                ids = _ticket_ids(result) or [None]
-                collected.extend(_failed(result.id, ids, error, status="timeout"))
+        collected = _in_order(results, by_task, timeout)
+        if outage.gave_up is not None:
+            raise WaitStopped(outage.gave_up, collected)
         return collected
 
     def ready_now(self, results: Sequence[AsyncResult]) -> list[dict]:
@@ -557,13 +615,31 @@ class Producer:
             log.debug("could not read the results ready now: %s", exc)
         return rows
 
-    def _resend_missing(self, results: Sequence[AsyncResult], by_task: dict[str, list[dict]]) -> None:
-        missing = [result for result in results if result.id not in by_task and getattr(result, "message_args", ())]
-        for result in missing:
-            # No replica check here: the wait goes on, and sends again what still has no result.
-            self._publish(result.id, result.message_args, result.ticket_ids, result.packed)
-        if missing:
-            log.warning("re-sent %d message(s) without a result (same task ids)", len(missing))
+    def _resend_lost(self, resends: Resends, sent: Mapping[str, AsyncResult]) -> None:
+        """Send again the due messages that are plausibly lost, within the period's budget (see
+        `producer.resends`): where the messages are, read at one instant, then their results read
+        again, so one answered since is not taken for lost."""
+        allowed, now = resends.budget(), time.monotonic()
+        due = resends.due(now)
+        if not due:
+            return
+        lost = resends.lost(due, Whereabouts.read(self.redis, self.settings.queue, resends.sends()))
+        answered = self._answered(lost[:allowed])
+        chosen = [task_id for task_id in lost[:allowed] if task_id not in answered]
+        if not chosen:
+            return
+        again: list[TicketResult] = []
+        with self._acquire_producer() as kombu_producer, _publish_batch(kombu_producer):
+            for task_id in chosen:
+                result = sent[task_id]
+                # No replica check here: the wait goes on, and sends again what still has no result.
+                again.append(self._publish(task_id, result.message_args, result.ticket_ids, result.packed,
+                                           kombu_producer))  # fmt: skip
+        for result in again:
+            resends.resent(result.id, result.sent_seq or 0, now)
+        waiting = len(lost) - len(answered) - len(chosen)
+        log.warning("re-sent %d message(s) found lost (no result, not queued, not fetched by a worker; same task "
+                    "ids)%s", len(chosen), f"; {waiting} more wait for the re-send budget" if waiting > 0 else "")
 
     def _unsubscribe(self, results: Iterable[AsyncResult]) -> None:
         """Stop listening for results we gave up on (a later `wait` subscribes again).
@@ -686,29 +762,41 @@ class Producer:
 
 
 class _Outage:
-    """While `Producer.wait` cannot reach Redis: how long to pause before asking again, up to its deadline."""
+    """While Redis cannot be reached (sending, or waiting for results): how long to pause before
+    asking again, until the wait's `deadline` or `limit_s` into the outage, whichever comes first."""
 
-    def __init__(self, deadline: float | None) -> None:
-        self.deadline, self.pause, self.since = deadline, RECONNECT_PAUSE_S[0], None
+    def __init__(self, doing: str, deadline: float | None, limit_s: float, refusals: bool = True) -> None:
+        """`refusals`: a Redis refusing writes (full, too few replicas) is waited out too."""
+        self.doing, self.deadline, self.limit_s, self.refusals = doing, deadline, limit_s, refusals
+        self.pause, self.since = RECONNECT_PAUSE_S[0], None
+        self.gave_up: BrokerUnavailable | None = None  # the error, once `limit_s` passed
 
-    def ride_out(self, error: BaseException) -> bool:
-        """Pause before the next try; False when the deadline leaves no time for one. Raises
-        `error` at once when asking again cannot help (refused credentials)."""
-        if not _is_lost_connection(error):
-            raise error
+    def ride_out(self, error: BaseException, raises: bool = True) -> bool:
+        """Pause before the next try: True. False when the deadline or the limit leaves no time
+        for one (`gave_up` is set past the limit), or when asking again cannot help (refused
+        credentials; a refused write when `refusals` is off), which raises `error` at once unless
+        `raises` is off."""
+        if not _is_lost_connection(error) or (not self.refusals and error.write_refused):
+            if raises:
+                raise error
+            return False
         now = time.monotonic()
         if self.since is None:
             self.since = now
-            log.warning("lost Redis while waiting for results (%s); trying again until the timeout", error)
-        if self.deadline is not None and now >= self.deadline:
+            log.warning("lost Redis while %s (%s); trying again for up to %g s", self.doing,
+                        getattr(error, "reason", error), self.limit_s)  # fmt: skip
+        ends = [self.since + self.limit_s] + ([self.deadline] if self.deadline is not None else [])
+        if now >= min(ends):
+            if now >= self.since + self.limit_s:
+                self.gave_up = error
             return False
-        time.sleep(self.pause if self.deadline is None else min(self.pause, self.deadline - now))
+        time.sleep(min(self.pause, min(ends) - now))
         self.pause = min(2 * self.pause, RECONNECT_PAUSE_S[1])
         return True
 
     def over(self) -> None:
         if self.since is not None:
-            log.warning("Redis is back after %.1f s; reading results again", time.monotonic() - self.since)
+            log.warning("Redis is back after %.1f s; %s again", time.monotonic() - self.since, self.doing)
             self.since, self.pause = None, RECONNECT_PAUSE_S[0]
 
 
@@ -752,6 +840,27 @@ def _make_app(settings: ClientSettings, connect_timeout_s: float) -> Celery:
         },
     )
     return app
+
+
+def _resends_for(results: Sequence[AsyncResult], resend_after: float | None) -> Resends | None:
+    """The re-send plan of a wait: every message this producer can send again (None without `resend_after`)."""
+    if resend_after is None:
+        return None
+    messages = [(result.id, getattr(result, "sent_seq", None)) for result in results
+                if getattr(result, "message_args", ())]  # fmt: skip
+    return Resends(messages, resend_after, time.monotonic())
+
+
+def _in_order(results: Sequence[AsyncResult], by_task: Mapping[str, list[dict]], timeout: float | None) -> list[dict]:
+    """Every ticket's row in submission order; `status: "timeout"` for a task without a result."""
+    collected = []
+    for result in results:
+        if result.id in by_task:
+            collected.extend(by_task[result.id])
+        else:
+            error = f"no result within {timeout:g} s" if timeout is not None else "no result"
+            collected.extend(_failed(result.id, _ticket_ids(result) or [None], error, status="timeout"))
+    return collected
 
 
 def ticket_results(result: AsyncResult, state: str, value: object) -> list[dict]:

@@ -20,7 +20,15 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from producer.api import BrokerUnavailable, Producer, SendInterrupted, TicketResult
+from producer.api import (
+    RETRY_FOR_S,
+    BrokerUnavailable,
+    Producer,
+    SendInterrupted,
+    SendStopped,
+    TicketResult,
+    WaitStopped,
+)
 from producer.clitools import (
     CONTEXT_SETTINGS,
     EXIT_FAILED,
@@ -51,7 +59,8 @@ app = typer.Typer(
         "TICKETQ_RESULT_BACKEND, TICKETQ_QUEUE, TICKETQ_MAX_TICKET_BYTES, ...); --broker-url and "
         "--backend-url override them.\n\n"
         "Exit status: 0 all tickets sent (and, with --wait, classified); 1 some tickets were rejected, "
-        "failed or timed out; 2 nothing could be done (bad settings, unreadable file, Redis unreachable); "
+        "failed or timed out, or Redis stopped the run part way (--out says where each ticket is); 2 nothing "
+        "could be done (bad settings, unreadable file, Redis unreachable or refusing the first send); "
         "3 the input was read but no ticket was sent (or, with --wait, classified)."
     ),
     no_args_is_help=True,
@@ -82,10 +91,17 @@ Timeout = Annotated[
     typer.Option("--timeout", min=0.1, help="Seconds to wait for all results, overall; late ones count as timeout."),
 ]
 ResendAfter = Annotated[
-    float | None,
+    float,
     typer.Option("--resend-after", min=0.1, help="While waiting, re-send a message that has no result after this "
-                 "many seconds, with the same task id (the worker publishes each ticket once). Covers a message "
-                 "lost on its way, e.g. by a Redis that lost its last writes."),
+                 "many seconds if it is lost: not queued, not fetched by a worker (a Redis that lost its last "
+                 "writes, or its data). Same task id: the worker publishes each ticket once. Backoff doubles "
+                 "per re-send; re-sends per period are capped by the answer rate."),
+]
+DEFAULT_RESEND_AFTER_S = 30.0
+RetryFor = Annotated[
+    float,
+    typer.Option("--retry-for", min=0, help="How long sending and waiting ask a Redis that went away again (a "
+                 "restart, a Sentinel failover) before stopping; every ticket's row says where it is then."),
 ]
 BrokerUrl = Annotated[
     str | None,
@@ -119,6 +135,7 @@ class RunOptions:
     progress: bool
     force: bool = False
     resend_after: float | None = None
+    retry_for: float = RETRY_FOR_S
     idempotent: bool = False  # task ids from the ticket ids: a ticket sent again is answered once
     already_sent: frozenset[str] = frozenset()  # task ids an interrupted run sent (--resume)
 
@@ -131,6 +148,7 @@ class Outcome:
     results: list[dict] | None  # None: not waiting
     stopped: str = ""
     interrupted: bool = False
+    status: int | None = None  # the exit status when the rows do not decide it
 
 
 @dataclass
@@ -155,7 +173,8 @@ def file_command(
     out: Out = None,
     force: Force = False,
     timeout: Timeout = 600.0,
-    resend_after: ResendAfter = None,
+    resend_after: ResendAfter = DEFAULT_RESEND_AFTER_S,
+    retry_for: RetryFor = RETRY_FOR_S,
     resume: Resume = False,
     broker_url: BrokerUrl = None,
     backend_url: BackendUrl = None,
@@ -181,7 +200,8 @@ def file_command(
         _exit_error(str(exc))
     _report_errors([str(error) for error in parsed.errors], f"{len(parsed.errors)} rows refused, not sent:",
                    _kept_hint(out))  # fmt: skip
-    options = RunOptions(pack, wait, out, timeout, progress, force or resume, resend_after, True, already_sent)
+    options = RunOptions(pack, wait, out, timeout, progress, force or resume, resend_after, retry_for, True,
+                         already_sent)  # fmt: skip
     raise typer.Exit(_run(_with_schema(parsed.tickets, schema), options, settings, parsed))
 
 
@@ -218,7 +238,8 @@ def synthetic_command(
     out: Out = None,
     force: Force = False,
     timeout: Timeout = 600.0,
-    resend_after: ResendAfter = None,
+    resend_after: ResendAfter = DEFAULT_RESEND_AFTER_S,
+    retry_for: RetryFor = RETRY_FOR_S,
     broker_url: BrokerUrl = None,
     backend_url: BackendUrl = None,
     progress: Progress = True,
@@ -235,7 +256,7 @@ def synthetic_command(
     except OutputError as exc:
         _exit_error(str(exc))
     tickets = generate_tickets(n, seed=seed, labels=settings.label_names)
-    options = RunOptions(pack, wait, out, timeout, progress, force, resend_after)
+    options = RunOptions(pack, wait, out, timeout, progress, force, resend_after, retry_for)
     raise typer.Exit(_run(_with_schema(tickets, schema), options, settings))
 
 
@@ -265,7 +286,7 @@ def _kept_hint(out: Path | None) -> str:
 
 def _run(tickets: list[dict], options: RunOptions, settings: ClientSettings, source: TicketFile | None = None) -> int:
     """Validate, send, optionally collect, write the results file; returns the exit status."""
-    producer = Producer(settings)
+    producer = Producer(settings, retry_for_s=options.retry_for)
     try:
         good, refused = _validate(tickets, settings.max_ticket_bytes)
         _report_errors([f"{row['id']}: {row['error']}" for row in refused],
@@ -278,7 +299,7 @@ def _run(tickets: list[dict], options: RunOptions, settings: ClientSettings, sou
         else:
             _error("no valid tickets to send")
     except BrokerUnavailable as exc:  # this command has the options too: name them
-        _error(str(exc).replace(BrokerUnavailable.fix, f"{BrokerUnavailable.fix}, or pass --broker-url"))
+        _error(_with_flags(str(exc)))
         return EXIT_UNUSABLE
     finally:
         producer.close()
@@ -286,7 +307,11 @@ def _run(tickets: list[dict], options: RunOptions, settings: ClientSettings, sou
     status = _finish(refused + (results or []), options, source, sent=len(good), waited=results is not None)
     if outcome.stopped:
         err_console.print(outcome.stopped, highlight=False, markup=False, soft_wrap=True)
-    return EXIT_INTERRUPTED if outcome.interrupted and status != EXIT_UNUSABLE else status
+    if status == EXIT_UNUSABLE:  # the results file could not be written
+        return status
+    if outcome.interrupted:
+        return EXIT_INTERRUPTED
+    return status if outcome.status is None else outcome.status
 
 
 def _finish(results: list[dict], options: RunOptions, source: TicketFile | None, sent: int, waited: bool) -> int:
@@ -327,9 +352,9 @@ def _validate(tickets: list[dict], max_bytes: int) -> tuple[list[dict], list[dic
 def _send_and_collect(producer: Producer, tickets: list[dict], rejected: int, options: RunOptions) -> Outcome:
     """Send; with --wait or --out also collect and print the summary table.
 
-    Ctrl-C while sending gives a `pending` row (with its task id) for each ticket Redis took and an
-    `unsent` row for the others; Ctrl-C or --timeout while waiting, a `pending` row for each ticket
-    still without a result: `--resume` goes on from either.
+    Ctrl-C while sending, or Redis lost for longer than --retry-for or refusing the writes, gives a
+    row for each ticket (`_stopped_send`); Ctrl-C, --timeout or Redis lost while waiting, a `pending`
+    row for each ticket still without a result: `--resume` goes on from any of them.
     """
     settings = producer.settings
     started = time.monotonic()
@@ -337,7 +362,10 @@ def _send_and_collect(producer: Producer, tickets: list[dict], rejected: int, op
         sent = producer.submit_many(tickets, pack=options.pack, progress=options.progress,
                                     idempotent=options.idempotent, already_sent=options.already_sent)  # fmt: skip
     except SendInterrupted as stop:
-        return _interrupted_send(tickets, stop, options)
+        return _stopped_send(producer, tickets, stop, options, "interrupted while sending")
+    except SendStopped as stop:
+        _error(_with_flags(str(stop)))
+        return _stopped_send(producer, tickets, stop, options, "Redis stopped the send")
     elapsed = time.monotonic() - started
     before = [result for result in sent if result.sent_before]
     now = len(tickets) - sum(len(result.ticket_ids) for result in before)
@@ -345,7 +373,7 @@ def _send_and_collect(producer: Producer, tickets: list[dict], rejected: int, op
     out_console.print(
         f"enqueued {now} tickets in {len(sent) - len(before)} messages to queue '{settings.queue}' at "
         f"{mask_url(settings.broker_url)} in {elapsed:.2f} s ({now / max(elapsed, 1e-9):,.0f} tickets/s){again}; "
-        f"queue depth now {producer.queue_depth()}",
+        f"queue depth now {_depth(producer)}",
         highlight=False,
         markup=False,
     )
@@ -353,10 +381,13 @@ def _send_and_collect(producer: Producer, tickets: list[dict], rejected: int, op
         return Outcome(None)
 
     collected = Collected()
-    interrupted = False
+    interrupted, lost = False, ""
     try:
         results = producer.wait(sent, timeout=options.timeout, progress=options.progress, on_result=collected.add,
                                 resend_after=options.resend_after)  # fmt: skip
+    except WaitStopped as stop:
+        _error(_with_flags(str(stop)))
+        results, lost = stop.results, f"Redis not reachable for {options.retry_for:g} s while waiting"
     except KeyboardInterrupt:
         interrupted = True
         seen = {row.get("task_id") for row in collected.results}
@@ -374,27 +405,51 @@ def _send_and_collect(producer: Producer, tickets: list[dict], rejected: int, op
     pending = sum(result.get("status") == PENDING for result in results)
     if not pending:
         return Outcome(results)
-    what = "interrupted" if interrupted else f"timed out after {options.timeout:g} s"
+    what = "interrupted" if interrupted else lost or f"timed out after {options.timeout:g} s"
     line = (f"{what}: {len(results) - pending} tickets answered, {pending} pending (sent, no result yet)"
             f"{_where(options)}")  # fmt: skip
     return Outcome(results, line, interrupted)
 
 
-def _interrupted_send(tickets: list[dict], stop: SendInterrupted, options: RunOptions) -> Outcome:
-    """Ctrl-C while sending: a `pending` row (with its task id) for each ticket Redis took, or may
-    have taken (the pipeline being flushed), and an `unsent` row for each of the others."""
-    rows = _pending_rows(stop.results, set())
-    for row in _pending_rows(stop.unconfirmed, set()):
+def _stopped_send(producer: Producer, tickets: list[dict], stop: SendInterrupted | SendStopped,
+                  options: RunOptions, what: str) -> Outcome:  # fmt: skip
+    """A send stopped part way (Ctrl-C, or Redis): a row for every ticket. Its answer if it has one
+    already (one quick read), a `pending` row (with its task id) for each other ticket Redis took,
+    `"sent": "maybe"` for those of the pipeline being sent (Redis may or may not hold them), and an
+    `unsent` row for each of the rest. Exit status: 130 on Ctrl-C; 2 when Redis took no ticket for
+    sure, else the rows' (`_finish`)."""
+    answers = producer.ready_now([*stop.results, *stop.unconfirmed])
+    answered = {row.get("task_id") for row in answers}
+    rows = answers + _pending_rows(stop.results, answered)
+    for row in _pending_rows(stop.unconfirmed, answered):
         # --resume sends these again, under the same task id: answered once either way
-        rows.append({**row, "sent": "maybe", "error": "being sent when interrupted: Redis may or may not have it"})
+        rows.append({**row, "sent": "maybe", "error": "being sent when the send stopped: Redis may or may not have it"})
     named = {row["id"] for row in rows}
-    rows += [{"id": t["id"], "status": UNSENT, "reason": UNSENT, "error": "not sent: interrupted"}
+    rows += [{"id": t["id"], "status": UNSENT, "reason": UNSENT, "error": f"not sent: {what}"}
              for t in tickets if t["id"] not in named]  # fmt: skip
-    maybe = sum(len(result.ticket_ids) for result in stop.unconfirmed)
+    maybe = sum(len(result.ticket_ids) for result in stop.unconfirmed if result.id not in answered)
     unsure = f" ({maybe} of them maybe: they were being sent)" if maybe else ""
-    line = (f"interrupted while sending: {len(named)} of {len(tickets)} tickets sent{unsure}, "
+    line = (f"{what}: {len(named)} of {len(tickets)} tickets sent{unsure}, "
             f"{len(tickets) - len(named)} not sent{_where(options)}")  # fmt: skip
-    return Outcome(rows if options.wait or options.out else None, line, interrupted=True)
+    waiting = options.wait or options.out
+    sure = sum(len(result.ticket_ids) for result in stop.results)
+    status = None if waiting else EXIT_PROBLEMS
+    if isinstance(stop, SendStopped) and not sure:
+        status = EXIT_UNUSABLE
+    return Outcome(rows if waiting else None, line, interrupted=isinstance(stop, SendInterrupted), status=status)
+
+
+def _depth(producer: Producer) -> str:
+    """The queue depth for the enqueue line; a Redis that went away just after the send does not stop the run."""
+    try:
+        return str(producer.queue_depth())
+    except BrokerUnavailable:
+        return "unknown (Redis not reachable)"
+
+
+def _with_flags(message: str) -> str:
+    """A `BrokerUnavailable` line naming this command's options too."""
+    return message.replace(BrokerUnavailable.fix, f"{BrokerUnavailable.fix}, or pass --broker-url")
 
 
 def _pending_rows(sent: list[TicketResult], answered: set) -> list[dict]:

@@ -50,8 +50,9 @@ def workers(tmp_path) -> Iterator[Callable[[RedisServer], Worker]]:
 class Produce:
     """`ticketq-produce ARGS` in its own process, stdout and stderr to files the test can watch."""
 
-    def __init__(self, tmp_path: Path, server: RedisServer, *args: str) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
+    def __init__(self, tmp_path: Path, server: RedisServer, *args: str, env: dict[str, str] | None = None) -> None:
+        """`server`: anything with a broker `url` (a `SentinelSet` too); `env`: more settings."""
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}, **(env or {})}
         env.update(PYTHONUNBUFFERED="1", COLUMNS="200", TICKETQ_BROKER_URL=server.url, TICKETQ_QUEUE=QUEUE)
         self.stdout_path, self.stderr_path = tmp_path / "produce.out", tmp_path / "produce.err"
         with self.stdout_path.open("wb") as out, self.stderr_path.open("wb") as err:
@@ -250,3 +251,106 @@ def test_timeout_writes_pending_rows_and_resume_needs_out(tmp_path, redis_server
     assert "timed out after 0.5 s: 0 tickets answered, 5 pending (sent, no result yet)" in produce.stderr
     alone = Produce(tmp_path, redis_server, "file", str(tickets), "--resume")
     assert alone.finish(60) == 2 and "--resume needs --out" in alone.stderr
+
+
+def sent_rows(path: Path) -> tuple[list[dict], list[dict], list[dict]]:
+    """The rows of a send that stopped: sent for sure (pending), maybe sent, unsent."""
+    written = rows(path)
+    sure = [row for row in written if row["status"] == "pending" and row.get("sent") != "maybe"]
+    maybe = [row for row in written if row.get("sent") == "maybe"]
+    return sure, maybe, [row for row in written if row["status"] == "unsent"]
+
+
+def stop_mid_send(produce: Produce, client, at_least: int) -> None:
+    """Hold the producer (SIGSTOP) once Redis has `at_least` of its messages, so the next step
+    (a kill) lands while it is sending whatever the machine's speed; SIGCONT is the caller's."""
+    wait_for(lambda: client.llen(QUEUE) >= at_least or produce.proc.poll() is not None, 60,
+             f"{at_least} messages queued", interval=0.002)  # fmt: skip
+    produce.proc.send_signal(signal.SIGSTOP)
+    assert produce.proc.poll() is None and client.llen(QUEUE) < 6_000, "still sending when held"
+
+
+def test_sending_rides_out_a_redis_restart_and_every_ticket_is_answered_once(tmp_path, redis_server, workers):
+    """kill -9 of Redis while `ticketq-produce file` is sending: the producer asks again (not exit
+    2 at once), sends the interrupted pipeline again once Redis is back, and ends with exit 0 and
+    every row answered; the duplicates of that pipeline are published once."""
+    n = 6_000
+    client = redis_server.client()
+    tickets, out = ticket_file(tmp_path / "t.jsonl", n), tmp_path / "r.jsonl"
+    produce = Produce(tmp_path, redis_server, "file", str(tickets), "--out", str(out), "--timeout", "120")
+    stop_mid_send(produce, client, PUBLISH_BATCH)
+    redis_server.kill()
+    produce.proc.send_signal(signal.SIGCONT)
+    produce.wait_output("lost Redis while sending", 30)
+    redis_server.start()  # AOF, fsync always: what Redis acknowledged survives
+    workers(redis_server)
+    status = produce.finish(120)
+    entries = redis_server.client().xlen(names.RESULTS_STREAM)
+    print(f"\n[restart while sending] exit {status}; {statuses(out)}; stream entries {entries}")
+    assert status == 0, produce.stdout + produce.stderr
+    assert statuses(out) == {"ok": n}
+    assert entries == n
+    assert "Redis is back" in produce.stderr and "error:" not in produce.stderr
+
+
+def test_an_outage_past_retry_for_writes_a_row_for_every_ticket(tmp_path, redis_server):
+    """Redis killed mid-send and not restarted, --retry-for 1: the producer stops after that long
+    with one error line and a row for every ticket (sent, maybe sent, unsent); exit 3, nothing
+    was answered."""
+    n = 6_000
+    client = redis_server.client()
+    tickets, out = ticket_file(tmp_path / "t.jsonl", n), tmp_path / "r.jsonl"
+    produce = Produce(tmp_path, redis_server, "file", str(tickets), "--out", str(out), "--retry-for", "1")
+    stop_mid_send(produce, client, PUBLISH_BATCH)
+    queued = client.llen(QUEUE)
+    redis_server.kill()
+    produce.proc.send_signal(signal.SIGCONT)
+    status = produce.finish(60)
+    sure, maybe, unsent = sent_rows(out)
+    print(f"\n[outage past --retry-for] exit {status}; {len(sure)} sent, {len(maybe)} maybe, {len(unsent)} unsent "
+          f"(queued when killed: {queued})")  # fmt: skip
+    assert status == 3, produce.stdout + produce.stderr
+    assert len(sure) + len(maybe) + len(unsent) == len(rows(out)) == n
+    assert len(sure) >= queued - PUBLISH_BATCH and len(unsent) > 0
+    errors = [line for line in produce.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: Redis is not reachable"), produce.stderr
+    assert len(maybe) == PUBLISH_BATCH, "the pipeline Redis was lost in: maybe sent"
+    assert "Redis stopped the send" in produce.stderr and f"{len(unsent)} not sent" in produce.stderr
+
+
+def test_a_full_redis_mid_send_writes_a_row_for_every_ticket_and_resume_answers_each_once(tmp_path, workers):
+    """Redis reaches maxmemory (noeviction) part way through a send: one error line, a row for every
+    ticket (pending, maybe, unsent) instead of a count; once memory is raised, --resume sends the
+    maybe and unsent ones and every ticket is answered once."""
+    n = 5_000
+    workdir = tmp_path / "full"
+    workdir.mkdir()
+    server = RedisServer(workdir, aof=False, args=["--maxmemory-policy", "noeviction"]).start()
+    try:
+        client = server.client()
+        client.config_set("maxmemory", int(client.info("memory")["used_memory"]) + (3 << 20))
+        text = "my invoice is wrong " * 50  # ~1 KB: Redis fills after some thousands of messages
+        path = tmp_path / "t.jsonl"
+        path.write_text("".join(json.dumps({"id": f"F-{i}", "text": f"{i} {text}"}) + "\n" for i in range(n)))
+        out = tmp_path / "r.jsonl"
+        produce = Produce(tmp_path, server, "file", str(path), "--out", str(out))
+        status = produce.finish(60)
+        sure, maybe, unsent = sent_rows(out)
+        queued = client.llen(QUEUE)
+        print(f"\n[full while sending] exit {status}; {len(sure)} sent, {len(maybe)} maybe, {len(unsent)} unsent; "
+              f"queued {queued}")  # fmt: skip
+        assert status == (3 if sure else 2), produce.stdout + produce.stderr
+        assert len(sure) + len(maybe) + len(unsent) == len(rows(out)) == n and unsent
+        assert len(sure) <= queued <= len(sure) + len(maybe)
+        errors = [line for line in produce.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "out of memory" in errors[0], produce.stderr
+        assert "Redis stopped the send" in produce.stderr
+
+        client.config_set("maxmemory", 0)
+        workers(server)
+        resume = Produce(tmp_path, server, "file", str(path), "--out", str(out), "--resume")
+        assert resume.finish(120) == 0, resume.stdout + resume.stderr
+        assert statuses(out) == {"ok": n}
+        assert client.xlen(names.RESULTS_STREAM) == n
+    finally:
+        server.kill()

@@ -16,6 +16,7 @@ tests need no Redis: how sentinel:// settings are read and what kombu and Celery
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 from collections import Counter
@@ -295,3 +296,50 @@ def test_a_master_demoted_under_a_plain_url_does_not_stop_the_worker(tmp_path):
           "a master again")  # fmt: skip
     assert {r["status"] for r in before + after} == {"ok"}
     assert "Unrecoverable error" not in demoted_log
+
+
+@pytest.mark.integration
+def test_a_producer_caught_mid_send_by_a_failover_rides_it_out_and_accounts_for_every_ticket(tmp_path):
+    """kill -9 of the primary while `ticketq-produce file` is sending (held by SIGSTOP at that
+    point, so the kill lands mid-send on any machine): the producer asks again through the
+    promotion instead of exit 2, sends the interrupted pipeline again, re-sends what the old
+    primary took but never replicated, and exits 0 with every row answered, each once."""
+    from test_producer_outages import PUBLISH_BATCH as BATCH
+    from test_producer_outages import QUEUE as PRODUCE_QUEUE
+    from test_producer_outages import Produce, statuses, ticket_file
+
+    n = 6_000
+    with sentinel_set(tmp_path / "redis") as servers:
+        env = worker_env(None, servers.url, PRODUCE_QUEUE, TICKETQ_NULL_CLASSIFIER="1", TICKETQ_LEASE_S="2",
+                         TICKETQ_SENTINEL_MASTER=MASTER_NAME, TICKETQ_VISIBILITY_TIMEOUT_S="3600")  # fmt: skip
+        with running_worker(env, tmp_path / "worker.log") as worker:
+            tickets, out = ticket_file(tmp_path / "t.jsonl", n), tmp_path / "r.jsonl"
+            produce = Produce(tmp_path, servers, "file", str(tickets), "--out", str(out), "--resend-after", "2",
+                              "--timeout", "180", env={"TICKETQ_SENTINEL_MASTER": MASTER_NAME})  # fmt: skip
+            old = servers.master_client()
+            taken = lambda: old.llen(PRODUCE_QUEUE) + old.hlen("unacked") + old.xlen(names.RESULTS_STREAM)  # noqa: E731
+            wait_for(lambda: taken() >= 2 * BATCH or produce.proc.poll() is not None, 60, "two pipelines sent",
+                     interval=0.002)  # fmt: skip
+            produce.proc.send_signal(signal.SIGSTOP)
+            held = taken()
+            assert produce.proc.poll() is None and held < n, "still sending when the primary is killed"
+            old_port = servers.kill_primary()
+            killed_at = time.monotonic()
+            produce.proc.send_signal(signal.SIGCONT)
+            new_master = servers.wait_promoted(old_port)
+            promoted_s = time.monotonic() - killed_at
+            servers.rejoin(old_port)
+            status = produce.finish(240)
+            took_s = time.monotonic() - killed_at
+            client = redis.Redis(host=new_master[0], port=new_master[1])
+            counts = Counter((r["task_id"], r["id"]) for _, r in stream(client))
+            log = worker.log()
+    resent = [line for line in produce.stderr.splitlines() if "re-sent" in line]
+    print(f"\n[failover mid-send] {held} of {n} messages taken before the kill; promoted {promoted_s:.1f} s after it; "
+          f"producer exit {status} {took_s:.1f} s after it; {statuses(out)}; stream entries on the new master "
+          f"{sum(counts.values())} for {len(counts)} tickets; {resent}")  # fmt: skip
+    assert status == 0, produce.stdout[-3000:] + produce.stderr[-3000:]
+    assert "lost Redis while sending" in produce.stderr and "Redis is back" in produce.stderr
+    assert statuses(out) == {"ok": n}
+    assert len(counts) == n and set(counts.values()) == {1}, "every ticket answered once"
+    assert "Unrecoverable error" not in log

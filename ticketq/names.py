@@ -3,7 +3,8 @@ the default label set.
 
 Producers, workers, any Celery client and the deployment files refer to these strings; a rename
 here is a protocol change. Worker-only names (metrics, the worker's own Redis keys) live in
-`worker.constants`.
+`worker.constants` and `worker.store`; the worker's delivery records live here, because a
+producer reads them to tell a lost message from one that is queued or being worked on.
 """
 
 # Celery: the task any client sends (`app.send_task(TASK_CLASSIFY, args=[payload])`) and its queue.
@@ -18,6 +19,17 @@ DEAD_LETTER_STREAM = "ticketq:dead"
 # each such result, written once with its first publication; consume it with a consumer group.
 REVIEW_STREAM = "ticketq:review"
 
+# Where a message is between the queue and its ack, as the worker's atomic fetch and leases record
+# it (worker/transport/lua/worker_state.lua lists what each holds; the worker writes them, a
+# producer only reads them): a consumer's fetching list (BLMOVE target), the delivery tags it
+# holds unacked, its lease, and the registry of consumers. kombu's own unacked record is
+# `unacked_key()`. An attempts key counts the deliveries of an unfinished message.
+FETCHING_KEY = "ticketq:fetching:{consumer}:{queue}"
+OWNED_KEY = "ticketq:owned:{consumer}"
+ALIVE_KEY = "ticketq:alive:{consumer}"
+CONSUMERS_KEY = "ticketq:consumers"
+ATTEMPTS_KEY = "ticketq:attempts:{task_id}"
+
 # Default labels of the closed set (TICKETQ_LABELS).
 DEFAULT_LABELS = ("billing", "technical", "account")
 
@@ -29,3 +41,11 @@ def queue_lists(queue: str) -> list[str]:
     from kombu.transport.redis import Channel
 
     return [queue] + [f"{queue}{Channel.sep}{step}" for step in Channel.priority_steps[1:]]
+
+
+def unacked_key() -> str:
+    """kombu's Redis hash of unacknowledged messages (delivery tag -> [message, exchange, routing
+    key]), named by kombu's own (public) channel attribute; ticketq never renames it."""
+    from kombu.transport.redis import Channel
+
+    return Channel.unacked_key

@@ -40,7 +40,7 @@ consuming channel, host:pid:random):
   messages. kombu, through worker.transport.fetch.QoS.
 
 The fetch and lease keys are written by one script, worker/transport/lua/worker_state.lua
-(dispatched by worker.transport.state); their names live here with the rest.
+(dispatched by worker.transport.state); their names are ticketq.names' (a producer reads them).
 
 Every write here is idempotent or counted, so a re-executed message never publishes twice, and
 goes through `Outbox.retrying`, which rides out a Redis restart or a failover (a vanished or
@@ -71,7 +71,16 @@ from celery import states
 
 from ticketq import codec
 from ticketq.connections import NOT_ENOUGH_REPLICAS, OUT_OF_MEMORY, confirm_replicas, write_refusal
-from ticketq.names import DEAD_LETTER_STREAM, RESULTS_STREAM, REVIEW_STREAM
+from ticketq.names import (  # noqa: F401 (the delivery records' names, shared: a producer reads them)
+    ALIVE_KEY,
+    ATTEMPTS_KEY,
+    CONSUMERS_KEY,
+    DEAD_LETTER_STREAM,
+    FETCHING_KEY,
+    OWNED_KEY,
+    RESULTS_STREAM,
+    REVIEW_STREAM,
+)
 from worker.transport.lua import script
 
 if TYPE_CHECKING:
@@ -82,15 +91,10 @@ log = logging.getLogger(__name__)
 DONE_KEY = "ticketq:done:{task_id}"
 DIGEST_KEY = "ticketq:digest:{task_id}"
 REQUEUED_KEY = "ticketq:requeued"
-ATTEMPTS_KEY = "ticketq:attempts:{task_id}"
 PUBLISH_CALL_KEY = "ticketq:publish:{call}"
 # Longer than any retrying of one call, and than TCP holds an unsent command (tcp_retries2: ~15 min).
 PUBLISH_CALL_TTL_S = 1800
 CANCELLED = b"cancelled"  # a publish call's key when the call gave up before it ran (`Outbox.landed`)
-FETCHING_KEY = "ticketq:fetching:{consumer}:{queue}"
-OWNED_KEY = "ticketq:owned:{consumer}"
-ALIVE_KEY = "ticketq:alive:{consumer}"
-CONSUMERS_KEY = "ticketq:consumers"
 
 # A dead letter keeps a refused payload whole up to this many bytes (at least; see `dead_letter_bound`).
 DEAD_LETTER_MIN_BYTES = 4 * 1024 * 1024
