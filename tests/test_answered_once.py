@@ -76,6 +76,10 @@ def dead(client: redis.Redis, task_id: str) -> list[dict]:
     return [letter for letter in letters if letter["task_id"] == task_id]
 
 
+def dead_letters(registry: CollectorRegistry, reason: str) -> float | None:
+    return registry.get_sample_value("ticketq_dead_letters_total", {"queue": names.QUEUE, "reason": reason})
+
+
 def tickets_total(registry: CollectorRegistry) -> float:
     return sum(sample.value for metric in registry.collect() if metric.name == "ticketq_tickets"
                for sample in metric.samples if sample.name == "ticketq_tickets_total")  # fmt: skip
@@ -97,7 +101,7 @@ def test_a_failed_batch_spares_what_another_worker_answered(server, client, app)
     assert not dead(client, answered.id) and not dead(client, pack.id)
     assert app.AsyncResult(open_.id).state == states.FAILURE
     assert [letter["reason"] for letter in dead(client, open_.id)] == ["worker_error"]
-    assert registry.get_sample_value("ticketq_dead_letters_total", {"reason": "worker_error"}) == 1
+    assert dead_letters(registry, "worker_error") == 1
 
     # every ticket streamed, backend result not written yet (the other worker is between the two): spared too
     streamed_only = request("streamed-only", {"id": "S-1", "text": "wrong VAT"})
@@ -122,7 +126,7 @@ def test_a_reused_task_id_is_answered_and_a_redelivery_published_once(server, cl
     assert [letter["reason"] for letter in letters] == ["duplicate_task_id"]
     assert json.loads(letters[0]["payload"]) == second
     assert app.AsyncResult("reused").get(timeout=5)["id"] == "T-1", "the backend keeps the first message's answer"
-    assert registry.get_sample_value("ticketq_dead_letters_total", {"reason": "duplicate_task_id"}) == 1
+    assert dead_letters(registry, "duplicate_task_id") == 1
 
     # the first message delivered again (a crash, a lease recovery, a re-send): published once,
     # counted as a re-execution, not as a ticket done

@@ -6,7 +6,8 @@ Three layers:
 - promtool: `promtool check config` / `promtool check rules` accept the Prometheus files;
 - live (`integration`): a real Prometheus (1 s scrapes, our alert rules loaded) evaluates every
   dashboard expression against a real `ticketq worker` (tiny stand-in, Redis at 127.0.0.1:6379 db 4)
-  and every alert expression against fixture exporters in deliberately degraded/healthy states.
+  beside a real `ticketq exporter` watching its queue and a second one (per-queue panels), and
+  every alert expression against fixture exporters in deliberately degraded/healthy states.
 
 Prometheus/promtool come from the Debian package: `apt-get install -y --no-install-recommends
 prometheus`. Without them those tests skip, except on CI (`CI` set, as CI systems do) or with
@@ -151,7 +152,8 @@ def _dashboard() -> dict:
 
 # What Grafana substitutes before it sends a query (every worker chosen, a 1-minute rate window):
 # the expressions are evaluated by a real Prometheus the way Grafana would send them.
-GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$instance": ".*"}
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$instance": ".*", "$queue": ".*"}
+AGGREGATION_RE = re.compile(r"\b(sum|max|min|avg|count)\s*(?:by\s*\(([^)]*)\))?\s*\(")
 
 
 def _raw_dashboard_exprs() -> list[str]:
@@ -257,12 +259,28 @@ def test_referenced_metrics_exist(source: str):
 
 
 def test_dashboard_uses_its_variables():
-    """A datasource variable (import into any Grafana), an instance variable, and Grafana's rate window."""
+    """A datasource variable (import into any Grafana), a queue variable, an instance variable (the
+    workers of the chosen queues), and Grafana's rate window."""
     variables = {v["name"]: v for v in _dashboard()["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["instance"]["includeAll"]
+    assert variables["queue"]["includeAll"] and variables["queue"]["multi"]
+    assert "ticketq_queue_depth" in variables["queue"]["definition"], "the exporter's queues too, served or not"
+    assert 'queue=~"$queue"' in variables["instance"]["definition"]
     raw = _raw_dashboard_exprs()
     assert not [e for e in raw if re.search(r"\[\d+[smh]\]", e) and "increase(" not in e], "use $__rate_interval"
     assert all('instance=~"$instance"' in e for e in raw if "ticketq_" in e and "queue_depth" not in e)
+    assert all('queue=~"$queue"' in e for e in raw), "every panel shows the chosen queues"
+
+
+def test_every_dashboard_panel_is_per_queue():
+    """Queue depth is max by (queue), never one max over the workers' and the exporter's series of
+    different queues; every other aggregation keeps `queue` apart too."""
+    raw = _raw_dashboard_exprs()
+    depths = [e for e in raw if "ticketq_queue_depth" in e]
+    assert depths and all(e == 'max by (queue) (ticketq_queue_depth{queue=~"$queue"})' for e in depths), depths
+    for expr in raw:
+        for op, by in AGGREGATION_RE.findall(expr):
+            assert "queue" in [label.strip() for label in by.split(",")], f"{op} without `by (queue, ...)`: {expr}"
 
 
 def test_dashboard_covers_every_metric():
@@ -404,6 +422,23 @@ def test_alert_rules_present():
         assert rule["annotations"]["summary"], rule["alert"]
 
 
+PER_TARGET_ALERTS = {"TicketqWorkerDown", "TicketqNoWorkerUp"}  # about scrape targets, not a queue
+
+
+def test_alerts_are_per_queue():
+    """Every alert on tickets or the backlog is per queue and names it; the model's and batcher's
+    series, which carry no queue, take it from target_info."""
+    for rule in _alert_rules():
+        if rule["alert"] in PER_TARGET_ALERTS:
+            continue
+        aggregations = AGGREGATION_RE.findall(rule["expr"])
+        assert aggregations and all(by.strip() == "queue" for _, by in aggregations), rule["expr"]
+        assert "{{ $labels.queue }}" in rule["annotations"]["summary"], rule["alert"]
+        unlabelled = {"ticketq_tokens_", "ticketq_shadow_"}
+        if any(prefix in rule["expr"] for prefix in unlabelled):
+            assert "group_left (queue) target_info" in rule["expr"], rule["expr"]
+
+
 def test_grafana_datasource_matches_dashboard():
     ds = _load_yaml(GRAFANA / "provisioning" / "datasources" / "prometheus.yml")["datasources"]
     assert len(ds) == 1 and ds[0]["type"] == "prometheus"
@@ -432,7 +467,8 @@ def test_dashboard_panels():
             assert target.get("refId")
         assert {"x", "y", "w", "h"} <= set(panel["gridPos"])
     exprs = " ".join(_dashboard_exprs())
-    for needle in ('sum(rate(ticketq_tickets_total{instance=~".*"}[1m]))', "histogram_quantile(0.99", "by (instance)"):
+    for needle in ('sum by (queue) (rate(ticketq_tickets_total{queue=~".*",instance=~".*"}[1m]))',
+                   "histogram_quantile(0.99", "by (queue, instance)"):  # fmt: skip
         assert needle in exprs, needle
 
 
@@ -589,8 +625,10 @@ def test_backlog_exporter_is_scraped():
 # FIXTURE-ONLY exporter: NOT the ticketq worker. It serves every ticketq metric with synthetic,
 # steadily advancing values so that a real Prometheus can evaluate the alert expressions in
 # states a real worker cannot be put in on demand (the dashboard test uses a real worker). Run as `python -c SRC MODE`:
-#   degraded: every alert condition holds (queue growing, 20% padding, 18% failures, shadow 50%);
+#   degraded: every alert condition holds (queue growing, 20% padding, 18% failures, shadow 50%,
+#             and a second queue with messages and no worker);
 #   healthy:  no alert condition holds (flat queue, 5% padding, no failures, shadow 100%).
+# It serves queue `fixture` (target_info, as a worker names its queue).
 # Prints its port, then runs until killed or orphaned.
 _FIXTURE_EXPORTER_SRC = r'''
 import os, sys, threading, time
@@ -610,31 +648,33 @@ class SnapshotRegistry(CollectorRegistry):
         yield from families
 
 
-reg = SnapshotRegistry()
-tickets = Counter("ticketq_tickets", "fixture", ["label", "outcome"], registry=reg)
+reg = SnapshotRegistry(target_info={"queue": "fixture"})
+tickets = Counter("ticketq_tickets", "fixture", ["queue", "label", "outcome"], registry=reg)
 tokens_real = Counter("ticketq_tokens_real", "fixture", registry=reg)
 tokens_computed = Counter("ticketq_tokens_computed", "fixture", registry=reg)
 tokens_padded = Counter("ticketq_tokens_padded", "fixture", registry=reg)
 padding_last = Gauge("ticketq_batch_padding_ratio", "fixture", registry=reg)
 batch_size = Histogram("ticketq_batch_size", "fixture", buckets=(1, 2, 4, 8, 16, 32, 64), registry=reg)
 batch_tokens = Histogram("ticketq_batch_tokens", "fixture", buckets=(128, 256, 512, 1024, 2048), registry=reg)
-queue_wait = Histogram("ticketq_queue_wait_seconds", "fixture", registry=reg)
+queue_wait = Histogram("ticketq_queue_wait_seconds", "fixture", ["queue"], registry=reg).labels("fixture")
 forward = Histogram("ticketq_forward_seconds", "fixture", registry=reg)
-latency = Histogram("ticketq_latency_seconds", "fixture", registry=reg)
+latency = Histogram("ticketq_latency_seconds", "fixture", ["queue"], registry=reg).labels("fixture")
 prefix_reuses = Counter("ticketq_prefix_cache_reuses", "fixture", registry=reg)
-dead_letters = Counter("ticketq_dead_letters", "fixture", ["reason"], registry=reg)
+dead_letters = Counter("ticketq_dead_letters", "fixture", ["queue", "reason"], registry=reg)
 shadow_checked = Counter("ticketq_shadow_checked", "fixture", registry=reg)
 shadow_agreed = Counter("ticketq_shadow_agreed", "fixture", registry=reg)
 shadow_disagreed = Counter("ticketq_shadow_disagreed", "fixture", ["near_tie"], registry=reg)
 flushes = Counter("ticketq_flushes", "fixture", registry=reg)
-queue_depth = Gauge("ticketq_queue_depth", "fixture", registry=reg)
+queue_depth = Gauge("ticketq_queue_depth", "fixture", ["queue"], registry=reg)
 Info("ticketq_model", "fixture", registry=reg).info(
     {"model": "fixture-exporter", "standin": "true", "dtype": "float32", "device": "cpu"}
 )
 labels = ("billing", "technical", "account")
-failed = tickets.labels("billing", "failed")
-rejected = tickets.labels("none", "rejected")
-invalid = dead_letters.labels("invalid")
+failed = tickets.labels("fixture", "billing", "failed")
+rejected = tickets.labels("fixture", "none", "rejected")
+invalid = dead_letters.labels("fixture", "invalid")
+if degraded:
+    queue_depth.labels("unserved").set(5)  # a queue nobody consumes, as `ticketq exporter` reports it
 
 server, _ = start_http_server(0, addr="127.0.0.1", registry=reg)
 print(server.server_port, flush=True)
@@ -644,7 +684,7 @@ while os.getppid() == parent:
     with lock:
         step += 1
         for label in labels:
-            tickets.labels(label, "ok").inc(3)
+            tickets.labels("fixture", label, "ok").inc(3)
         padded = 200 if degraded else 50
         tokens_computed.inc(1000)
         tokens_padded.inc(padded)
@@ -664,9 +704,9 @@ while os.getppid() == parent:
             failed.inc()
             rejected.inc()
             invalid.inc()
-            queue_depth.set(2000 + 100 * (time.monotonic() - start))
+            queue_depth.labels("fixture").set(2000 + 100 * (time.monotonic() - start))
         else:
-            queue_depth.set(10)
+            queue_depth.labels("fixture").set(10)
     time.sleep(0.05)
 '''
 
@@ -701,7 +741,13 @@ DEPLOY_REDIS_URL = "redis://127.0.0.1:6379/4"  # the live worker's broker; the q
 
 
 @pytest.fixture(scope="module")
-def metrics_target(tiny_model_dir, tmp_path_factory) -> Iterator[str]:
+def deploy_queue() -> str:
+    """The live worker's queue: unique per run."""
+    return f"deploy-{os.urandom(4).hex()}"
+
+
+@pytest.fixture(scope="module")
+def metrics_target(tiny_model_dir, tmp_path_factory, deploy_queue) -> Iterator[str]:
     """host:port of a real `ticketq worker` (tiny stand-in, TICKETQ_SHADOW_RATE=1) that has classified
     tickets, rejected a malformed one (dead letter) and shadow-checked its answers, so that the
     failure, dead-letter and shadow panels have series. The alert tests keep the fixture exporters:
@@ -716,13 +762,53 @@ def metrics_target(tiny_model_dir, tmp_path_factory) -> Iterator[str]:
         _skip_or_fail(f"no Redis at {DEPLOY_REDIS_URL} for the live worker ({exc})")
     finally:
         client.close()
-    queue = f"deploy-{os.urandom(4).hex()}"
+    queue = deploy_queue
     schema = ROOT / "examples" / "schema.toml"  # for the triage panels; the other tickets name `default`
     env = worker_env(tiny_model_dir, DEPLOY_REDIS_URL, queue, TICKETQ_SHADOW_RATE="1", TICKETQ_SCHEMAS=str(schema))
     log = tmp_path_factory.mktemp("deploy-worker") / "worker.log"
     with running_worker(env, log, ready_timeout=180) as worker:
         _feed_worker(worker, queue)
         yield f"127.0.0.1:{worker.metrics_port}"
+
+
+UNSERVED_BACKLOG = 7  # messages waiting in the exporter's second queue, which no worker serves
+
+
+@pytest.fixture(scope="module")
+def exporter_target(metrics_target, deploy_queue, tmp_path_factory) -> Iterator[tuple[str, dict[str, float]]]:
+    """A real `ticketq exporter --queue <the worker's> --queue <another>`, the other queue holding
+    UNSERVED_BACKLOG messages: ("127.0.0.1:PORT", the depth each queue must show)."""
+    import redis
+    from workers import free_port, wait_for
+
+    other = f"{deploy_queue}-unserved"
+    client = redis.Redis.from_url(DEPLOY_REDIS_URL)
+    client.rpush(other, *["not a message, only counted"] * UNSERVED_BACKLOG)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
+    env["TICKETQ_BROKER_URL"] = DEPLOY_REDIS_URL
+    argv = ["exporter", "--port", str(port), "--queue", deploy_queue, "--queue", other]
+    log_path = tmp_path_factory.mktemp("deploy-exporter") / "exporter.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "worker.tools.cli", *argv], env=env, stdout=log, stderr=log)
+
+    def ready() -> bool:
+        if proc.poll() is not None:
+            pytest.fail(f"ticketq exporter exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as reply:
+                return reply.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    try:
+        wait_for(ready, 60, "ticketq exporter ready")
+        yield f"127.0.0.1:{port}", {deploy_queue: 0.0, other: float(UNSERVED_BACKLOG)}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+        client.delete(other)
+        client.close()
 
 
 def _feed_worker(worker, queue: str) -> None:
@@ -905,9 +991,10 @@ def prometheus(prometheus_bins, tmp_path_factory) -> Iterator:
 
 
 @pytest.mark.integration
-def test_live_dashboard_expressions(prometheus, metrics_target):
-    prom = prometheus([metrics_target])
-    prom.wait_for_scrapes(1)
+def test_live_dashboard_expressions(prometheus, metrics_target, exporter_target, deploy_queue):
+    exporter, depths = exporter_target
+    prom = prometheus([metrics_target, exporter])
+    prom.wait_for_scrapes(2)
     models = {r["metric"]["model"] for r in prom.query("ticketq_model_info")}
     assert models and "fixture-exporter" not in models, f"the dashboard must be checked on a real worker: {models}"
     exprs = sorted(set(_dashboard_exprs()))
@@ -920,6 +1007,13 @@ def test_live_dashboard_expressions(prometheus, metrics_target):
         time.sleep(0.25)
     empty = [e for e in exprs if not prom.query(e)]
     assert not empty, "dashboard expressions with no result:\n" + "\n".join(empty)
+
+    # The worker's and the exporter's depth series of one queue are one line; the other queue's, another.
+    for expr in (e for e in exprs if "ticketq_queue_depth" in e):
+        shown = {r["metric"].get("queue"): float(r["value"][1]) for r in prom.query(expr)}
+        assert shown == depths, f"{expr}: {shown}"
+    queues = {r["metric"].get("queue") for e in exprs if "ticketq_queue_depth" not in e for r in prom.query(e)}
+    assert queues == {deploy_queue}, f"every other panel shows the worker's queue, by name: {queues}"
 
 
 # Which alerts must fire in each scenario (the `for:` duration aside: the expression is non-empty

@@ -1,6 +1,7 @@
 """What a Prometheus user expects of a worker's /metrics: the process collector, build info, no
 `_created` series, 404 off the three paths, running/waiting gauges, the shadow split into
-near-ties and real disagreements, and the backlog exporter that needs no worker."""
+near-ties and real disagreements, the worker's queue on its per-ticket series, and the backlog
+exporter that needs no worker, one depth series per queue it watches."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import uuid
 
 import pytest
 import redis
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from worker.constants import NEAR_TIE
 from worker.metrics import Metrics, health_app
@@ -88,6 +89,40 @@ def test_a_shadow_flip_is_a_near_tie_only_when_the_reference_was_close(margin, n
     assert value("ticketq_shadow_disagreed_total", {"near_tie": other}) == 0
 
 
+def test_the_per_ticket_series_carry_the_queue_given_at_construction():
+    registry = CollectorRegistry()
+    metrics = Metrics(registry, queue="fast")
+    metrics.preinit(("billing", "account"), ("invalid",), [("support", "urgency", ("low", "high"))])
+    metrics.watch_queue(lambda: 7)
+    metrics.tickets.labels(label="billing", outcome="ok").inc(2)
+    metrics.dead_letters.labels(reason="invalid").inc()
+    metrics.field_answers.labels(schema="support", field="urgency", label="high", review="false").inc()
+    metrics.latency.observe_many([0.1, 0.2])
+    metrics.queue_wait.observe(0.05)
+    value = registry.get_sample_value
+    assert value("ticketq_tickets_total", {"queue": "fast", "label": "billing", "outcome": "ok"}) == 2
+    assert value("ticketq_tickets_total", {"queue": "fast", "label": "account", "outcome": "ok"}) == 0  # preinit
+    assert value("ticketq_dead_letters_total", {"queue": "fast", "reason": "invalid"}) == 1
+    answer = {"queue": "fast", "schema": "support", "field": "urgency", "label": "high", "review": "false"}
+    assert value("ticketq_field_answers_total", answer) == 1
+    assert value("ticketq_latency_seconds_count", {"queue": "fast"}) == 2
+    assert value("ticketq_latency_seconds_bucket", {"queue": "fast", "le": "0.25"}) == 2
+    assert value("ticketq_queue_wait_seconds_count", {"queue": "fast"}) == 1
+    assert value("ticketq_queue_depth", {"queue": "fast"}) == 7
+    assert value("target_info", {"queue": "fast"}) == 1  # what the model's and batcher's series join on
+    samples = [sample for family in registry.collect() for sample in family.samples]
+    queues = {sample.labels["queue"] for sample in samples if "queue" in sample.labels}
+    assert queues == {"fast"}
+    tickets = [sample for sample in samples if sample.name == "ticketq_tickets_total"]
+    assert {sample.labels["label"] for sample in tickets} == {"billing", "account", "none"}, "TICKETQ_LABELS'"
+    assert value("ticketq_tokens_computed_total") == 0, "the process's series keep their unlabelled names"
+
+
+def test_a_worker_without_a_queue_name_is_refused():
+    with pytest.raises(ValueError, match="TICKETQ_QUEUE"):
+        Metrics(CollectorRegistry(), queue="")
+
+
 @pytest.fixture
 def client():
     from workers import redis_or_skip
@@ -99,25 +134,34 @@ def client():
 
 
 @pytest.mark.integration
-def test_the_exporter_reports_the_backlog_with_no_worker(client):
-    from prometheus_client import CollectorRegistry
-
+def test_the_exporter_reports_each_queue_s_backlog_with_no_worker(client):
     from ticketq.names import queue_lists
     from worker import store
     from worker.tools.exporter import BacklogCollector
 
-    queue = f"exporter-{uuid.uuid4().hex[:8]}"
+    queue, other, empty = (f"exporter-{uuid.uuid4().hex[:8]}" for _ in range(3))
     main, high = queue_lists(queue)[:2]
     client.rpush(main, "a", "b", "c")
     client.rpush(high, "d")  # a plain Celery client's priority message counts too
+    client.rpush(queue_lists(other)[-1], "e", "f")
     client.hset(store.CONSUMERS_KEY, mapping={"live": "{}", "dead": "{}"})
     client.set(store.ALIVE_KEY.format(consumer="live"), "{}")
     registry = CollectorRegistry()
-    registry.register(BacklogCollector(client, queue))
-    assert registry.get_sample_value("ticketq_queue_depth") == 4
+    registry.register(BacklogCollector(client, [queue, other, empty, queue]))
+    depths = {sample.labels["queue"]: sample.value for family in registry.collect() for sample in family.samples
+              if sample.name == "ticketq_queue_depth"}  # fmt: skip
+    assert depths == {queue: 4, other: 2, empty: 0}, "one series per queue, a repeated one once"
     assert registry.get_sample_value("ticketq_consumers_alive") == 1
     assert registry.get_sample_value("ticketq_exporter_redis_up") == 1
     down = CollectorRegistry()
-    down.register(BacklogCollector(redis.Redis(port=1, socket_connect_timeout=0.5), queue))
+    down.register(BacklogCollector(redis.Redis(port=1, socket_connect_timeout=0.5), [queue]))
     assert down.get_sample_value("ticketq_exporter_redis_up") == 0
-    assert down.get_sample_value("ticketq_queue_depth") is None  # no value rather than a wrong 0
+    assert down.get_sample_value("ticketq_queue_depth", {"queue": queue}) is None  # no value rather than a wrong 0
+
+
+def test_the_exporter_takes_a_list_of_queues_not_a_name():
+    from worker.tools.exporter import BacklogCollector
+
+    for queues in ("ticketq", []):
+        with pytest.raises(ValueError, match="non-empty list"):
+            BacklogCollector(redis.Redis(port=1), queues)

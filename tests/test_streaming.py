@@ -248,9 +248,9 @@ def test_expired_message_is_answered_without_being_computed(client, app):
     failed = AsyncResult(late.id, app=app)
     assert failed.state == states.FAILURE and "expired" in str(failed.result)
     assert [row["reason"] for row in AsyncResult(late_pack.id, app=app).get(timeout=5)] == ["expired", "expired"]
-    registry = service.metrics.registry
-    assert registry.get_sample_value("ticketq_tickets_total", {"label": "none", "outcome": "expired"}) == 3
-    assert registry.get_sample_value("ticketq_dead_letters_total", {"reason": "expired"}) is None, "not dead-lettered"
+    value, queue = service.metrics.registry.get_sample_value, service.metrics.queue
+    assert value("ticketq_tickets_total", {"queue": queue, "label": "none", "outcome": "expired"}) == 3
+    assert value("ticketq_dead_letters_total", {"queue": queue, "reason": "expired"}) is None, "not dead-lettered"
 
 
 # --------------------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ class Runtime:
         settings = self.settings
         guards.check_versions()
         client = preflight(settings)
-        metrics = Metrics()
+        metrics = Metrics(queue=settings.queue)
         classifier = self.classifier_factory(settings)
         info = getattr(classifier, "info", None)
         metrics.model.info(

@@ -7,25 +7,25 @@ are in ticketq.names; the Redis keys workers write, in worker.store.
 
 # Prometheus metric names (the client adds `_total` to counters, `_bucket/_sum/_count` to histograms).
 METRIC_PREFIX = "ticketq"
-M_TICKETS = "ticketq_tickets"  # counter, labels: label, outcome
+M_TICKETS = "ticketq_tickets"  # counter, labels: queue, label, outcome
 M_TOKENS_REAL = "ticketq_tokens_real"  # counter: real (non-pad) tokens run through the model
 M_TOKENS_COMPUTED = "ticketq_tokens_computed"  # counter: all tokens computed, pads included
 M_TOKENS_PADDED = "ticketq_tokens_padded"  # counter: pad tokens computed
 M_PADDING_RATIO_LAST = "ticketq_batch_padding_ratio"  # gauge: last forward batch
 M_BATCH_SIZE = "ticketq_batch_size"  # histogram: tickets per forward batch
 M_BATCH_TOKENS = "ticketq_batch_tokens"  # histogram: padded tokens per forward batch
-M_QUEUE_WAIT = "ticketq_queue_wait_seconds"  # histogram: enqueue -> batch start
+M_QUEUE_WAIT = "ticketq_queue_wait_seconds"  # histogram, labels: queue: enqueue -> batch start
 M_FORWARD = "ticketq_forward_seconds"  # histogram: one forward batch
-M_LATENCY = "ticketq_latency_seconds"  # histogram: enqueue -> result published
+M_LATENCY = "ticketq_latency_seconds"  # histogram, labels: queue: enqueue -> result published
 M_PREFIX_REUSES = "ticketq_prefix_cache_reuses"  # counter
-M_DEAD_LETTERS = "ticketq_dead_letters"  # counter, labels: reason
+M_DEAD_LETTERS = "ticketq_dead_letters"  # counter, labels: queue, reason
 M_SHADOW_CHECKED = "ticketq_shadow_checked"  # counter
 M_SHADOW_AGREED = "ticketq_shadow_agreed"  # counter
 M_MODEL_INFO = "ticketq_model"  # info: model, standin, dtype, device
 M_FLUSHES = "ticketq_flushes"  # counter: celery-batches flushes (buffer drains)
-M_QUEUE_DEPTH = "ticketq_queue_depth"  # gauge: LLEN of the broker queue, sampled at scrape
+M_QUEUE_DEPTH = "ticketq_queue_depth"  # gauge, labels: queue: LLEN of the broker queue, sampled at scrape
 M_DUPLICATES = "ticketq_duplicate_results"  # counter: re-executions whose result was already published
-M_FIELD_ANSWERS = "ticketq_field_answers"  # counter: schema field answers, by schema, field, label, review
+M_FIELD_ANSWERS = "ticketq_field_answers"  # counter: schema field answers, by queue, schema, field, label, review
 M_SHADOW_DROPPED = "ticketq_shadow_dropped"  # counter: shadow samples dropped because the checker was busy
 M_FIRST_RESULT = "ticketq_time_to_first_result_seconds"  # histogram: batch start -> its first result published
 M_PUBLISH = "ticketq_publish_seconds"  # histogram: Redis work of publishing one forward batch's results

@@ -1,7 +1,11 @@
 """Prometheus metrics of one worker process, and its HTTP endpoints: every series takes an injected registry.
 
 Padding ratio in PromQL: `rate(ticketq_tokens_padded_total[1m]) / rate(ticketq_tokens_computed_total[1m])`.
-Items/s: `sum(rate(ticketq_tickets_total{outcome="ok"}[1m]))`.
+Items/s per queue: `sum by (queue) (rate(ticketq_tickets_total{outcome="ok"}[1m]))`.
+
+A worker consumes one queue (TICKETQ_QUEUE), given at construction: the per-ticket series and the
+queue depth carry it as their `queue` label, and `target_info{queue}` names it for the rest (join
+`* on (instance) group_left (queue) target_info`). One value per process: no series multiplies.
 
 The server on TICKETQ_METRICS_PORT answers `/metrics` with the series (ticketq's, plus the
 process and platform collectors: memory, CPU, open fds), `/healthz` with 200 while the process
@@ -19,8 +23,9 @@ import socket
 import threading
 from bisect import bisect_left
 from collections import Counter as Tally
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from socketserver import ThreadingMixIn
+from typing import Generic, TypeVar
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
@@ -37,6 +42,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from ticketq.names import QUEUE
 from worker import constants as c
 from worker.progress import CLASSIFYING
 
@@ -47,6 +53,7 @@ PUBLISH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 
 Check = Callable[[], "str | None"]  # a readiness check: None when fine, else why not
+M = TypeVar("M")
 
 
 class MetricsPortInUse(OSError):
@@ -73,19 +80,37 @@ def _port_message(host: str, port: int, exc: OSError) -> str:
             "a free port (each worker on a host needs its own), or 0 to turn metrics off")
 
 
+def queue_depth_family(depths: Mapping[str, float]) -> GaugeMetricFamily:
+    """`ticketq_queue_depth{queue}`, one sample per queue: as a worker and `ticketq exporter` export it."""
+    family = GaugeMetricFamily(c.M_QUEUE_DEPTH, "Messages waiting in the broker queue.", labels=["queue"])
+    for queue, depth in depths.items():
+        family.add_metric([queue], float(depth))
+    return family
+
+
 class QueueDepthCollector:
     """Samples the broker queue's length (LLEN) at scrape time, so alerts see the backlog."""
 
-    def __init__(self, depth: Callable[[], int]) -> None:
-        self._depth = depth
+    def __init__(self, depth: Callable[[], int], queue: str) -> None:
+        self._depth, self._queue = depth, queue
 
     def collect(self):
-        family = GaugeMetricFamily(c.M_QUEUE_DEPTH, "Messages waiting in the broker queue.")
         try:
-            family.add_metric([], float(self._depth()))
+            depth = self._depth()
         except Exception:  # a scrape must not fail because the broker is briefly away
             return
-        yield family
+        yield queue_depth_family({self._queue: depth})
+
+
+class QueueBound(Generic[M]):
+    """A labelled metric whose `queue` label is this worker's queue: `labels(**others)` fills it in,
+    so a call site names only the labels that vary (prometheus_client has no constant labels)."""
+
+    def __init__(self, metric: M, queue: str) -> None:
+        self.metric, self.queue = metric, queue
+
+    def labels(self, **labels: str) -> M:
+        return self.metric.labels(queue=self.queue, **labels)
 
 
 class ManyHistogram:
@@ -94,13 +119,15 @@ class ManyHistogram:
     prometheus_client's `Histogram.observe` takes one value per call (a lock, a bucket search and
     two increments each): with one latency and one queue-wait observation per ticket, that was a
     tenth of the worker's CPU at tens of thousands of tickets a second. Exposed through the
-    custom-collector API, with the series a `Histogram` has (`_bucket`, `_count`, `_sum`).
+    custom-collector API, with the series a `Histogram` has (`_bucket`, `_count`, `_sum`); `labels`:
+    fixed labels every sample carries (the worker's queue).
     """
 
-    def __init__(self, name: str, documentation: str, buckets: Iterable[float], registry: CollectorRegistry) -> None:
+    def __init__(self, name: str, documentation: str, buckets: Iterable[float], registry: CollectorRegistry,
+                 labels: Mapping[str, str] | None = None) -> None:  # fmt: skip
         bounds = sorted(float(b) for b in buckets)
         self._bounds = (*bounds, math.inf) if not bounds or bounds[-1] != math.inf else tuple(bounds)
-        self._name, self._documentation = name, documentation
+        self._name, self._documentation, self._labels = name, documentation, dict(labels or {})
         self._counts = [0] * len(self._bounds)  # per bucket, not cumulative
         self._sum = 0.0
         self._lock = threading.Lock()
@@ -128,19 +155,26 @@ class ManyHistogram:
         for bound, count in zip(self._bounds, counts, strict=True):
             cumulative += count
             buckets.append((floatToGoString(bound), cumulative))
-        yield HistogramMetricFamily(self._name, self._documentation, buckets=buckets, sum_value=total)
+        family = HistogramMetricFamily(self._name, self._documentation, labels=list(self._labels))
+        family.add_metric(list(self._labels.values()), buckets, total)
+        yield family
 
 
 class Metrics:
-    """All of ticketq's series, registered in `registry`."""
+    """All of ticketq's series, registered in `registry`, for a worker that consumes `queue`."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, queue: str = QUEUE) -> None:
+        if not queue:
+            raise ValueError("Metrics: queue must name the queue the worker consumes (TICKETQ_QUEUE)")
         disable_created_metrics()  # process-wide in prometheus_client; ticketq exports no _created series
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.queue = queue
         r = self.registry
+        r.set_target_info({"queue": queue})  # for joins: `* on (instance) group_left (queue) target_info`
         r.register(PROCESS_COLLECTOR)  # process_resident_memory_bytes, process_cpu_seconds_total, open fds
         r.register(PLATFORM_COLLECTOR)  # python_info
-        self.tickets = Counter(c.M_TICKETS, "Tickets finished, by label and outcome.", ["label", "outcome"], registry=r)
+        self.tickets = QueueBound(Counter(c.M_TICKETS, "Tickets finished, by queue, label and outcome.",
+                                          ["queue", "label", "outcome"], registry=r), queue)  # fmt: skip
         self.tokens_real = Counter(c.M_TOKENS_REAL, "Real (non-pad) tokens run through the model.", registry=r)
         self.tokens_computed = Counter(c.M_TOKENS_COMPUTED, "Tokens computed in forward passes.", registry=r)
         self.tokens_padded = Counter(c.M_TOKENS_PADDED, "Pad tokens computed in forward passes.", registry=r)
@@ -149,11 +183,14 @@ class Metrics:
         self.batch_tokens = Histogram(
             c.M_BATCH_TOKENS, "Padded tokens per forward batch.", buckets=TOKEN_BUCKETS, registry=r
         )
-        self.queue_wait = ManyHistogram(c.M_QUEUE_WAIT, "Submit to batch start, seconds.", LATENCY_BUCKETS, r)
+        self.queue_wait = ManyHistogram(c.M_QUEUE_WAIT, "Submit to batch start, seconds.", LATENCY_BUCKETS, r,
+                                        {"queue": queue})  # fmt: skip
         self.forward = Histogram(c.M_FORWARD, "One forward batch, seconds.", buckets=LATENCY_BUCKETS, registry=r)
-        self.latency = ManyHistogram(c.M_LATENCY, "Submit to result published, seconds.", LATENCY_BUCKETS, r)
+        self.latency = ManyHistogram(c.M_LATENCY, "Submit to result published, seconds.", LATENCY_BUCKETS, r,
+                                     {"queue": queue})  # fmt: skip
         self.prefix_reuses = Counter(c.M_PREFIX_REUSES, "Forward batches that reused the prefix KV cache.", registry=r)
-        self.dead_letters = Counter(c.M_DEAD_LETTERS, "Messages or tickets dead-lettered.", ["reason"], registry=r)
+        self.dead_letters = QueueBound(Counter(c.M_DEAD_LETTERS, "Messages or tickets dead-lettered, by queue and "
+                                               "reason.", ["queue", "reason"], registry=r), queue)  # fmt: skip
         self.shadow_checked = Counter(c.M_SHADOW_CHECKED, "Tickets re-run on the reference path.", registry=r)
         self.shadow_agreed = Counter(c.M_SHADOW_AGREED, "Shadow-checked tickets whose label matched.", registry=r)
         self.shadow_dropped = Counter(c.M_SHADOW_DROPPED, "Shadow samples dropped (checker busy).", registry=r)
@@ -168,11 +205,11 @@ class Metrics:
         self.build = Info(c.M_BUILD_INFO, "ticketq's version and the versions of the libraries it runs on.",
                           registry=r)  # fmt: skip
         self.build.info(build_versions())
-        self.field_answers = Counter(
-            c.M_FIELD_ANSWERS, "Schema field answers, by schema, field, label (a multi-label field: each chosen, "
-            "none for none) and review (confidence below the field's threshold).",
-            ["schema", "field", "label", "review"], registry=r,
-        )
+        self.field_answers = QueueBound(Counter(
+            c.M_FIELD_ANSWERS, "Schema field answers, by queue, schema, field, label (a multi-label field: each "
+            "chosen, none for none) and review (confidence below the field's threshold).",
+            ["queue", "schema", "field", "label", "review"], registry=r,
+        ), queue)  # fmt: skip
         self.duplicates = Counter(c.M_DUPLICATES, "Re-executed tickets whose result was already out.", registry=r)
         self.cost_model = Gauge(
             c.M_COST_MODEL, "The planner's cost model of one forward: fixed ms, ms per computed token (token), "
@@ -202,8 +239,8 @@ class Metrics:
                 fields: Iterable[tuple[str, str, Iterable[str]]] = ()) -> None:  # fmt: skip
         """Create the labelled series at 0 so dashboards and rate() see them before the first event
         (`fields`: each schema field's (schema, field, labels))."""
-        for schema, name, labels in fields:
-            for label in labels:
+        for schema, name, choices in fields:
+            for label in choices:
                 for review in ("true", "false"):
                     self.field_answers.labels(schema=schema, field=name, label=label, review=review)
         for label in labels:
@@ -240,7 +277,8 @@ class Metrics:
             self.cost_model_fits.inc()
 
     def watch_queue(self, depth: Callable[[], int]) -> None:
-        self.registry.register(QueueDepthCollector(depth))
+        """Sample `depth()` (the length of this worker's queue) at scrape time as `ticketq_queue_depth{queue}`."""
+        self.registry.register(QueueDepthCollector(depth, self.queue))
         self._depth = depth
 
     def serve(

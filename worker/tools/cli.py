@@ -480,9 +480,14 @@ def _ops():
 def exporter(
     port: Annotated[int, typer.Option(help="Port to serve /metrics on.")] = 9809,
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0 in a container).")] = "127.0.0.1",
+    queues: Annotated[
+        list[str] | None,
+        typer.Option("--queue", metavar="QUEUE", help="A queue to watch; repeat for several (default: TICKETQ_QUEUE)."),
+    ] = None,
 ) -> None:
-    """Export the queue's depth, the dead-letter and results streams' lengths and the live consumers
-    from Redis alone, for Prometheus: the backlog stays visible with every worker down."""
+    """Export each queue's depth (`ticketq_queue_depth{queue}`), the dead-letter and results streams'
+    lengths and the live consumers from Redis alone, for Prometheus: the backlog stays visible with
+    every worker down."""
     from ticketq.connections import RedisUnavailable, connect
     from worker.metrics import MetricsPortInUse
     from worker.tools.exporter import exporter_server
@@ -490,13 +495,14 @@ def exporter(
     settings = _settings()
     try:
         client = connect(settings.broker_url, **settings.sentinel, retries=3)
-        server = exporter_server(client, settings.queue, host, port)
+        server = exporter_server(client, queues or [settings.queue], host, port)
     except RedisUnavailable as exc:
         _fail(str(exc))
     except MetricsPortInUse:
         _fail(f"--port {port}: cannot listen on {host}:{port} (in use, or not allowed); pass another --port")
     _logging()
-    logging.getLogger(__name__).info("exporting queue %r on http://%s:%d/metrics", settings.queue, host, port)
+    watched = ", ".join(queues or [settings.queue])
+    logging.getLogger(__name__).info("exporting queues %s on http://%s:%d/metrics", watched, host, port)
     with suppress(KeyboardInterrupt):
         server.serve_forever()
 

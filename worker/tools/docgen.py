@@ -62,6 +62,19 @@ def metrics_rows() -> list[tuple[str, str, str, str]]:
     return sorted(rows)
 
 
+QUEUE_LABEL = """\
+**Per queue.** A worker consumes one queue (`TICKETQ_QUEUE`), and the series of what happens to
+its tickets carry it as `queue`: `ticketq_tickets_total`, `ticketq_dead_letters_total`,
+`ticketq_field_answers_total` (beside `schema`), `ticketq_latency_seconds`,
+`ticketq_queue_wait_seconds` and `ticketq_queue_depth` (`ticketq exporter` exports one depth
+series per queue it watches, `--queue` repeated). The value is fixed per process, so the label
+multiplies no series: a worker exports exactly as many as without it, latency buckets included.
+The series of the model and the batcher (tokens, batches, forward passes, shadow checks, cost
+model) describe the process, not a queue: `target_info{queue}` names each worker's queue for them,
+e.g. `sum by (queue) (rate(ticketq_tokens_padded_total[5m]) * on (instance) group_left (queue)
+target_info)`. The dashboard's `$queue` variable and the alerts work per queue this way."""
+
+
 def metrics_markdown() -> str:
     lines = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
     lines += [f"| `{name}` | {kind} | {labels} | {meaning} |" for name, kind, labels, meaning in metrics_rows()]
@@ -71,7 +84,7 @@ def metrics_markdown() -> str:
         "Each worker serves these on `http://TICKETQ_METRICS_HOST:TICKETQ_METRICS_PORT/metrics`\n"
         "(Prometheus text format), beside `/healthz` and `/readyz`. Histograms also export\n"
         "`_bucket`, `_sum` and `_count`. The Grafana dashboard and the alerts in `deploy/` read them.\n\n"
-        f"{table}\n"
+        f"{QUEUE_LABEL}\n\n{table}\n"
     )
 
 
