@@ -274,8 +274,9 @@ class LiveCostModel:
     def refit(self, window: Sequence[tuple[int, int, float]] | None = None) -> CostModel | None:
         """Fit `window` (default: the forwards seen); apply and cache a sound fit. Returns it, or
         None (kept the current one). O(len(window)): see `_robust_fit`."""
+        forwards = tuple(self.samples) if window is None else window
         shapes: dict[tuple[int, int], float] = {}
-        for rows, width, ms in tuple(self.samples) if window is None else window:
+        for rows, width, ms in forwards:
             # The fastest of each shape: a neighbour's burst only ever slows a forward down.
             shapes[rows, width] = min(ms, shapes.get((rows, width), ms))
         fastest = [(rows, width, ms) for (rows, width), ms in shapes.items()]
@@ -290,7 +291,7 @@ class LiveCostModel:
         save_cached(self.engine, cost, "live")
         if self.fits == 1 or _moved(previous, cost):
             log.info("cost model refitted from %d served forwards (%d shapes, median error %.0f%%): "
-                     "%.2f ms + %.4f ms x tokens%s", len(self.samples), len(fastest), 100 * error, cost.fixed_ms,
+                     "%.2f ms + %.4f ms x tokens%s", len(forwards), len(fastest), 100 * error, cost.fixed_ms,
                      cost.token_ms, f" + {cost.quad_ms:.2e} ms x rows x width^2" if cost.quad_ms else "")  # fmt: skip
         if self.on_fit is not None:
             self.on_fit(cost, error)
