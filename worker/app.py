@@ -145,7 +145,10 @@ def build_classifier(settings: Settings) -> Classifier:
 
 def live_cost_model(settings: Settings, classifier: Classifier, metrics: Metrics) -> Callable[[Any], None] | None:
     """The forward observer that refits the planner's cost model while serving (TICKETQ_LIVE_COST),
-    its fits exported; None for a classifier that plans with no cost model (the null classifier)."""
+    its fits exported; None for a classifier that plans with no cost model (the null classifier).
+
+    The observer only records (O(1) on the classifying thread); the refits run on a background
+    thread and swap the model in between plans, their fits exported from there."""
     cost = getattr(classifier, "cost", None)
     if cost is not None:
         metrics.observe_cost_model(cost.fixed_ms, cost.token_ms, cost.quad_ms)

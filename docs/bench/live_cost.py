@@ -78,6 +78,7 @@ def main() -> None:
             engine.classify(texts[at:at + size], on_batch=lambda r: learner.observe(r.rows, r.width, r.seconds))
             job, at = job + 1, (at + size) % (len(texts) - 64)
             print(f"\r{learner.seen} forwards, {learner.fits} fits kept", end="", flush=True)
+        learner.wait()  # the refit in flight, if any: its fit is the one compared
         print()
         load_served = os.getloadavg()[0]
     finally:

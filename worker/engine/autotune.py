@@ -10,13 +10,14 @@ At start-up (`autotune`, TICKETQ_AUTOTUNE): a few seconds of timed forward passe
   term when the fit wants one); the DP planner minimises the sum of these.
 
 While serving (`LiveCostModel`, TICKETQ_LIVE_COST): the worker times every forward anyway; every
-REFIT_EVERY forwards the model is refitted from the recent ones (the fastest time of each shape,
-then, one at a time, the shape measured furthest above the fit dropped while one is more than
-15% above it: a neighbour's bursts only slow forwards down, so what is left is the machine's own
-speed). A fit is kept only where it is sound (positive fixed and
-per-token cost, enough shapes); each kept fit is cached per machine, model, device, dtype, GEMM and
-threads (`~/.cache/ticketq/cost`, or $XDG_CACHE_HOME), and the next start on the same machine
-begins from it instead of the configured defaults.
+REFIT_EVERY forwards the model is refitted from the recent ones on a background thread, never the
+classifying one, and swapped in between two plans (the fastest time of each shape, then refitted
+without the shapes measured more than 15% above the fit until that leaves the same shapes, at
+most TRIM_ROUNDS fits: a neighbour's bursts only slow forwards down, so what is left is the
+machine's own speed). A fit is kept only where it is sound (positive fixed and per-token cost,
+enough shapes); each kept fit is cached per machine, model, device, dtype, GEMM and threads
+(`~/.cache/ticketq/cost`, or $XDG_CACHE_HOME), and the next start on the same machine begins from
+it instead of the configured defaults.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ import logging
 import os
 import platform
 import statistics
+import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -205,14 +207,22 @@ REFIT_EVERY = 50  # forwards between two refits
 WINDOW = 400  # the most recent forwards a refit looks at
 MIN_SHAPES = 5  # distinct (rows, width) shapes a refit needs (at least 2 widths and 2 row counts)
 SLOWER = 0.15  # a shape measured this share above the fit is taken for a burst and left out
+TRIM_ROUNDS = 10  # fits a robust refit makes at most (each at most 7 least-squares solves)
 
 
 class LiveCostModel:
     """Refits `engine.cost` from the forwards it serves (`observe`, once per forward).
 
-    `on_fit(cost, error)` hears every kept fit and its median relative error over the window.
-    Runs on the thread that classifies (the service's batch callback), as the planner does, so
-    the engine's cost model changes between two plans, never during one.
+    `observe` runs on the classifying thread and only records: O(1), plus a copy of the window
+    (at most WINDOW tuples) every `refit_every` forwards, handed to one background daemon thread
+    that fits it. At most one refit is in flight: one that falls due while another runs is
+    skipped (the next sees its forwards too). A kept fit is swapped in with one attribute set,
+    `engine.cost = fit`, and the planner reads `engine.cost` once per plan, so a plan is costed by
+    one model and the new one applies from the next plan. An exception in the background is
+    logged and the current model kept. `refit()` fits synchronously (tests, benchmarks).
+
+    `on_fit(cost, error)` hears every kept fit and its median relative error over the window, on
+    the thread that fitted it.
     """
 
     def __init__(self, engine, on_fit: Callable[[CostModel, float], None] | None = None,
@@ -223,32 +233,65 @@ class LiveCostModel:
         self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)
         self.seen = 0
         self.fits = 0
+        self.skipped = 0  # refits that fell due while one was in flight
+        self._idle = threading.Lock()  # held while a background refit is in flight
+        self._thread: threading.Thread | None = None
 
     def observe(self, rows: int, width: int, seconds: float) -> None:
         self.samples.append((rows, width, seconds * 1000))
         self.seen += 1
         if self.seen % self.refit_every == 0:
-            self.refit()
+            self._refit_in_background()
 
-    def refit(self) -> CostModel | None:
-        """Fit the window; apply and cache a sound fit. Returns it, or None (kept the current one)."""
-        shapes: dict[tuple[int, int], list[float]] = {}
-        for rows, width, ms in self.samples:
-            shapes.setdefault((rows, width), []).append(ms)
-        # The fastest of each shape: a neighbour's burst only ever slows a forward down.
-        medians = [(rows, width, min(times)) for (rows, width), times in shapes.items()]
-        cost = _robust_fit(medians)
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the refit in flight, if any; False if it is still running after `timeout` s."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+        return thread is None or not thread.is_alive()
+
+    def _refit_in_background(self) -> None:
+        if not self._idle.acquire(blocking=False):
+            self.skipped += 1
+            return
+        window = tuple(self.samples)  # copied here: the deque moves on while the fit runs
+        self._thread = threading.Thread(target=self._background, args=(window,), name="ticketq-cost-refit",
+                                        daemon=True)  # fmt: skip
+        try:
+            self._thread.start()
+        except RuntimeError as exc:  # no thread to be had (e.g. at interpreter shutdown): skip this one
+            self._idle.release()
+            log.warning("live cost refit skipped: %s", exc)
+
+    def _background(self, window: tuple[tuple[int, int, float], ...]) -> None:
+        try:
+            self.refit(window)
+        except Exception:
+            log.exception("live cost refit failed; the planner keeps its current cost model")
+        finally:
+            self._idle.release()
+
+    def refit(self, window: Sequence[tuple[int, int, float]] | None = None) -> CostModel | None:
+        """Fit `window` (default: the forwards seen); apply and cache a sound fit. Returns it, or
+        None (kept the current one). O(len(window)): see `_robust_fit`."""
+        forwards = tuple(self.samples) if window is None else window
+        shapes: dict[tuple[int, int], float] = {}
+        for rows, width, ms in forwards:
+            # The fastest of each shape: a neighbour's burst only ever slows a forward down.
+            shapes[rows, width] = min(ms, shapes.get((rows, width), ms))
+        fastest = [(rows, width, ms) for (rows, width), ms in shapes.items()]
+        cost = _robust_fit(fastest)
         cost = floored(cost) if cost is not None else None
         if cost is None or not sound(cost):
-            log.debug("live cost fit over %d shapes not kept (%s)", len(medians), cost)
+            log.debug("live cost fit over %d shapes not kept (%s)", len(fastest), cost)
             return None
-        error = statistics.median(abs(cost.batch_ms(r, w) - ms) / ms for r, w, ms in medians if ms > 0)
+        error = statistics.median(abs(cost.batch_ms(r, w) - ms) / ms for r, w, ms in fastest if ms > 0)
         previous, self.engine.cost = self.engine.cost, cost
         self.fits += 1
         save_cached(self.engine, cost, "live")
         if self.fits == 1 or _moved(previous, cost):
             log.info("cost model refitted from %d served forwards (%d shapes, median error %.0f%%): "
-                     "%.2f ms + %.4f ms x tokens%s", len(self.samples), len(medians), 100 * error, cost.fixed_ms,
+                     "%.2f ms + %.4f ms x tokens%s", len(forwards), len(fastest), 100 * error, cost.fixed_ms,
                      cost.token_ms, f" + {cost.quad_ms:.2e} ms x rows x width^2" if cost.quad_ms else "")  # fmt: skip
         if self.on_fit is not None:
             self.on_fit(cost, error)
@@ -256,27 +299,35 @@ class LiveCostModel:
 
 
 def _robust_fit(shapes: list[tuple[int, int, float]]) -> CostModel | None:
-    """CostModel.fit (relative errors), again and again without the shape it most underestimates,
-    until none takes more than SLOWER over its prediction; None when too few shapes are left.
+    """CostModel.fit (relative errors) trimmed from above: each round fits the shapes that took
+    at most SLOWER over the previous round's prediction (all of them in the first round), until a
+    round keeps the same shapes; None when too few shapes are left to fit.
 
     A neighbour's burst only ever slows a forward down, and the planner's widths make most served
-    shapes unique, so a shape's fastest time is usually its only time: the fit is trimmed from
-    above, one slow shape at a time, which leaves the lower envelope, the machine's own speed. A
-    machine slowed evenly (a constant neighbour) is no outlier: every shape moves, nothing is
-    dropped, and the fit follows it.
+    shapes unique, so a shape's fastest time is usually its only time: trimming from above leaves
+    the lower envelope, the machine's own speed. A shape left out by a fit that bursts still
+    pulled up comes back once the fit is below it. A machine slowed evenly (a constant
+    neighbour) is no outlier: every shape moves, nothing is left out, and the fit follows it.
+
+    Cost: at most TRIM_ROUNDS fits of at most n shapes, each 7 least-squares solves of n x 3 and
+    O(n) besides: O(n) in all, at most 7 x TRIM_ROUNDS solves. Trimmed fits settle in a few rounds
+    (each round's fit is below the last while bursts are left to drop); one that has not settled
+    after TRIM_ROUNDS is taken from the last round.
     """
-    kept = list(shapes)
-    while _spans(kept):
+    kept = shapes
+    cost = None
+    for _ in range(TRIM_ROUNDS):
+        if not _spans(kept):
+            return None
         try:
             cost = CostModel.fit(kept, relative=True)
         except ValueError:  # degenerate shapes
             return None
-        over = [(ms - cost.batch_ms(r, w)) / max(cost.batch_ms(r, w), 1e-9) for r, w, ms in kept]
-        worst = max(range(len(kept)), key=over.__getitem__)
-        if over[worst] <= SLOWER:
-            return cost
-        del kept[worst]
-    return None
+        within = [s for s in shapes if s[2] <= (1 + SLOWER) * cost.batch_ms(s[0], s[1])]
+        if within == kept:
+            break
+        kept = within
+    return cost
 
 
 def _spans(samples: list[tuple[int, int, float]]) -> bool:

@@ -5,8 +5,9 @@ much padding is computed and how many forwards are run. `plan_optimal` is the on
 uses; the other planners are the baselines it is measured against. `CostModel` predicts the time
 of one forward and can be fitted from measurements on the device.
 
-Plain Python on purpose (no torch, no numpy): the planner is unit-tested without a model, and the
-engine is the only place that touches tensors.
+No torch: the planner is unit-tested without a model, and the engine is the only place that
+touches tensors. The planners are plain Python; only `CostModel.fit` uses numpy (float64 least
+squares).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from fractions import Fraction
+
+import numpy as np
 
 from worker.results import PaddedTokens
 
@@ -30,9 +32,10 @@ __all__ = [
     "sort_by_length",
 ]
 
-# Term subsets tried by `CostModel.fit`, largest first so an exact fit keeps every term.
-# Indices into (fixed, token, quad).
+# Term subsets tried by `CostModel.fit`. Indices into (fixed, token, quad).
 _FIT_TERMS = ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,))
+# A fit's squared errors within n * (this share of the largest target)**2 of the best are rounding.
+_ROUNDING = 1e-12
 
 
 @dataclass(frozen=True)
@@ -68,89 +71,76 @@ class CostModel:
         so a 40 ms forward counts as much as a 2 s one: the shapes a planner weighs against each
         other (one batch or two) are the small ones, which absolute errors let the largest drown.
 
-        Three unknowns, so exact NNLS is cheap: the constrained optimum is the unconstrained
+        Three unknowns, so NNLS is cheap by enumeration: the constrained optimum is the unconstrained
         least-squares fit on its own support, so we fit every subset of terms and keep the best
         one whose coefficients are all >= 0 (e.g. a negative quad term is dropped and the rest
-        refitted). Arithmetic is exact (`Fraction`) because rows*width**2 spans six orders of
-        magnitude and float normal equations would lose the small coefficients.
+        refitted); a subset with fewer terms wins a tie within rounding, so a term the samples do
+        not need comes out exactly 0. In float64: each column (1, rows*width, rows*width**2, which
+        span six orders of magnitude) is scaled to unit length and solved by an orthogonal
+        least squares (`numpy.linalg.lstsq`, SVD), never the normal equations, which would square
+        the condition number and lose the small coefficients. Cost: 7 solves of n x 3 at most,
+        O(n) in the number of samples; whether the samples determine the three coefficients is
+        decided exactly, on the integer features.
         """
         features, targets = _fit_inputs(samples)
         if relative:  # each equation scaled by 1 / its measurement (a zero one keeps weight 1)
-            weights = [1 / y if y else Fraction(1) for y in targets]
-            features = [tuple(x * w for x in f) for f, w in zip(features, weights, strict=True)]
-            targets = [y * w for y, w in zip(targets, weights, strict=True)]
-        if _solve_normal(features, targets, _FIT_TERMS[0]) is None:
-            raise ValueError(
-                "CostModel.fit: samples are degenerate, the three coefficients are not determined; "
-                "measure at least 3 different (rows, width) shapes, varying width as well as rows"
-            )
-        best_sse, best_coef = None, None
-        for terms in _FIT_TERMS:
-            coef = _solve_normal(features, targets, terms)
-            if coef is None or any(c < 0 for c in coef):
-                continue
-            sse = _sse(features, targets, terms, coef)
-            if best_sse is None or sse < best_sse:
-                best_sse, best_coef = sse, dict(zip(terms, coef, strict=True))
-        # Measured times are >= 0, so the fixed-only fit (their mean) is always feasible.
-        assert best_coef is not None
-        return cls(*(float(best_coef.get(k, 0)) for k in range(3)))
+            weights = 1 / np.where(targets > 0, targets, 1.0)
+            features, targets = features * weights[:, None], targets * weights
+        scale = np.linalg.norm(features, axis=0)  # > 0: every feature is >= 1 before weighting
+        scaled = features / scale
+        rounding = len(targets) * (_ROUNDING * float(np.max(np.abs(targets)))) ** 2
+        fits = [(terms, *_solve(scaled, targets, terms)) for terms in _FIT_TERMS]
+        feasible = [(terms, coef, sse) for terms, coef, sse in fits if (coef >= 0).all()]
+        # Measured times are >= 0 and every column is > 0, so each one-term fit is >= 0: feasible.
+        assert feasible
+        least = min(sse for _, _, sse in feasible)
+        terms, coef, _ = min((f for f in feasible if f[2] <= least + rounding), key=lambda f: (len(f[0]), f[2]))
+        found = dict(zip(terms, coef / scale[list(terms)], strict=True))
+        return cls(*(float(found.get(k, 0.0)) + 0.0 for k in range(3)))  # + 0.0: no -0.0
 
 
-def _fit_inputs(
-    samples: Sequence[tuple[int, int, float]],
-) -> tuple[list[tuple[Fraction, ...]], list[Fraction]]:
-    """Validate samples and return exact features (1, rows*width, rows*width**2) and targets."""
+def _fit_inputs(samples: Sequence[tuple[int, int, float]]) -> tuple[np.ndarray, np.ndarray]:
+    """Validate samples; return the features (1, rows*width, rows*width**2) and targets, float64.
+
+    Raises ValueError for a bad sample, and where the samples do not determine the three
+    coefficients: the columns are dependent exactly when the points (rows*width, rows*width**2)
+    all lie on one line, checked on the integers."""
     if len(samples) < 3:
         raise ValueError(f"CostModel.fit needs at least 3 samples, got {len(samples)}")
-    features, targets = [], []
+    points, targets = [], []
     for i, sample in enumerate(samples):
         rows, width, ms = sample
         if not (_is_int(rows) and _is_int(width) and rows >= 1 and width >= 1):
             raise ValueError(f"samples[{i}]: rows and width must be ints >= 1, got {sample!r}")
         if not (isinstance(ms, (int, float)) and math.isfinite(ms) and ms >= 0):
             raise ValueError(f"samples[{i}]: measured_ms must be a finite number >= 0, got {sample!r}")
-        computed = rows * width
-        features.append((Fraction(1), Fraction(computed), Fraction(computed * width)))
-        targets.append(Fraction(ms))
-    return features, targets
+        points.append((rows * width, rows * width * width))
+        targets.append(float(ms))
+    if _collinear(points):
+        raise ValueError(
+            "CostModel.fit: samples are degenerate, the three coefficients are not determined; "
+            "measure at least 3 different (rows, width) shapes, varying width as well as rows"
+        )
+    features = np.column_stack([np.ones(len(points)), np.array(points, dtype=np.float64)])
+    return features, np.array(targets)
 
 
-def _solve_normal(
-    features: list[tuple[Fraction, ...]], targets: list[Fraction], terms: tuple[int, ...]
-) -> list[Fraction] | None:
-    """Least squares on the columns `terms` via the normal equations; None if singular."""
-    gram = [[sum(f[a] * f[b] for f in features) for b in terms] for a in terms]
-    rhs = [sum(f[a] * y for f, y in zip(features, targets, strict=True)) for a in terms]
-    return _gauss(gram, rhs)
+def _collinear(points: list[tuple[int, int]]) -> bool:
+    """Whether every point lies on one line (or on one point), exactly: integer cross products."""
+    x0, z0 = points[0]
+    other = next(((x, z) for x, z in points if (x, z) != (x0, z0)), None)
+    if other is None:
+        return True
+    dx, dz = other[0] - x0, other[1] - z0
+    return all(dx * (z - z0) == dz * (x - x0) for x, z in points)
 
 
-def _gauss(matrix: list[list[Fraction]], rhs: list[Fraction]) -> list[Fraction] | None:
-    """Solve a small square system exactly by Gaussian elimination; None if singular."""
-    n = len(rhs)
-    aug = [[*row, b] for row, b in zip(matrix, rhs, strict=True)]
-    for col in range(n):
-        pivot = next((r for r in range(col, n) if aug[r][col] != 0), None)
-        if pivot is None:
-            return None
-        aug[col], aug[pivot] = aug[pivot], aug[col]
-        for r in range(n):
-            if r != col and aug[r][col] != 0:
-                factor = aug[r][col] / aug[col][col]
-                aug[r] = [x - factor * p for x, p in zip(aug[r], aug[col], strict=True)]
-    return [aug[r][n] / aug[r][r] for r in range(n)]
-
-
-def _sse(
-    features: list[tuple[Fraction, ...]],
-    targets: list[Fraction],
-    terms: tuple[int, ...],
-    coef: list[Fraction],
-) -> Fraction:
-    return sum(
-        (y - sum(c * f[k] for k, c in zip(terms, coef, strict=True))) ** 2
-        for f, y in zip(features, targets, strict=True)
-    )
+def _solve(scaled: np.ndarray, targets: np.ndarray, terms: tuple[int, ...]) -> tuple[np.ndarray, float]:
+    """Least squares on the (unit-length) columns `terms`: their coefficients and the sum of squared errors."""
+    columns = scaled[:, list(terms)]
+    coef = np.linalg.lstsq(columns, targets, rcond=None)[0]
+    residual = targets - columns @ coef
+    return coef, float(residual @ residual)
 
 
 @dataclass(frozen=True)
