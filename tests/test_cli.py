@@ -86,6 +86,15 @@ def test_help_texts_read_whole(app):
     for group in groups(command(app, "x")):
         for paragraph in (group.help or "").split("\n\n"):
             assert all(line.startswith(("-", "*", " ")) for line in paragraph.splitlines()[1:]), group.name
+    built = command(app, "x")
+    for path in all_commands(app):
+        if path in (["bench"], ["loadtest"]):  # their own argparse help
+            continue
+        sub = built.commands[path[0]] if path else built
+        shown = " ".join(click.testing.CliRunner().invoke(built, [*path, "-h"]).output.replace("│", " ").split())
+        for param in sub.params:
+            for bracketed in re.findall(r"\[[^\]]+\]", getattr(param, "help", None) or ""):
+                assert bracketed.replace("\\", "") in shown, (path, param.name, bracketed)  # not eaten as markup
     if app is ticketq_app:
         raw = click.testing.CliRunner().invoke(command(app, "ticketq"), ["eval", "-h"]).output  # as main() builds it
         assert not re.search(r"without one, and *\n", raw), raw  # the docstring's own line break

@@ -103,7 +103,7 @@ def standin(
 def classify(
     path: Annotated[Path, typer.Argument(help="Tickets: JSONL ({'id','text'}) or CSV with id,text columns.")],
     out: Annotated[
-        Path | None, typer.Option("--out", "-o", help=f"Results JSONL, one row per input row [default: {DEFAULT_OUT}].")
+        Path | None, typer.Option("--out", "-o", help=f"Results JSONL, a row per input row \\[default: {DEFAULT_OUT}].")
     ] = None,
     force: Annotated[
         bool, typer.Option("--force", "-f", help="Replace --out if it exists; start again over a stopped run.")
