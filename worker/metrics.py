@@ -34,10 +34,11 @@ from prometheus_client import (
     disable_created_metrics,
     make_wsgi_app,
 )
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from worker import constants as c
+from worker import store
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -85,6 +86,16 @@ class QueueDepthCollector:
         except Exception:  # a scrape must not fail because the broker is briefly away
             return
         yield family
+
+
+class TallyCollector:
+    """A counter kept elsewhere (a process-wide tally), read at scrape time."""
+
+    def __init__(self, name: str, documentation: str, read: Callable[[], int]) -> None:
+        self._name, self._documentation, self._read = name, documentation, read
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        yield CounterMetricFamily(self._name, self._documentation, value=self._read())
 
 
 class ManyHistogram:
@@ -180,6 +191,10 @@ class Metrics:
         self.cost_model_error = Gauge(c.M_COST_MODEL_ERROR, "Median relative error of the last live cost fit "
                                       "over the recent forwards' shapes.", registry=r)  # fmt: skip
         self.cost_model_fits = Counter(c.M_COST_MODEL_FITS, "Live refits of the planner's cost model kept.", registry=r)
+        r.register(TallyCollector(
+            c.M_REDIS_DATA_LOST, "Times this worker found Redis without its data (restarted without persistence, "
+            "or flushed): the epoch marker gone.", lambda: store.DATA_LOST.count,
+        ))  # fmt: skip
         self.flushes = Counter(c.M_FLUSHES, "Buffer drains (micro-batches handed to the engine).", registry=r)
         self.first_result = Histogram(
             c.M_FIRST_RESULT, "Batch start to its first result published, seconds.", buckets=LATENCY_BUCKETS, registry=r

@@ -71,7 +71,8 @@ from celery import states
 
 from ticketq import codec
 from ticketq.connections import NOT_ENOUGH_REPLICAS, OUT_OF_MEMORY, confirm_replicas, write_refusal
-from ticketq.names import DEAD_LETTER_STREAM, RESULTS_STREAM, REVIEW_STREAM
+from ticketq.epoch import Epoch, Loss, whoami
+from ticketq.names import DEAD_LETTER_STREAM, EPOCH_KEY, RESULTS_STREAM, REVIEW_STREAM
 from worker.transport.lua import script
 
 if TYPE_CHECKING:
@@ -182,6 +183,29 @@ def accepted() -> None:
         episode.end()
 
 
+class DataLoss:
+    """Redis found without its data (`ticketq.epoch`), as this process notices it: one log line and
+    one count per loss, whichever outbox of the process notices it (`ticketq_redis_data_lost_total`)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def noticed(self, loss: Loss) -> None:
+        with self._lock:
+            self.count += 1
+        since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(loss.since)) if loss.since else "earlier"
+        log.error(
+            "Redis lost its data (restarted without persistence, or flushed: the epoch marker set %s is gone): "
+            "the queue, unacked messages, results stream, dead letters and publish-once marks it held are gone; "
+            "this worker goes on, and the tickets that were waiting are answered once their producers send them "
+            "again (ticketq-produce --resend-after, Producer.wait(resend_after=))", since,
+        )  # fmt: skip
+
+
+DATA_LOST = DataLoss()
+
+
 def write_problems() -> list[str]:
     """The episodes lasting now, for /readyz."""
     return [episode.name for episode in (*_REFUSALS.values(), REPLICAS_BEHIND) if episode.active]
@@ -237,6 +261,7 @@ class Outbox:
         self.worst_batch_s = worst_batch_s
         self.replica_acks = replica_acks
         self.replica_timeout_s = replica_timeout_s
+        self.epoch = Epoch(whoami("worker"))
 
     @classmethod
     def from_settings(cls, client: redis.Redis, settings: Settings) -> Outbox:
@@ -246,12 +271,27 @@ class Outbox:
     # ----- attempts: how often a message was delivered while unfinished ----------------------
 
     def attempts(self, task_ids: Sequence[str]) -> list[int | None]:
-        """The delivery count of each message, None for a first delivery (one MGET)."""
+        """The delivery count of each message, None for a first delivery (one MGET, which reads the
+        epoch marker too: every job checks that Redis still holds its data, at no extra round trip)."""
         if not task_ids:
             return []
         keys = [ATTEMPTS_KEY.format(task_id=task_id) for task_id in task_ids]
-        counts = self.retrying(lambda: self.redis.mget(keys), write=False)
+        *counts, marker = self.retrying(lambda: self.redis.mget([*keys, EPOCH_KEY]), write=False)
+        self.judge_epoch(marker)
         return [None if count is None else int(count) for count in counts]
+
+    def judge_epoch(self, marker: bytes | None) -> Loss | None:
+        """Judge the epoch marker as just read (`ticketq.epoch.Epoch.seen`); a loss is logged and
+        counted once (`DATA_LOST`). A Redis that refuses the fresh marker (full) or is cut off is
+        judged again at the next check."""
+        try:
+            loss = self.epoch.seen(self.redis, marker)
+        except redis.RedisError as exc:
+            log.debug("epoch marker not checked (%s); checked again with the next job", exc)
+            return None
+        if loss is not None:
+            DATA_LOST.noticed(loss)
+        return loss
 
     def count_deliveries(self, task_ids: Sequence[str]) -> int:
         """INCR each message's attempts key (with its expiry) in one script call; the first one's new count."""

@@ -443,18 +443,26 @@ def exporter(
 
 @cli.command()
 def status(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
-    """Queue depth, in-flight messages, live workers (Celery ping), dead letters by reason, results stream."""
+    """Queue depth, in-flight messages, live workers (Celery ping), dead letters by reason, results
+    stream, Redis's memory and whether it kept its data. Exit status 1 when no worker answered the
+    ping (or none could be asked: a full Redis refuses the ping's writes), 2 when Redis is
+    unreachable; with --json, 0 whenever Redis answered."""
+    from worker.tools.ops import redis_data_line
+
     with _ops() as ops:
         state = ops.status()
     if as_json:
         print(json.dumps(state))
         return
-    for key, value in state.items():
+    shown_state = {**state, "redis_data": redis_data_line(state["redis_data"])}
+    if "workers_unknown" in shown_state:
+        shown_state["workers"] = f"unknown, {shown_state.pop('workers_unknown')}"
+    for key, value in shown_state.items():
         shown = ", ".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else value
         shown = ", ".join(shown) if isinstance(shown, list) else shown
         print(f"{key.replace('_', ' ')}: {shown if shown not in ('', None) else 'none'}")
     if not state["workers"]:
-        raise typer.Exit(EXIT_FAILED)  # nothing is consuming the queue: worth a non-zero status
+        raise typer.Exit(EXIT_FAILED)  # nothing is consuming the queue (or nobody could ask): worth a non-zero status
 
 
 @dead.command("list")

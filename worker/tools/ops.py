@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from collections import Counter
 from dataclasses import dataclass
 
+import kombu.exceptions
 import redis
 from celery import states
 from kombu.transport.redis import Channel
 
 from producer.api import Producer
-from ticketq import connections, names
+from ticketq import connections, epoch, names
+from ticketq.config import mask_url
 from ticketq.contract import Reason
 from worker import store
 from worker.settings import Settings
@@ -80,21 +83,37 @@ class Ops:
         self.producer.close()
 
     def status(self, ping_timeout: float = 1.0) -> dict:
-        replies = self.producer.app.control.ping(timeout=ping_timeout) or []
+        """Everything `ticketq status` shows. `workers_unknown` (present only then) says why no
+        worker could be asked: the Celery ping writes, which a full Redis refuses; the rest reads."""
+        workers, unknown = self.workers(ping_timeout)
         letters = self.dead_letters()
         return {
             "queue": self.settings.queue,
             "queue_depth": self.producer.queue_depth(),
             "in_flight": self.in_flight(),
             "leases": self.leases(),
-            "workers": sorted(name for reply in replies for name in reply),
+            "workers": workers,
+            **({"workers_unknown": unknown} if unknown else {}),
             "dead_letters": dict(Counter(letter.reason for letter in letters).most_common()),
             "requeued_awaiting_result": sum(bool(letter.requeued_as) for letter in letters),
             "results_stream": self.redis.xlen(names.RESULTS_STREAM),
             "review_stream": self.review_stream(),
             # noeviction is the only safe policy: any other may drop the queue, unacked messages, results
             "redis": connections.memory_state(self.redis),
+            "redis_data": epoch.describe(self.redis),
         }
+
+    def workers(self, timeout: float) -> tuple[list[str], str | None]:
+        """The workers that answer Celery's ping, and None; or none and why they could not be asked."""
+        try:
+            replies = self.producer.app.control.ping(timeout=timeout) or []
+        except (redis.RedisError, kombu.exceptions.OperationalError, OSError) as exc:
+            refusal = connections.write_refusal(exc)
+            if refusal:
+                return [], (f"not asked: Redis refuses the writes a Celery ping makes ({refusal}); "
+                            "the leases line counts the live consumers")  # fmt: skip
+            return [], f"not asked: the Celery ping failed ({type(exc).__name__}: {mask_url(str(exc))})"
+        return sorted(name for reply in replies for name in reply), None
 
     def review_stream(self) -> dict[str, int]:
         """The review stream's entries, and per consumer group those delivered but not acknowledged
@@ -249,6 +268,24 @@ class Ops:
         if meta["status"] != "SUCCESS":
             return [{"task_id": key, "status": "failed", "error": str(value)}]
         return value if isinstance(value, list) else [value]
+
+
+def redis_data_line(described: dict) -> str:
+    """`epoch.describe` in words, for `ticketq status`: since when Redis holds its data, or that it lost it."""
+    marker, lost = described.get("marker"), described.get("lost")
+    if lost:
+        gone = f"what it held since {_when(lost.get('since'))}" if lost.get("since") else "what it held"
+        return (f"LOST: Redis came back without its data (noticed {_when(lost.get('noticed_at'))} by "
+                f"{lost.get('by', '?')}): {gone} is gone; tickets still waiting are answered once re-sent")  # fmt: skip
+    if marker:
+        return f"kept since {_when(marker.get('since'))} (epoch marker set by {marker.get('by', '?')})"
+    return "no epoch marker yet (no worker or producer has checked since Redis started empty)"
+
+
+def _when(unix: object) -> str:
+    if not isinstance(unix, int | float):
+        return "?"
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(unix))
 
 
 class NotRequeueable(ValueError):
