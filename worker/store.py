@@ -15,6 +15,14 @@ consuming channel, host:pid:random):
   has a result and the entry is dropped. `mark_requeued`, `settle_requeued` (operator commands).
 - `ticketq:done:<task>` (bit string, TTL = result expiry) — bit <slot> is set once that ticket's
   final result is streamed, so a re-executed message never publishes twice. `Outbox.publish`.
+- `ticketq:failed:<task>` (hash, TTL = result expiry) — slot -> the reason of a failure that was
+  streamed and kept by a requeue (its done bit stays set): the re-sent ticket failing for the same
+  reason is a repeat, not a second `failed` entry; its answer or another failure is streamed once.
+  `keep_failure` (operator requeue), `Outbox.publish`.
+- `ticketq:epoch`, `ticketq:epoch:lost` (strings; names in ticketq.names) — the epoch marker every
+  worker and producer sets if absent and reads with its work, and the record of the latest loss
+  noticed (TTL a day): a Redis that came back without its data is reported. ticketq.epoch,
+  `Outbox.attempts`.
 - `ticketq:digest:<task>` (string, TTL = result expiry) — a hash of the message's arguments, written
   with its first published result: a re-delivery of the same message is published once, another
   message under the same task id is answered `duplicate_task_id`. `Outbox.publish`.
@@ -82,6 +90,7 @@ log = logging.getLogger(__name__)
 
 DONE_KEY = "ticketq:done:{task_id}"
 DIGEST_KEY = "ticketq:digest:{task_id}"
+FAILED_KEY = "ticketq:failed:{task_id}"
 REQUEUED_KEY = "ticketq:requeued"
 ATTEMPTS_KEY = "ticketq:attempts:{task_id}"
 PUBLISH_CALL_KEY = "ticketq:publish:{call}"
@@ -324,6 +333,7 @@ class Outbox:
             RESULTS_STREAM,
             *(DONE_KEY.format(task_id=task_id) for task_id in by_task),
             *(DIGEST_KEY.format(task_id=task_id) for task_id in by_task),
+            *(FAILED_KEY.format(task_id=task_id) for task_id in by_task),
             PUBLISH_CALL_KEY.format(call=uuid.uuid4().hex),  # the same for every retry of this call
             REVIEW_STREAM,
             *(ATTEMPTS_KEY.format(task_id=task_id) for task_id in finished),
@@ -348,7 +358,7 @@ class Outbox:
             else:
                 repeats, conflicts = self.retrying(lambda: command(self.redis))
         except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError, OSError) as exc:
-            raise Unconfirmed(keys[2 * len(by_task) + 1], order, exc) from exc
+            raise Unconfirmed(keys[3 * len(by_task) + 1], order, exc) from exc
         return _published(order, repeats, conflicts)
 
     def landed(self, unconfirmed: Unconfirmed) -> Published | None:
@@ -592,14 +602,27 @@ def raw_entry(
     }
 
 
-def forget_message(client: redis.Redis, task_id: str, streamed: bool = True) -> None:
-    """Drop a message's attempts key, and with `streamed` its publish-once marks, so a requeued copy
-    is classified and its results published afresh. Only for a message none of whose results is an
-    answer to keep (`ticketq dead requeue` checks first)."""
+def forget_message(client: redis.Redis, task_id: str, digest: bool = True) -> None:
+    """Drop a message's attempts key (or its redelivery would be refused), and with `digest` the
+    hash of its arguments (a requeue re-sends one ticket of them under the same id). Its done bits
+    stay: what was streamed is never streamed again, except as `keep_failure` allows."""
     keys = [ATTEMPTS_KEY.format(task_id=task_id)]
-    if streamed:
-        keys += [DONE_KEY.format(task_id=task_id), DIGEST_KEY.format(task_id=task_id)]
+    if digest:
+        keys.append(DIGEST_KEY.format(task_id=task_id))
     client.delete(*keys)
+
+
+def keep_failure(client: redis.Redis, task_id: str, slot: int, reason: str, expires_s: int) -> None:
+    """Mark (task, slot) as having streamed a failure for `reason` (its done bit, and the reason in
+    its failed key), before a requeue re-sends it: the same failure again is a repeat, not a second
+    stream entry; an answer or another failure is streamed once (`Outbox.publish`)."""
+    done, failed = DONE_KEY.format(task_id=task_id), FAILED_KEY.format(task_id=task_id)
+    pipe = client.pipeline(transaction=True)
+    pipe.setbit(done, slot, 1)
+    pipe.expire(done, expires_s)
+    pipe.hset(failed, str(slot), reason)
+    pipe.expire(failed, expires_s)
+    pipe.execute()
 
 
 def done_count(client: redis.Redis, task_id: str) -> int:

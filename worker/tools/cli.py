@@ -500,8 +500,9 @@ def dead_requeue(
     """Re-send dead letters with their original task id (a ticket of a pack: <task id>:<slot>).
 
     A letter stays listed until its re-sent task has a result (then any dead-letter command drops
-    it). Nothing is sent for a ticket that already has a result, nor for a payload cut when it was
-    dead-lettered; each says so (exit status 1, or 3 when nothing was re-sent)."""
+    it). Nothing is sent for a ticket that already has a result, for a payload cut when it was
+    dead-lettered, nor for a ticket that can never succeed (empty text, a wrong type); each says so
+    (exit status 1, or 3 when nothing was re-sent, also when nothing matched)."""
     from worker.tools.ops import NotRequeueable
 
     if not keys and not reason:
@@ -509,6 +510,9 @@ def dead_requeue(
     failed = 0
     with _ops() as ops:
         letters = ops.dead_letters(reason) if reason else [x for key in keys or [] for x in ops.find_dead(key)]
+        if not letters:
+            wanted = f"with reason {reason}" if reason else "with entry id or task id " + ", ".join(keys or [])
+            error(console, f"no dead letter {wanted}: nothing re-sent (`ticketq dead list` shows them)")
         for letter in letters:
             try:
                 print(f"requeued {letter.entry_id} as task {ops.requeue(letter)} (listed until it is answered)")
