@@ -116,13 +116,22 @@ class Episode:
     logged once when it begins and once when it ends, whichever threads meet it meanwhile.
 
     It ends at the first success `quiet_s` or more after the last failure, so a server at the edge
-    of its limit (one write refused, the next accepted) makes one episode, not one per write.
+    of its limit (one write refused, the next accepted: its memory rises and falls with the replies
+    it buffers) makes one episode, not one per write. `QUIET_S` is longer than the longest pause
+    between two writes a worker tries while Redis stays full (the outbox retries every 2 s at
+    most, the fetch every REFUSED_PAUSE_S), so a write that squeezes through in between does not
+    end it. Cost: the end (its log line, /readyz ready again) comes up to `quiet_s` after Redis
+    takes writes again.
     """
 
-    def __init__(self, name: str, meanwhile: str, over: str, quiet_s: float = 1.0) -> None:
+    QUIET_S = 5.0
+
+    def __init__(self, name: str, meanwhile: str, over: str, quiet_s: float = QUIET_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.name, self.meanwhile, self.over, self.quiet_s = name, meanwhile, over, quiet_s
         self.since: float | None = None  # monotonic start of the current episode
         self._last = 0.0  # monotonic time of its latest failure
+        self._clock = clock
         self._lock = threading.Lock()
 
     @property
@@ -131,7 +140,7 @@ class Episode:
 
     def begin(self, detail: str) -> None:
         with self._lock:
-            self._last = time.monotonic()
+            self._last = self._clock()
             if self.since is not None:
                 return
             self.since = self._last
@@ -141,7 +150,7 @@ class Episode:
         if self.since is None:  # the usual case, on every write: no lock taken
             return
         with self._lock:
-            now = time.monotonic()
+            now = self._clock()
             if self.since is None or now - self._last < self.quiet_s:
                 return
             lasted, self.since = now - self.since, None
