@@ -261,10 +261,46 @@ def test_client_settings_errors_are_one_line_each(monkeypatch):
         ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
         ("redis://h:notaport/0", "redis://h:notaport/0"),  # never raises: it is used on bad input too
         ("billing,technical", "billing,technical"),
+        ("redis://:pa#ss@h:6379/0", "redis://:**@h:6379/0"),  # '#', '/' and '?' typed unencoded
+        ("redis://u:p/a?s#s@h:6379/0", "redis://u:**@h:6379/0"),
+        ("redis://h:6379/0?password=a#b&db=1", "redis://h:6379/0?password=**&db=1"),
+        ("sentinel://:pw@h1:26379;sentinel://:pw2@h2:26379", "sentinel://:**@h1:26379;sentinel://:**@h2:26379"),
     ],
 )
 def test_mask_url(text, masked):
     assert mask_url(text) == masked
+
+
+def test_a_password_with_an_unencoded_hash_is_refused_without_showing_it(monkeypatch):
+    monkeypatch.setenv("TICKETQ_BROKER_URL", "redis://:s3c#ret@h:6379/0")
+    with pytest.raises(SettingsError) as info:
+        ClientSettings.from_env()
+    message = str(info.value)
+    assert "s3c" not in message and "%23" in message and message.startswith("TICKETQ_BROKER_URL=redis://:**@"), message
+    assert "port" not in message, "not taken for a port that is no number"
+
+
+def test_a_bare_rediss_url_verifies_the_server_against_the_system_store():
+    settings = ClientSettings(broker_url="rediss://:pw@h:6380/0", result_backend="rediss://h:6380/1?ssl_ca_certs=/c")
+    assert settings.broker_url == "rediss://:pw@h:6380/0?ssl_cert_reqs=CERT_REQUIRED"
+    assert settings.backend_url == "rediss://h:6380/1?ssl_ca_certs=/c&ssl_cert_reqs=CERT_REQUIRED"
+    for kept in ("rediss://h:6380/0?ssl_cert_reqs=CERT_NONE", "redis://h:6379/0"):
+        assert ClientSettings(broker_url=kept).broker_url == kept
+
+
+def test_a_failed_tls_handshake_gets_a_tls_hint_not_is_it_running():
+    reason = redis.ConnectionError("Error 1 connecting to h:6380. [SSL: CERTIFICATE_VERIFY_FAILED] certificate "
+                                   "verify failed: self-signed certificate in certificate chain (_ssl.c:1006).")
+    message = str(RedisUnavailable("rediss://:pw@h:6380/0", reason))
+    assert "refused the TLS connection" in message and "ssl_ca_certs=" in message, message
+    assert "Check that it is running" not in message and "pw" not in message
+    wrong = redis.ConnectionError("Error 1 connecting to h:6379. [SSL: WRONG_VERSION_NUMBER] wrong version number")
+    assert "does not speak TLS" in str(RedisUnavailable("rediss://h:6379/0", wrong))
+
+
+def test_an_empty_pack_is_named_not_a_nonetype():
+    with pytest.raises(TicketRejected, match=r"bad_payload: .*got null \(or an empty pack `\[\]`"):
+        validate_ticket(None)
 
 
 def test_redis_errors_say_what_to_do_without_the_password():

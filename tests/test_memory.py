@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -81,8 +82,44 @@ def test_a_refusal_episode_is_logged_once(caplog):
     ]  # fmt: skip
 
 
+def test_a_server_at_the_edge_of_its_limit_makes_one_episode(caplog):
+    """Refusals with a write squeezing through between them (memory rises and falls with the
+    replies Redis buffers), at the outbox's and the fetch's retry pace: one episode, logged once."""
+    now = [0.0]
+    episode = store.Episode("Redis is full (maxmemory)", "retrying", "Redis takes writes again", clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="worker.store"):
+        for _ in range(10):  # refused, then one write accepted 1.5 s later, refused again 0.5 s after that
+            episode.begin("a write refused")
+            now[0] += 1.5
+            episode.end()
+            now[0] += 0.5
+        assert episode.active
+        now[0] += store.Episode.QUIET_S
+        episode.end()
+    lines = [record.getMessage().split(":")[0].split(",")[0] for record in caplog.records]
+    assert lines == ["Redis is full (maxmemory)", "Redis takes writes again"], lines
+    assert not episode.active
+
+
 # --------------------------------------------------------------------------------------------
 # real servers
+
+
+@pytest.mark.integration
+def test_status_on_a_full_redis_says_the_workers_could_not_be_asked(tmp_path):
+    """Celery's ping writes (its reply queue), which a full Redis refuses: one line, not a traceback."""
+    server = start_redis(tmp_path, "--maxmemory-policy", "noeviction")
+    try:
+        fill(server.client())
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
+        done = subprocess.run([sys.executable, "-m", "worker.tools.cli", "status"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60, env={**env, "TICKETQ_BROKER_URL": server.url})  # fmt: skip
+    finally:
+        server.kill()
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stdout + done.stderr
+    [line] = [line for line in done.stdout.splitlines() if line.startswith("workers:")]
+    assert line.startswith("workers: unknown, not asked: Redis refuses the writes a Celery ping makes (out of memory)")
+    assert "maxmemory_policy=noeviction" in done.stdout
 
 
 def start_redis(tmp_path: Path, *args: str) -> RedisServer:

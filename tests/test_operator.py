@@ -208,3 +208,56 @@ def test_status_shows_the_review_stream_and_its_consumer_groups(setup, ops):
     finally:
         client.xgroup_destroy(names.REVIEW_STREAM, "reviewers")
         client.xdel(names.REVIEW_STREAM, *ids)
+
+
+def test_a_requeue_whose_cause_is_not_fixed_streams_no_second_failure(setup, app):
+    """The small worker still refuses the ticket: its failure is not streamed again; the letter
+    stays (replaced by the new one); once sent where the limit is raised, its answer is streamed."""
+    client = setup.server.client()
+    ticket = {"id": "BIG-2", "text": "x" * 4096}
+    app.send_task(names.TASK_CLASSIFY, args=[ticket], queue=setup.queues["small"], task_id="big-2")
+    wait_for(lambda: raw_letters(client, "big-2"), 60, "the oversize dead letter")
+    small = Ops(Settings(broker_url=setup.server.url, queue=setup.queues["small"]))
+    try:
+        [letter] = small.find_dead("big-2")
+        assert small.requeue(letter) == "big-2"
+        wait_for(lambda: len(raw_letters(client, "big-2")) == 2, 60, "the second refusal's dead letter")
+        assert str(app.AsyncResult("big-2").get(timeout=60, propagate=False)).startswith("oversize: ")
+        [again] = small.find_dead("big-2")  # the first letter is dropped: its retry is answered
+        assert again.entry_id != letter.entry_id
+        assert [r["status"] for r in stream(client, "big-2")] == ["failed"], "one failed entry for one cause"
+    finally:
+        small.close()
+    result = cli(["dead", "requeue", "big-2"], setup)  # now to the large worker, which takes it
+    assert result.returncode == 0, result.stderr
+    wait_for(lambda: len(stream(client, "big-2")) == 2, 60, "the answer in the results stream")
+    assert [r["status"] for r in stream(client, "big-2")] == ["failed", "ok"]
+
+
+def test_an_unknown_schema_letter_is_requeued_and_a_ticket_that_can_never_succeed_is_not(setup, app, ops):
+    client = setup.server.client()
+    queue = setup.queues["large"]
+    app.send_task(names.TASK_CLASSIFY, args=[{"id": "S-1", "text": "refund", "schema": "triage"}], queue=queue,
+                  task_id="schema-1")  # fmt: skip
+    app.send_task(names.TASK_CLASSIFY, args=[{"id": "E-1", "text": " \t "}], queue=queue, task_id="empty-1")
+    wait_for(lambda: raw_letters(client, "schema-1") and raw_letters(client, "empty-1"), 60, "the dead letters")
+
+    # Until TICKETQ_SCHEMAS serves it here the re-sent ticket fails the same way: one stream entry.
+    requeued = cli(["dead", "requeue", "--reason", "unknown_schema"], setup)
+    assert requeued.returncode == 0 and "as task schema-1" in requeued.stdout, requeued.stderr
+    wait_for(lambda: len(raw_letters(client, "schema-1")) == 2, 60, "the re-sent ticket's refusal")
+    assert [r["reason"] for r in stream(client, "schema-1")] == ["unknown_schema"]
+
+    [empty] = ops.find_dead("empty-1")
+    with pytest.raises(NotRequeueable, match="can never succeed"):
+        ops.requeue(empty)
+    refused = cli(["dead", "requeue", "empty-1"], setup)
+    assert refused.returncode == 3 and "can never succeed as it is (empty_text" in refused.stderr, refused.stderr
+    assert client.llen(queue) == 0 and len(stream(client, "empty-1")) == 1 and raw_letters(client, "empty-1")
+
+
+def test_a_requeue_that_matches_nothing_says_so(setup):
+    for args in (["dead", "requeue", "no-such-task"], ["dead", "requeue", "--reason", "expired"]):
+        result = cli(args, setup)
+        assert result.returncode == 3 and "no dead letter" in result.stderr and "Traceback" not in result.stderr, (
+            args, result.stderr)  # fmt: skip

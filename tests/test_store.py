@@ -20,6 +20,7 @@ from worker.store import (
     DONE_KEY,
     Outbox,
     dead_letter_bound,
+    keep_failure,
     payload_digest,
     raw_entry,
     ticket_entry,
@@ -67,6 +68,33 @@ def test_each_result_is_streamed_once_and_repeats_are_named(client: redis.Redis)
     assert sorted(repeated) == sorted([(a, 0), (b, 0), (a, 2)])
     assert not client.exists(ATTEMPTS_KEY.format(task_id=a))
     assert streamed(client, {a, b}) == Counter({(a, 0): 1, (a, 1): 1, (a, 2): 1, (b, 0): 1})
+
+
+def outcome(task_id: str, status: str, reason: str = "") -> tuple[str, int, bytes]:
+    return task_id, 0, json.dumps({"task": task_id, "slot": 0, "status": status, "reason": reason or None}).encode()
+
+
+def test_a_failure_kept_by_a_requeue_is_not_streamed_again_but_its_answer_is(client: redis.Redis) -> None:
+    outbox = Outbox(client, stream_maxlen=100_000, result_expires_s=600, worst_batch_s=5)
+    fixed, other, alone = (f"store-{name}-{uuid.uuid4()}" for name in ("fixed", "other", "alone"))
+    for task_id in (fixed, other):
+        assert outbox.publish([outcome(task_id, "failed", "oversize")], finished=[task_id]).repeats == []
+        keep_failure(client, task_id, 0, "oversize", 600)  # the requeue, before re-sending
+        again = outbox.publish([outcome(task_id, "failed", "oversize")], finished=[task_id])
+        assert again.repeats == [(task_id, 0)], "the same failure, cause not fixed: not streamed twice"
+
+    assert outbox.publish([outcome(fixed, "ok")], finished=[fixed]).repeats == [], "its answer is streamed"
+    assert outbox.publish([outcome(fixed, "ok")], finished=[fixed]).repeats == [(fixed, 0)], "once"
+    assert outbox.publish([outcome(fixed, "failed", "oversize")], finished=[fixed]).repeats == [(fixed, 0)]
+    assert outbox.publish([outcome(other, "failed", "engine_error")], finished=[other]).repeats == [], "a new cause"
+    assert outbox.publish([outcome(other, "failed", "engine_error")], finished=[other]).repeats == [(other, 0)]
+    assert 0 < client.ttl(f"ticketq:failed:{fixed}") <= 600 or not client.exists(f"ticketq:failed:{fixed}")
+
+    # a ticket of a pack re-sent alone under <task>:<slot>: its failure was streamed under the pack's id
+    keep_failure(client, alone, 0, "unknown_schema", 600)
+    assert outbox.publish([outcome(alone, "failed", "unknown_schema")], finished=[alone]).repeats == [(alone, 0)]
+    assert outbox.publish([outcome(alone, "ok")], finished=[alone]).repeats == []
+    assert streamed(client, {fixed, other, alone}) == Counter({(fixed, 0): 2, (other, 0): 2, (alone, 0): 1})
 
 
 def test_results_to_review_are_copied_once_with_their_first_publication(client: redis.Redis) -> None:

@@ -146,7 +146,7 @@ class ClientSettings(BaseSettings):
                 "sentinel://host:26379;sentinel://host2:26379, "
                 f"not {scheme + '://' if scheme else 'a URL without a scheme'}"
             )
-        return value
+        return with_tls_default(value)
 
     @field_validator("result_backend")
     @classmethod
@@ -161,7 +161,7 @@ class ClientSettings(BaseSettings):
                 f"must be a Celery result backend URL such as redis://host:6379/0 (unset: the broker), "
                 f"not {scheme + '://' if scheme else 'a URL without a scheme'}"
             )
-        return value
+        return with_tls_default(value)
 
     @model_validator(mode="after")
     def _check_sentinel(self) -> ClientSettings:
@@ -210,9 +210,10 @@ class ClientSettings(BaseSettings):
         return self.result_backend or self.broker_url
 
 
-# scheme://user:PASSWORD@host: the user has no ':', the password runs to the last '@' of the authority
-_USERINFO_PASSWORD = re.compile(r"(://[^/?#@:\s]*:)[^/?#\s]*@")
-_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#\s]*")  # redis-py also takes ?password=
+# scheme://user:PASSWORD@host: the user has no ':', the password runs to the last '@' before the
+# next URL (a Sentinel list) or a space, whatever it holds: a '#', '/' or '?' typed unencoded too.
+_USERINFO_PASSWORD = re.compile(r"(://[^/?#@:\s]*:)(?:(?!://)\S)*@")
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&\s]*")  # redis-py also takes ?password=
 
 
 def mask_url(text: str) -> str:
@@ -221,6 +222,17 @@ def mask_url(text: str) -> str:
     Works on any text (a setting's value, a message) and never raises, unlike parsing it as a URL.
     """
     return _QUERY_PASSWORD.sub(r"\1**", _USERINFO_PASSWORD.sub(r"\1**@", text))
+
+
+def with_tls_default(url: str) -> str:
+    """A `rediss://` URL that names no `ssl_cert_reqs` (the bare form managed Redis hands out) with
+    `ssl_cert_reqs=CERT_REQUIRED` added: the server's certificate is verified against `ssl_ca_certs`
+    when the URL names one, else against the system's CA store. Celery refuses a rediss:// URL
+    without the parameter; every other URL is returned as it is."""
+    scheme, _, rest = url.partition("://")
+    if scheme.lower() != "rediss" or "ssl_cert_reqs=" in rest:
+        return url
+    return f"{url}{'&' if '?' in rest else '?'}ssl_cert_reqs=CERT_REQUIRED"
 
 
 def _describe(error: Mapping[str, Any], flags: Mapping[str, str]) -> str:
@@ -277,6 +289,9 @@ def _url_scheme(url: str) -> str:
     """The scheme of a URL, or of every part of a `;`-separated Sentinel list (which must all be sentinel://)."""
     if "://" not in url:
         return ""
+    if "#" in url:  # urllib would cut the URL there, and name whatever follows in the password as the port
+        raise ValueError("has a '#': a password (or anything else) holding '#' must write it %23 "
+                         "(percent-encode '@' as %40, '/' as %2F, '?' as %3F, '#' as %23)")  # fmt: skip
     parts = [part for part in url.split(";") if part.strip()] if is_sentinel_url(url) else [url]
     schemes = set()
     for part in parts:

@@ -81,6 +81,8 @@ class RedisUnavailable(ConnectionError):
                 f"Redis refused the write: not enough replicas (min-replicas-to-write{'; ' + detail if detail else ''})"
                 f" at {self.url}. What it refused was not stored: bring a replica back, then send again."
             )
+        if tls := _tls_hint(self.reason):
+            return f"Redis at {self.url} refused the TLS connection ({self.reason}): {tls}; {self.fix}."
         if is_sentinel_url(self.url):
             return (
                 f"Redis is not reachable at {self.url} ({self.reason}). Check that the sentinels run, that they "
@@ -325,6 +327,24 @@ def _redis_py_url(url: str) -> str:
     query = [(key, value.lower().removeprefix("cert_") if key == "ssl_cert_reqs" else value)
              for key, value in parse_qsl(parts.query)]  # fmt: skip
     return urlunsplit(parts._replace(query=urlencode(query)))
+
+
+# What OpenSSL says (in redis-py's message) -> what to set. The URL's TLS parameters, as Celery,
+# kombu and redis-py read them: ssl_ca_certs, ssl_certfile, ssl_keyfile, ssl_cert_reqs.
+_TLS_HINTS = (
+    ("CERTIFICATE_VERIFY_FAILED", "the server's certificate could not be verified; name the CA that signed it "
+     "(rediss://host:6380/0?ssl_ca_certs=/path/ca.pem; without it the system's CA store is used) and connect by "
+     "the host name the certificate is for"),
+    ("WRONG_VERSION_NUMBER", "the server does not speak TLS on that port; use redis:// or the server's TLS port"),
+    ("CERTIFICATE_REQUIRED", "the server wants a client certificate: add ssl_certfile=/path/client.crt&"
+     "ssl_keyfile=/path/client.key to the URL"),
+)  # fmt: skip
+
+
+def _tls_hint(reason: str) -> str | None:
+    """What to do about a TLS handshake that failed, from the reason's words; None for anything else."""
+    upper = reason.upper().replace(" ", "_")
+    return next((hint for words, hint in _TLS_HINTS if words in upper), None)
 
 
 def _short(reason: object) -> str:

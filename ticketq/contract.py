@@ -117,7 +117,7 @@ def validate_ticket(raw: object, max_bytes: int = MAX_TICKET_BYTES) -> Ticket:
     """The one ticket rule (module docstring) for one payload; raises `TicketRejected` with the reason."""
     # `type(raw) is dict` first: tickets are dicts, and the ABC check alone cost a tenth of this rule
     if type(raw) is not dict and not isinstance(raw, Mapping):
-        raise TicketRejected(Reason.BAD_PAYLOAD, f"a ticket must be a JSON object, got {type(raw).__name__}")
+        raise TicketRejected(Reason.BAD_PAYLOAD, _not_an_object(raw))
     if "text" not in raw:
         raise TicketRejected(Reason.MISSING_FIELD, "ticket has no 'text' field")
     text = _text_of_type(raw["text"])
@@ -134,6 +134,14 @@ def validate_ticket(raw: object, max_bytes: int = MAX_TICKET_BYTES) -> Ticket:
         raise TicketRejected(Reason.WRONG_TYPE, f"'schema' must be a schema's name (letters, digits, '_', '-', '.'), "
                                                 f"got {str(schema)[:80]!r}")  # fmt: skip
     return Ticket(ticket_id, text, float(submitted) if finite else None, schema)
+
+
+def _not_an_object(raw: object) -> str:
+    """Why `raw` is no ticket. None is also what a worker finds in an empty pack (a message whose
+    argument is `[]`), which holds no ticket at all."""
+    if raw is None:
+        return "a ticket must be a JSON object, got null (or an empty pack `[]`: a packed message needs a ticket)"
+    return f"a ticket must be a JSON object, got {type(raw).__name__}"
 
 
 def result_id(given: object, task_id: str, slot: int, packed: bool) -> str:

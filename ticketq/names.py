@@ -18,6 +18,11 @@ DEAD_LETTER_STREAM = "ticketq:dead"
 # Results a person should look at (a schema field's confidence below its threshold): a copy of
 # each such result, written once with its first publication; consume it with a consumer group.
 REVIEW_STREAM = "ticketq:review"
+# Which Redis "life" a client talks to (`ticketq.epoch`): a marker every worker and producer sets
+# if absent and reads now and then; when the one it knew is gone or replaced, Redis restarted
+# without its data (or was flushed). The record of the latest such loss, for `ticketq status`.
+EPOCH_KEY = "ticketq:epoch"
+DATA_LOST_KEY = "ticketq:epoch:lost"
 
 # Where a message is between the queue and its ack, as the worker's atomic fetch and leases record
 # it (worker/transport/lua/worker_state.lua lists what each holds; the worker writes them, a

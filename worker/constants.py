@@ -41,6 +41,7 @@ M_COST_MODEL = "ticketq_cost_model_ms"  # gauge, labels: term (fixed, token, qua
 M_COST_MODEL_ERROR = "ticketq_cost_model_error_ratio"  # gauge: median relative error of the last live fit
 M_COST_MODEL_FITS = "ticketq_cost_model_fits"  # counter: live refits kept
 M_STALLED = "ticketq_classifying_stalled_seconds"  # gauge: seconds without progress with work in hand, past the bound
+M_REDIS_DATA_LOST = "ticketq_redis_data_lost"  # counter: Redis found without its data (epoch marker gone)
 
 # A shadow disagreement where the reference's margin is below this is a near-tie: another summation
 # order (bfloat16, oneDNN) may flip it without anything being wrong. The alert pages on the rest.

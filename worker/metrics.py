@@ -39,11 +39,12 @@ from prometheus_client import (
     disable_created_metrics,
     make_wsgi_app,
 )
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from ticketq.names import QUEUE
 from worker import constants as c
+from worker import store
 from worker.progress import CLASSIFYING
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -111,6 +112,16 @@ class QueueBound(Generic[M]):
 
     def labels(self, **labels: str) -> M:
         return self.metric.labels(queue=self.queue, **labels)
+
+
+class TallyCollector:
+    """A counter kept elsewhere (a process-wide tally), read at scrape time."""
+
+    def __init__(self, name: str, documentation: str, read: Callable[[], int]) -> None:
+        self._name, self._documentation, self._read = name, documentation, read
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        yield CounterMetricFamily(self._name, self._documentation, value=self._read())
 
 
 class ManyHistogram:
@@ -223,6 +234,10 @@ class Metrics:
             "TICKETQ_WORST_BATCH_S (its lease is then no longer renewed); 0 otherwise.", registry=r,
         )  # fmt: skip
         self.stalled.set_function(CLASSIFYING.stalled_for)
+        r.register(TallyCollector(
+            c.M_REDIS_DATA_LOST, "Times this worker found Redis without its data (restarted without persistence, "
+            "or flushed): the epoch marker gone.", lambda: store.DATA_LOST.count,
+        ))  # fmt: skip
         self.flushes = Counter(c.M_FLUSHES, "Buffer drains (micro-batches handed to the engine).", registry=r)
         self.first_result = Histogram(
             c.M_FIRST_RESULT, "Batch start to its first result published, seconds.", buckets=LATENCY_BUCKETS, registry=r

@@ -15,6 +15,14 @@ consuming channel, host:pid:random):
   has a result and the entry is dropped. `mark_requeued`, `settle_requeued` (operator commands).
 - `ticketq:done:<task>` (bit string, TTL = result expiry) — bit <slot> is set once that ticket's
   final result is streamed, so a re-executed message never publishes twice. `Outbox.publish`.
+- `ticketq:failed:<task>` (hash, TTL = result expiry) — slot -> the reason of a failure that was
+  streamed and kept by a requeue (its done bit stays set): the re-sent ticket failing for the same
+  reason is a repeat, not a second `failed` entry; its answer or another failure is streamed once.
+  `keep_failure` (operator requeue), `Outbox.publish`.
+- `ticketq:epoch`, `ticketq:epoch:lost` (strings; names in ticketq.names) — the epoch marker every
+  worker and producer sets if absent and reads with its work, and the record of the latest loss
+  noticed (TTL a day): a Redis that came back without its data is reported. ticketq.epoch,
+  `Outbox.attempts`.
 - `ticketq:digest:<task>` (string, TTL = result expiry) — a hash of the message's arguments, written
   with its first published result: a re-delivery of the same message is published once, another
   message under the same task id is answered `duplicate_task_id`. `Outbox.publish`.
@@ -71,11 +79,13 @@ from celery import states
 
 from ticketq import codec
 from ticketq.connections import NOT_ENOUGH_REPLICAS, OUT_OF_MEMORY, confirm_replicas, write_refusal
+from ticketq.epoch import Epoch, Loss, whoami
 from ticketq.names import (  # noqa: F401 (the delivery records' names, shared: a producer reads them)
     ALIVE_KEY,
     ATTEMPTS_KEY,
     CONSUMERS_KEY,
     DEAD_LETTER_STREAM,
+    EPOCH_KEY,
     FETCHING_KEY,
     OWNED_KEY,
     RESULTS_STREAM,
@@ -90,6 +100,7 @@ log = logging.getLogger(__name__)
 
 DONE_KEY = "ticketq:done:{task_id}"
 DIGEST_KEY = "ticketq:digest:{task_id}"
+FAILED_KEY = "ticketq:failed:{task_id}"
 REQUEUED_KEY = "ticketq:requeued"
 PUBLISH_CALL_KEY = "ticketq:publish:{call}"
 # Longer than any retrying of one call, and than TCP holds an unsent command (tcp_retries2: ~15 min).
@@ -110,13 +121,22 @@ class Episode:
     logged once when it begins and once when it ends, whichever threads meet it meanwhile.
 
     It ends at the first success `quiet_s` or more after the last failure, so a server at the edge
-    of its limit (one write refused, the next accepted) makes one episode, not one per write.
+    of its limit (one write refused, the next accepted: its memory rises and falls with the replies
+    it buffers) makes one episode, not one per write. `QUIET_S` is longer than the longest pause
+    between two writes a worker tries while Redis stays full (the outbox retries every 2 s at
+    most, the fetch every REFUSED_PAUSE_S), so a write that squeezes through in between does not
+    end it. Cost: the end (its log line, /readyz ready again) comes up to `quiet_s` after Redis
+    takes writes again.
     """
 
-    def __init__(self, name: str, meanwhile: str, over: str, quiet_s: float = 1.0) -> None:
+    QUIET_S = 5.0
+
+    def __init__(self, name: str, meanwhile: str, over: str, quiet_s: float = QUIET_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.name, self.meanwhile, self.over, self.quiet_s = name, meanwhile, over, quiet_s
         self.since: float | None = None  # monotonic start of the current episode
         self._last = 0.0  # monotonic time of its latest failure
+        self._clock = clock
         self._lock = threading.Lock()
 
     @property
@@ -125,7 +145,7 @@ class Episode:
 
     def begin(self, detail: str) -> None:
         with self._lock:
-            self._last = time.monotonic()
+            self._last = self._clock()
             if self.since is not None:
                 return
             self.since = self._last
@@ -135,7 +155,7 @@ class Episode:
         if self.since is None:  # the usual case, on every write: no lock taken
             return
         with self._lock:
-            now = time.monotonic()
+            now = self._clock()
             if self.since is None or now - self._last < self.quiet_s:
                 return
             lasted, self.since = now - self.since, None
@@ -184,6 +204,29 @@ def accepted() -> None:
     """A write that a full or replica-less Redis would refuse went through: refusal episodes end."""
     for episode in _REFUSALS.values():
         episode.end()
+
+
+class DataLoss:
+    """Redis found without its data (`ticketq.epoch`), as this process notices it: one log line and
+    one count per loss, whichever outbox of the process notices it (`ticketq_redis_data_lost_total`)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def noticed(self, loss: Loss) -> None:
+        with self._lock:
+            self.count += 1
+        since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(loss.since)) if loss.since else "earlier"
+        log.error(
+            "Redis lost its data (restarted without persistence, or flushed: the epoch marker set %s is gone): "
+            "the queue, unacked messages, results stream, dead letters and publish-once marks it held are gone; "
+            "this worker goes on, and the tickets that were waiting are answered once their producers send them "
+            "again (ticketq-produce --resend-after, Producer.wait(resend_after=))", since,
+        )  # fmt: skip
+
+
+DATA_LOST = DataLoss()
 
 
 def write_problems() -> list[str]:
@@ -241,6 +284,7 @@ class Outbox:
         self.worst_batch_s = worst_batch_s
         self.replica_acks = replica_acks
         self.replica_timeout_s = replica_timeout_s
+        self.epoch = Epoch(whoami("worker"))
 
     @classmethod
     def from_settings(cls, client: redis.Redis, settings: Settings) -> Outbox:
@@ -250,12 +294,27 @@ class Outbox:
     # ----- attempts: how often a message was delivered while unfinished ----------------------
 
     def attempts(self, task_ids: Sequence[str]) -> list[int | None]:
-        """The delivery count of each message, None for a first delivery (one MGET)."""
+        """The delivery count of each message, None for a first delivery (one MGET, which reads the
+        epoch marker too: every job checks that Redis still holds its data, at no extra round trip)."""
         if not task_ids:
             return []
         keys = [ATTEMPTS_KEY.format(task_id=task_id) for task_id in task_ids]
-        counts = self.retrying(lambda: self.redis.mget(keys), write=False)
+        *counts, marker = self.retrying(lambda: self.redis.mget([*keys, EPOCH_KEY]), write=False)
+        self.judge_epoch(marker)
         return [None if count is None else int(count) for count in counts]
+
+    def judge_epoch(self, marker: bytes | None) -> Loss | None:
+        """Judge the epoch marker as just read (`ticketq.epoch.Epoch.seen`); a loss is logged and
+        counted once (`DATA_LOST`). A Redis that refuses the fresh marker (full) or is cut off is
+        judged again at the next check."""
+        try:
+            loss = self.epoch.seen(self.redis, marker)
+        except redis.RedisError as exc:
+            log.debug("epoch marker not checked (%s); checked again with the next job", exc)
+            return None
+        if loss is not None:
+            DATA_LOST.noticed(loss)
+        return loss
 
     def count_deliveries(self, task_ids: Sequence[str]) -> int:
         """INCR each message's attempts key (with its expiry) in one script call; the first one's new count."""
@@ -288,6 +347,7 @@ class Outbox:
             RESULTS_STREAM,
             *(DONE_KEY.format(task_id=task_id) for task_id in by_task),
             *(DIGEST_KEY.format(task_id=task_id) for task_id in by_task),
+            *(FAILED_KEY.format(task_id=task_id) for task_id in by_task),
             PUBLISH_CALL_KEY.format(call=uuid.uuid4().hex),  # the same for every retry of this call
             REVIEW_STREAM,
             *(ATTEMPTS_KEY.format(task_id=task_id) for task_id in finished),
@@ -312,7 +372,7 @@ class Outbox:
             else:
                 repeats, conflicts = self.retrying(lambda: command(self.redis))
         except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError, OSError) as exc:
-            raise Unconfirmed(keys[2 * len(by_task) + 1], order, exc) from exc
+            raise Unconfirmed(keys[3 * len(by_task) + 1], order, exc) from exc
         return _published(order, repeats, conflicts)
 
     def landed(self, unconfirmed: Unconfirmed) -> Published | None:
@@ -556,14 +616,27 @@ def raw_entry(
     }
 
 
-def forget_message(client: redis.Redis, task_id: str, streamed: bool = True) -> None:
-    """Drop a message's attempts key, and with `streamed` its publish-once marks, so a requeued copy
-    is classified and its results published afresh. Only for a message none of whose results is an
-    answer to keep (`ticketq dead requeue` checks first)."""
+def forget_message(client: redis.Redis, task_id: str, digest: bool = True) -> None:
+    """Drop a message's attempts key (or its redelivery would be refused), and with `digest` the
+    hash of its arguments (a requeue re-sends one ticket of them under the same id). Its done bits
+    stay: what was streamed is never streamed again, except as `keep_failure` allows."""
     keys = [ATTEMPTS_KEY.format(task_id=task_id)]
-    if streamed:
-        keys += [DONE_KEY.format(task_id=task_id), DIGEST_KEY.format(task_id=task_id)]
+    if digest:
+        keys.append(DIGEST_KEY.format(task_id=task_id))
     client.delete(*keys)
+
+
+def keep_failure(client: redis.Redis, task_id: str, slot: int, reason: str, expires_s: int) -> None:
+    """Mark (task, slot) as having streamed a failure for `reason` (its done bit, and the reason in
+    its failed key), before a requeue re-sends it: the same failure again is a repeat, not a second
+    stream entry; an answer or another failure is streamed once (`Outbox.publish`)."""
+    done, failed = DONE_KEY.format(task_id=task_id), FAILED_KEY.format(task_id=task_id)
+    pipe = client.pipeline(transaction=True)
+    pipe.setbit(done, slot, 1)
+    pipe.expire(done, expires_s)
+    pipe.hset(failed, str(slot), reason)
+    pipe.expire(failed, expires_s)
+    pipe.execute()
 
 
 def done_count(client: redis.Redis, task_id: str) -> int:

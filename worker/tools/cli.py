@@ -509,18 +509,26 @@ def exporter(
 
 @cli.command()
 def status(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
-    """Queue depth, in-flight messages, live workers (Celery ping), dead letters by reason, results stream."""
+    """Queue depth, in-flight messages, live workers (Celery ping), dead letters by reason, results
+    stream, Redis's memory and whether it kept its data. Exit status 1 when no worker answered the
+    ping (or none could be asked: a full Redis refuses the ping's writes), 2 when Redis is
+    unreachable; with --json, 0 whenever Redis answered."""
+    from worker.tools.ops import redis_data_line
+
     with _ops() as ops:
         state = ops.status()
     if as_json:
         print(json.dumps(state))
         return
-    for key, value in state.items():
+    shown_state = {**state, "redis_data": redis_data_line(state["redis_data"])}
+    if "workers_unknown" in shown_state:
+        shown_state["workers"] = f"unknown, {shown_state.pop('workers_unknown')}"
+    for key, value in shown_state.items():
         shown = ", ".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else value
         shown = ", ".join(shown) if isinstance(shown, list) else shown
         print(f"{key.replace('_', ' ')}: {shown if shown not in ('', None) else 'none'}")
     if not state["workers"]:
-        raise typer.Exit(EXIT_FAILED)  # nothing is consuming the queue: worth a non-zero status
+        raise typer.Exit(EXIT_FAILED)  # nothing is consuming the queue (or nobody could ask): worth a non-zero status
 
 
 @dead.command("list")
@@ -558,8 +566,9 @@ def dead_requeue(
     """Re-send dead letters with their original task id (a ticket of a pack: <task id>:<slot>).
 
     A letter stays listed until its re-sent task has a result (then any dead-letter command drops
-    it). Nothing is sent for a ticket that already has a result, nor for a payload cut when it was
-    dead-lettered; each says so (exit status 1, or 3 when nothing was re-sent)."""
+    it). Nothing is sent for a ticket that already has a result, for a payload cut when it was
+    dead-lettered, nor for a ticket that can never succeed (empty text, a wrong type); each says so
+    (exit status 1, or 3 when nothing was re-sent, also when nothing matched)."""
     from worker.tools.ops import NotRequeueable
 
     if not keys and not reason:
@@ -567,6 +576,9 @@ def dead_requeue(
     failed = 0
     with _ops() as ops:
         letters = ops.dead_letters(reason) if reason else [x for key in keys or [] for x in ops.find_dead(key)]
+        if not letters:
+            wanted = f"with reason {reason}" if reason else "with entry id or task id " + ", ".join(keys or [])
+            error(console, f"no dead letter {wanted}: nothing re-sent (`ticketq dead list` shows them)")
         for letter in letters:
             try:
                 print(f"requeued {letter.entry_id} as task {ops.requeue(letter)} (listed until it is answered)")

@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import base64
 import json
+import sys
+import time
 from collections import Counter
 from dataclasses import dataclass
 
+import kombu.exceptions
 import redis
 from celery import states
 from kombu.transport.redis import Channel
 
 from producer.api import Producer
-from ticketq import connections, names
-from ticketq.contract import Reason
+from ticketq import connections, epoch, names
+from ticketq.config import mask_url
+from ticketq.contract import Reason, TicketRejected, validate_ticket
 from worker import store
 from worker.settings import Settings
 
@@ -61,10 +65,18 @@ class DeadLetter:
 LEGACY_CUT = 65536  # where dead letters without a `truncated` field cut the payload's JSON
 
 # Reasons whose failed result was streamed with the dead letter (bit <slot> of the done key set): a
-# requeue clears those marks. The others never streamed: a mark means another delivery answered.
+# requeue keeps that failure (`store.keep_failure`), so the re-sent ticket streams its answer, or
+# another failure, but not the same one again. The others never streamed: a mark means another
+# delivery answered.
 _STREAMED = frozenset({
     Reason.BAD_PAYLOAD, Reason.MISSING_FIELD, Reason.WRONG_TYPE, Reason.EMPTY_ID, Reason.INVALID_UTF8,
-    Reason.OVERSIZE, Reason.EMPTY_TEXT, Reason.ENGINE_ERROR, Reason.EXPIRED,
+    Reason.OVERSIZE, Reason.EMPTY_TEXT, Reason.ENGINE_ERROR, Reason.EXPIRED, Reason.UNKNOWN_SCHEMA,
+})  # fmt: skip
+# Reasons the ticket itself carries: the contract refuses it again wherever it goes, so a requeue
+# says so instead of re-sending it. (`oversize` depends on the worker's limit, which may be raised.)
+_IN_THE_TICKET = frozenset({
+    Reason.BAD_PAYLOAD, Reason.MISSING_FIELD, Reason.WRONG_TYPE, Reason.EMPTY_ID, Reason.INVALID_UTF8,
+    Reason.EMPTY_TEXT,
 })  # fmt: skip
 
 
@@ -80,21 +92,37 @@ class Ops:
         self.producer.close()
 
     def status(self, ping_timeout: float = 1.0) -> dict:
-        replies = self.producer.app.control.ping(timeout=ping_timeout) or []
+        """Everything `ticketq status` shows. `workers_unknown` (present only then) says why no
+        worker could be asked: the Celery ping writes, which a full Redis refuses; the rest reads."""
+        workers, unknown = self.workers(ping_timeout)
         letters = self.dead_letters()
         return {
             "queue": self.settings.queue,
             "queue_depth": self.producer.queue_depth(),
             "in_flight": self.in_flight(),
             "leases": self.leases(),
-            "workers": sorted(name for reply in replies for name in reply),
+            "workers": workers,
+            **({"workers_unknown": unknown} if unknown else {}),
             "dead_letters": dict(Counter(letter.reason for letter in letters).most_common()),
             "requeued_awaiting_result": sum(bool(letter.requeued_as) for letter in letters),
             "results_stream": self.redis.xlen(names.RESULTS_STREAM),
             "review_stream": self.review_stream(),
             # noeviction is the only safe policy: any other may drop the queue, unacked messages, results
             "redis": connections.memory_state(self.redis),
+            "redis_data": epoch.describe(self.redis),
         }
+
+    def workers(self, timeout: float) -> tuple[list[str], str | None]:
+        """The workers that answer Celery's ping, and None; or none and why they could not be asked."""
+        try:
+            replies = self.producer.app.control.ping(timeout=timeout) or []
+        except (redis.RedisError, kombu.exceptions.OperationalError, OSError) as exc:
+            refusal = connections.write_refusal(exc)
+            if refusal:
+                return [], (f"not asked: Redis refuses the writes a Celery ping makes ({refusal}); "
+                            "the leases line counts the live consumers")  # fmt: skip
+            return [], f"not asked: the Celery ping failed ({type(exc).__name__}: {mask_url(str(exc))})"
+        return sorted(name for reply in replies for name in reply), None
 
     def review_stream(self) -> dict[str, int]:
         """The review stream's entries, and per consumer group those delivered but not acknowledged
@@ -181,12 +209,14 @@ class Ops:
         A whole message (or a single-ticket one) goes back with its original task id, so waiting
         clients get the new result. A ticket of a packed message goes alone as `<task id>:<slot>`:
         the pack's other results stand. The entry stays until the re-sent task has a result
-        (`settle_requeued`). Raises `NotRequeueable` for a payload that was cut, and `Answered`
-        (sending nothing, clearing nothing) for a ticket that has a result already.
+        (`settle_requeued`). Raises `NotRequeueable` for a payload that was cut or a ticket the
+        contract refuses whatever the worker (empty text, a wrong type: it can never succeed), and
+        `Answered` (sending nothing, clearing nothing) for a ticket that has a result already.
 
         Before sending: the attempts counter goes (or the retry would be refused), the old FAILURE
-        goes (or the new result could not be stored, and waiters would keep the failure), and the
-        publish-once marks go only where they mark this dead letter's own failed result.
+        goes (or the new result could not be stored, and waiters would keep the failure), and where
+        this letter's own failure was streamed it is kept (`store.keep_failure`): the re-sent ticket
+        streams its answer, or another failure, once, and never the same failure a second time.
         """
         if letter.truncated:
             kept = len(letter.fields.get("payload", letter.fields.get("payload_b64", "")))
@@ -195,9 +225,12 @@ class Ops:
         if letter.reason == Reason.DUPLICATE_TASK_ID:
             raise NotRequeueable(f"task id {letter.task_id} belongs to another message, answered; "
                                  "send this ticket again under a new id")  # fmt: skip
+        _check_can_succeed(letter)
         args, task_id = self._resend_args(letter)
-        streamed = self._check_unanswered(letter, task_id, args)
-        store.forget_message(self.redis, task_id, streamed=streamed)
+        own = self._check_unanswered(letter, task_id, args)
+        store.forget_message(self.redis, task_id, digest=own)
+        if own:  # the re-sent ticket is slot 0 of task_id: alone, or the first of its own message
+            store.keep_failure(self.redis, task_id, 0, letter.reason, self.settings.result_expires_s)
         backend = self.producer.app.backend
         if backend.get_task_meta(task_id).get("status") == "FAILURE":
             backend.forget(task_id)
@@ -207,13 +240,12 @@ class Ops:
 
     def _check_unanswered(self, letter: DeadLetter, task_id: str, args: list) -> bool:
         """Raise `Answered` when `task_id` has a result a requeue would repeat; else whether its
-        publish-once marks are this letter's own (a failure streamed with it) and may go."""
+        slot 0 streamed this letter's own failure (kept, so it is not streamed twice)."""
         meta = self.producer.app.backend.get_task_meta(task_id)
         if meta.get("status") == "SUCCESS":  # a ticket answered ok, or a pack finished (every slot answered)
             raise Answered(f"task {task_id} already has a result (ticketq result {task_id}); nothing re-sent")
         done = store.done_count(self.redis, task_id)
-        own = task_id != letter.task_id or (letter.fields.get("slot") == "0" and letter.reason in _STREAMED)
-        if own:
+        if letter.reason in _STREAMED and (task_id != letter.task_id or letter.fields.get("slot") == "0"):
             return True
         tickets = len(args[0]) if isinstance(args[0], list) else 1
         if done >= tickets:  # every ticket streamed, by a delivery other than the one that failed
@@ -251,6 +283,24 @@ class Ops:
         return value if isinstance(value, list) else [value]
 
 
+def redis_data_line(described: dict) -> str:
+    """`epoch.describe` in words, for `ticketq status`: since when Redis holds its data, or that it lost it."""
+    marker, lost = described.get("marker"), described.get("lost")
+    if lost:
+        gone = f"what it held since {_when(lost.get('since'))}" if lost.get("since") else "what it held"
+        return (f"LOST: Redis came back without its data (noticed {_when(lost.get('noticed_at'))} by "
+                f"{lost.get('by', '?')}): {gone} is gone; tickets still waiting are answered once re-sent")  # fmt: skip
+    if marker:
+        return f"kept since {_when(marker.get('since'))} (epoch marker set by {marker.get('by', '?')})"
+    return "no epoch marker yet (no worker or producer has checked since Redis started empty)"
+
+
+def _when(unix: object) -> str:
+    if not isinstance(unix, int | float):
+        return "?"
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(unix))
+
+
 class NotRequeueable(ValueError):
     """A dead letter that cannot be re-sent: its bytes are not a ticketq task's JSON arguments, or
     were cut, or its task id belongs to another message."""
@@ -258,6 +308,18 @@ class NotRequeueable(ValueError):
 
 class Answered(NotRequeueable):
     """A dead letter whose ticket has a result already: re-sending it would answer it twice."""
+
+
+def _check_can_succeed(letter: DeadLetter) -> None:
+    """`NotRequeueable` for a ticket the contract refuses for what it holds (empty text, a wrong
+    type): re-sent as it is, it would fail again on every worker."""
+    if letter.reason not in _IN_THE_TICKET or letter.fields.get("slot", "") == "" or "payload" not in letter.fields:
+        return
+    try:
+        validate_ticket(letter.payload, max_bytes=sys.maxsize)  # the size limit is the worker's to judge
+    except TicketRejected as rejection:
+        raise NotRequeueable(f"it can never succeed as it is ({rejection}): correct the ticket at its source "
+                             "and send it again") from None  # fmt: skip
 
 
 def _queues(info: bytes) -> list[str]:

@@ -6,9 +6,13 @@
 -- The call itself is idempotent too: its answer is kept under its own key, and the same call
 -- repeated (its reply lost to a timeout or a partition) gets that answer again, not "all repeats";
 -- a call its caller cancelled (it gave up before the call ran) does nothing.
+-- A failure kept by a requeue (`ticketq dead requeue`: bit <slot> left set, the failure's reason
+-- in the message's failed key) is not streamed again when the re-sent ticket fails for the same
+-- reason; its answer, or another failure, is streamed once, and the kept reason goes.
 -- KEYS[1] results stream; KEYS[2..m+1] each message's done key (bit <slot> set once published);
--- KEYS[m+2..2m+1] each message's digest key; KEYS[2m+2] this call's key; KEYS[2m+3] the review
--- stream; KEYS[2m+4..] attempts keys to delete.
+-- KEYS[m+2..2m+1] each message's digest key; KEYS[2m+2..3m+1] each message's failed key (hash
+-- <slot> -> reason of a failure kept by a requeue); KEYS[3m+2] this call's key; KEYS[3m+3] the
+-- review stream; KEYS[3m+4..] attempts keys to delete.
 -- ARGV[1] stream MAXLEN (approximate), ARGV[2] key expiry in seconds, ARGV[3] m, ARGV[4] the call
 -- key's expiry in seconds, ARGV[5] the positions (1-based, comma-separated) of the results to
 -- review, ARGV[6..m+5] each message's slots, comma-separated; ARGV[m+6..2m+5] each message's digest
@@ -17,12 +21,26 @@
 -- Returns {repeats, conflicts}: positions (1-based, in that order) of results published before by
 -- the same message (re-executions), and of results of another message under a used task id.
 local m = tonumber(ARGV[3])
-local call_key = KEYS[2 * m + 2]
+local call_key = KEYS[3 * m + 2]
 local answered = redis.call('GET', call_key)
 if answered == 'cancelled' then  -- the caller gave up on this call (Outbox.landed): a late copy
   return redis.error_reply('ticketq: publish call cancelled by its caller')
 elseif answered then
   return cjson.decode(answered)
+end
+-- A result for a (task, slot) whose failure a requeue kept: new (streamed, and the kept reason
+-- dropped) unless it is the same failure again. Only repeats get here, so the hot path never does.
+local function anew(failed_key, slot, data)
+  local kept = redis.call('HGET', failed_key, slot)
+  if not kept then
+    return false
+  end
+  local ok, result = pcall(cjson.decode, data)
+  if ok and type(result) == 'table' and result.status == 'failed' and result.reason == kept then
+    return false
+  end
+  redis.call('HDEL', failed_key, slot)
+  return true
 end
 local review, reviewed = {}, false
 for at in string.gmatch(ARGV[5], '%d+') do
@@ -30,10 +48,11 @@ for at in string.gmatch(ARGV[5], '%d+') do
 end
 local result, position, repeats, conflicts = 2 * m + 6, 1, {}, {}
 for i = 1, m do
-  local fields = {}
+  local fields, slots = {}, {}
   for slot in string.gmatch(ARGV[i + 5], '%d+') do
     local n = #fields
     fields[n + 1], fields[n + 2], fields[n + 3], fields[n + 4] = 'SET', 'u1', '#' .. slot, 1
+    slots[#slots + 1] = slot
   end
   local digest_key, digest = KEYS[m + 1 + i], ARGV[m + 5 + i]
   local known = false  -- the digest stored by an earlier call, where it differs from this one
@@ -50,11 +69,14 @@ for i = 1, m do
   else
     for first = 1, #fields, 4000 do  -- unpack() has a limit on values
       local old = redis.call('BITFIELD', KEYS[i + 1], unpack(fields, first, math.min(first + 3999, #fields)))
-      for _, bit in ipairs(old) do
+      for j, bit in ipairs(old) do
+        if bit == 1 then  -- published before: a repeat, unless it answers a failure a requeue kept
+          bit = anew(KEYS[2 * m + 1 + i], slots[(first - 1) / 4 + j], ARGV[result]) and 0 or 1
+        end
         if bit == 0 then
           redis.call('XADD', KEYS[1], '*', 'data', ARGV[result])
           if review[position] then
-            redis.call('XADD', KEYS[2 * m + 3], '*', 'data', ARGV[result])
+            redis.call('XADD', KEYS[3 * m + 3], '*', 'data', ARGV[result])
             reviewed = true
           end
         else
@@ -68,9 +90,9 @@ for i = 1, m do
 end
 redis.call('XTRIM', KEYS[1], 'MAXLEN', '~', ARGV[1])  -- once per call, not per entry
 if reviewed then
-  redis.call('XTRIM', KEYS[2 * m + 3], 'MAXLEN', '~', ARGV[1])
+  redis.call('XTRIM', KEYS[3 * m + 3], 'MAXLEN', '~', ARGV[1])
 end
-for i = 2 * m + 4, #KEYS do
+for i = 3 * m + 4, #KEYS do
   redis.call('DEL', KEYS[i])
 end
 -- cjson writes an empty table as {}; the caller reads a missing list as empty either way.
