@@ -49,6 +49,7 @@ from ticketq import codec, connections
 from ticketq.config import ClientSettings, is_redis_url, is_sentinel_url, mask_url
 from ticketq.connections import SOCKET_TIMEOUT_S, RedisUnavailable, connect, redis_client
 from ticketq.contract import Failed, Reason, Status, TicketRejected, UniqueIds, validate_ticket
+from ticketq.epoch import Epoch, whoami
 from ticketq.names import RESULTS_STREAM, TASK_CLASSIFY, queue_lists
 from ticketq.process import paused_gc
 
@@ -215,6 +216,7 @@ class Producer:
         self._result_cls = self.app.subclass_with_self(TicketResult)
         self._redis: redis.Redis | None = None
         self._checked = False
+        self.epoch = Epoch(whoami("producer"))  # notices a Redis that came back without its data
 
     # --- lifecycle ---
 
@@ -620,6 +622,7 @@ class Producer:
         `producer.resends`): where the messages are, read at one instant, then their results read
         again, so one answered since is not taken for lost."""
         allowed, now = resends.budget(), time.monotonic()
+        self._notice_data_loss(resends, now)
         due = resends.due(now)
         if not due:
             return
@@ -640,6 +643,19 @@ class Producer:
         waiting = len(lost) - len(answered) - len(chosen)
         log.warning("re-sent %d message(s) found lost (no result, not queued, not fetched by a worker; same task "
                     "ids)%s", len(chosen), f"; {waiting} more wait for the re-send budget" if waiting > 0 else "")
+
+    def _notice_data_loss(self, resends: Resends, now: float) -> None:
+        """A Redis that came back without its data (`ticketq.epoch`) lost every message waited for:
+        said once, and each is due at once (past its backoff; the budget still paces them)."""
+        try:
+            loss = self.epoch.check(self.redis)
+        except _CONNECTION_ERRORS as exc:
+            log.debug("epoch marker not checked (%s)", exc)
+            return
+        if loss is not None:
+            waiting = resends.all_due(now)
+            log.warning("Redis lost its data (restarted without persistence, or flushed): the %d message(s) still "
+                        "waited for are re-sent under their task ids", waiting)  # fmt: skip
 
     def _unsubscribe(self, results: Iterable[AsyncResult]) -> None:
         """Stop listening for results we gave up on (a later `wait` subscribes again).

@@ -149,6 +149,12 @@ class Resends:
         due = [(tracked.send, task_id) for task_id, tracked in self.tracked.items() if tracked.due <= now]
         return [task_id for _, task_id in sorted(due)]
 
+    def all_due(self, now: float) -> int:
+        """Every message waited for may be re-sent now (Redis lost them all); how many."""
+        for tracked in self.tracked.values():
+            tracked.due = min(tracked.due, now)
+        return len(self.tracked)
+
     def sends(self) -> dict[str, int]:
         return {task_id: tracked.send for task_id, tracked in self.tracked.items()}
 

@@ -255,3 +255,41 @@ def test_resume_after_redis_lost_its_queue_resends_the_lost_tickets(tmp_path, re
     assert statuses(out) == {"ok": n}
     assert len(counts) == n and set(counts.values()) == {1}
     assert all(row["status"] == "ok" for row in rows(out))
+
+
+def test_all_due_makes_every_waited_message_due_past_its_backoff():
+    tracker = resends.Resends([("a", 1), ("b", 2)], resend_after=60, now=0.0)
+    assert tracker.due(1.0) == []
+    assert tracker.all_due(1.0) == 2 and tracker.due(1.0) == ["a", "b"]
+
+
+@pytest.mark.integration
+def test_a_producer_waiting_when_redis_loses_its_data_says_so_once_and_resends_every_ticket(
+        tmp_path, redis_server, caplog):  # fmt: skip
+    """Redis flushed (what a restart without persistence leaves) while a producer waits: one line
+    says so, every message is re-sent at once, and each ticket is answered once."""
+    n, resend_after = 200, 30.0  # a backoff far longer than the test: only the loss makes them due
+    client = redis_server.client()
+    producer = Producer(ClientSettings(broker_url=redis_server.url, queue=QUEUE))
+    caplog.set_level(logging.WARNING, logger="producer.api")
+    box: dict = {}
+    worker = None
+    try:
+        sent = producer.submit_many([{"id": f"E-{i}", "text": f"ticket {i}"} for i in range(n)])
+        waiter = threading.Thread(target=lambda: box.update(results=producer.wait(sent, timeout=180,
+                                                                                  resend_after=resend_after)))
+        waiter.start()
+        wait_for(lambda: client.get(names.EPOCH_KEY) is not None, 60, "the producer's epoch marker")
+        client.flushall()
+        wait_for(lambda: client.llen(QUEUE) == n, 60, "every message re-sent after the loss", interval=0.05)
+        worker = start_worker(redis_server, tmp_path, "after-loss")
+        waiter.join(timeout=180)
+    finally:
+        producer.close()
+        if worker is not None:
+            worker.stop(timeout=30)
+    said = [r.getMessage() for r in caplog.records if "Redis lost its data" in r.getMessage()]
+    assert len(said) == 1 and f"the {n} message(s) still waited for" in said[0], said
+    assert [r["status"] for r in box["results"]] == ["ok"] * n
+    counts = stream_counts(client)
+    assert len(counts) == n and set(counts.values()) == {1}
