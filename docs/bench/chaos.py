@@ -1,7 +1,7 @@
 """Chaos run: steady load through Sentinel-managed Redis while a seeded nemesis breaks things.
 
     sudo .venv/bin/python docs/bench/chaos.py [--minutes 20] [--workers 2] [--seed 0] [--load 0.8] \\
-        [--classifier tiny|null] [--model DIR]
+        [--classifier tiny|null] [--model DIR] [--worker-env TICKETQ_NAME=VALUE ...]
 
 Jepsen's nemesis on our own servers, on 127.0.0.1 and a network namespace of its own. It starts a
 primary, a replica and three sentinels (tests/servers.py), `--workers` real `ticketq worker`
@@ -23,11 +23,13 @@ network namespace joined to the host by a veth pair (as tests/test_partition.py 
    duplicated (a (task, slot) with more than one stream entry: docs/reliability.md's "published
    once per (task, slot)"), re-sends, refused sends, the largest queue depth.
 
-Exit status 0 only when nothing was lost or duplicated; 1 otherwise; 130 on Ctrl-C. Every server
-and worker is killed on exit (Ctrl-C and SIGTERM too); a SIGKILL of this script leaves them, in
-`--dir`. The partition needs root and iproute2 (`ip netns`); without them it is left out of the
-schedule, and worker 0 runs on the host. Worker logs, Redis directories and this run's own log
-(`chaos.log`: the producers' warnings) stay in `--dir`.
+The workers run with the worker's defaults (the live cost model included), whatever TICKETQ_*
+this shell has: settings reach them through `--worker-env` (and `--lease-s`). Exit status 0 only
+when nothing was lost or duplicated; 1 otherwise; 130 on Ctrl-C. Every server and worker is
+killed on exit (Ctrl-C and SIGTERM too); a SIGKILL of this script leaves them running. The
+partition needs root and iproute2 (`ip netns`); without them it is left out of the schedule and
+worker 0 runs on the host. Worker logs, the Redis directories and the run's own log (`chaos.log`:
+the producers' warnings) stay in `--dir`.
 
 Costs: the run takes `--capacity-s` + `--minutes` + the drain (at most `--drain-s`), plus each
 worker's start-up; it loads every core (workers, producers and Redis share the machine).
@@ -77,6 +79,8 @@ PROMOTION_TIMEOUT_S = 120  # Sentinel's promotion; a sentinel in TILT (a stalled
 STREAM_MAXLEN = 10_000_000  # the tally reads every entry: no trimming during a run
 TOP_UP = 200  # capacity phase: tickets sent whenever the queue holds fewer
 SEND_CHUNK = 500  # tickets per submit_many at most (one Redis pipeline)
+BATCH_S = 5.0  # a producer waits on what it sent in each such period as one batch
+MAX_WAITS = 8  # waits running at once per producer
 MEMORY_HEADROOM = 1 << 20  # maxmemory = used + this: the next megabyte of traffic fills it
 PROGRESS_EVERY_S = 30
 # what the workers log about a partition (docs/reliability.md, "A partition")
@@ -167,6 +171,7 @@ class Fleet:
             extra["TICKETQ_NULL_CLASSIFIER"] = "1"
         if slot == 0 and self.ns is not None:
             extra["TICKETQ_METRICS_HOST"] = "0.0.0.0"  # scraped from the host over the veth pair
+        extra.update(pair.split("=", 1) for pair in self.args.worker_env)
         return worker_env(self.model, self.url, QUEUE, **extra)
 
     def spawn(self, slot: int) -> Worker:
@@ -263,18 +268,20 @@ def reason(exc: BaseException) -> str:
 
 class Load:
     """One producer: a sender thread offering `rate` tickets/s (open loop: a send that is late or
-    refused does not slow the schedule, the next sends catch up), and a waiter thread collecting
-    answers with `wait(resend_after=...)` in rounds of three re-send periods, each round over
-    every ticket still unanswered. Cost: one MGET per 200 pending results per poll."""
+    refused does not slow the schedule, the next sends catch up), and a dispatcher that hands the
+    tickets sent in each BATCH_S to a waiter thread of their own: `wait(batch, resend_after=...)`
+    until every one is answered or the run's deadline, as an application waits on what it sent.
+    At most MAX_WAITS waits run at once per producer; while they do, new tickets gather into one
+    larger batch. Cost: each wait polls one MGET of up to 400 result keys every 5-100 ms."""
 
     def __init__(self, number: int, settings: ClientSettings, rate: float, texts: list[str], ledger: Ledger,
-                 args: argparse.Namespace) -> None:  # fmt: skip
+                 args: argparse.Namespace, deadline: float) -> None:  # fmt: skip
         self.number, self.rate, self.texts, self.ledger, self.args = number, rate, texts, ledger, args
         self.sender, self.waiter = Producer(settings), Producer(settings)
         self._count_resends(self.waiter)
         self.fresh: list[TicketResult] = []
         self.stop, self.sent_all = threading.Event(), threading.Event()
-        self.drain_by = float("inf")
+        self.deadline = deadline  # no wait goes past it: the load's end plus the drain
         self.threads = [threading.Thread(target=target, daemon=True, name=f"chaos-{name}-{number}")
                         for name, target in (("send", self.send_loop), ("wait", self.wait_loop))]  # fmt: skip
 
@@ -340,25 +347,35 @@ class Load:
                 self.ledger.answers.setdefault(row["id"], row)
 
     def wait_loop(self) -> None:
-        pending: list[TicketResult] = []
-        period = self.args.resend_after
-        while time.monotonic() < self.drain_by:
+        waits: list[threading.Thread] = []
+        while time.monotonic() < self.deadline:
+            waits = [thread for thread in waits if thread.is_alive()]
+            finished = self.sent_all.is_set()  # read first: a batch taken after it holds every last send
             with self.ledger.lock:
-                pending += self.fresh
-                self.fresh = []
-                pending = [r for r in pending if r.ticket_ids[0] not in self.ledger.answers]
-            if not pending:
-                if self.sent_all.is_set() and not self.fresh:
-                    return
-                time.sleep(0.2)
-                continue
-            round_s = max(1.0, min(3 * period, self.drain_by - time.monotonic()))
+                batch, self.fresh = (self.fresh, []) if len(waits) < MAX_WAITS else ([], self.fresh)
+            if batch:
+                waits.append(threading.Thread(target=self.wait_batch, args=(batch,), daemon=True,
+                                              name=f"chaos-wait-{self.number}-{len(batch)}"))  # fmt: skip
+                waits[-1].start()
+            elif finished:
+                break
+            time.sleep(BATCH_S)
+        for thread in waits:
+            thread.join(timeout=max(0.0, self.deadline - time.monotonic()) + 30)
+
+    def wait_batch(self, batch: list[TicketResult]) -> None:
+        """Waits on `batch` until answered; a wait that raised is counted and started again."""
+        pending = batch
+        while pending and time.monotonic() < self.deadline:
             try:
-                self.waiter.wait(pending, timeout=round_s, resend_after=period, on_result=self.record)
-            except Exception as exc:  # counted; the next round asks again
+                self.waiter.wait(pending, timeout=self.deadline - time.monotonic(),
+                                 resend_after=self.args.resend_after, on_result=self.record)  # fmt: skip
+            except Exception as exc:  # counted; asked again
                 with self.ledger.lock:
                     self.ledger.wait_errors[reason(exc)] += 1
                 time.sleep(1.0)
+            with self.ledger.lock:
+                pending = [result for result in pending if result.ticket_ids[0] not in self.ledger.answers]
 
     def close(self) -> None:
         for producer in (self.sender, self.waiter):
@@ -589,9 +606,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--capacity-s", type=float, default=30.0, help="capacity measurement (default 30)")
     parser.add_argument("--drain-s", type=float, default=300.0, help="longest wait for answers at the end")
     parser.add_argument("--dir", type=Path, help="logs and Redis files (default: a new temporary directory)")
+    parser.add_argument("--worker-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="a setting for every worker (TICKETQ_LIVE_COST=off); repeatable")  # fmt: skip
     args = parser.parse_args()
     if min(args.workers, args.producers) < 1 or min(args.load, args.minutes, args.resend_after) <= 0:
         parser.error("--workers and --producers must be >= 1; --load, --minutes and --resend-after > 0")
+    if any("=" not in pair for pair in args.worker_env):
+        parser.error("--worker-env takes NAME=VALUE")
     if args.kills is None:
         args.kills = max(2, round(args.minutes / 2))
     args.lease = args.lease_s or Settings.model_fields["lease_s"].default
@@ -676,7 +697,8 @@ class Chaos:
         nemesis = Nemesis(self.events, self.servers, self.fleet, self.ns, self.ledger, monitor, self.clock)
         self.threads = [monitor, nemesis]
         self.producers.append(monitor.producer)
-        self.loads = [Load(n, self.settings, rate / args.producers, self.texts, self.ledger, args)
+        deadline = self.started + args.minutes * 60 + args.drain_s
+        self.loads = [Load(n, self.settings, rate / args.producers, self.texts, self.ledger, args, deadline)
                       for n in range(args.producers)]  # fmt: skip
         for thread in (monitor, nemesis):
             thread.start()
@@ -694,12 +716,11 @@ class Chaos:
         return 0 if ok else 1
 
     def drain(self, monitor: Monitor) -> None:
-        drain_by = time.monotonic() + self.args.drain_s
+        """Until every producer has its answers, or the deadline (the load's end plus --drain-s; a
+        nemesis event that ran late takes its time from the drain)."""
         for load in self.loads:
-            load.drain_by = drain_by
-        for load in self.loads:
-            for thread in load.threads:  # a waiter returns once its round ends, past drain_by at the latest
-                thread.join(timeout=max(0.0, drain_by - time.monotonic()) + 3 * self.args.resend_after + 30)
+            for thread in load.threads:
+                thread.join(timeout=max(0.0, load.deadline - time.monotonic()) + 60)
         monitor.stop.set()
         say(self.clock(), f"drained [{monitor.state()}]")
 
