@@ -626,7 +626,8 @@ def test_backlog_exporter_is_scraped():
 # steadily advancing values so that a real Prometheus can evaluate the alert expressions in
 # states a real worker cannot be put in on demand (the dashboard test uses a real worker). Run as `python -c SRC MODE`:
 #   degraded: every alert condition holds (queue growing, 20% padding, 18% failures, shadow 50%,
-#             and a second queue with messages and no worker);
+#             a stalled classifying loop, Redis losing its data, and a second queue with messages
+#             and no worker);
 #   healthy:  no alert condition holds (flat queue, 5% padding, no failures, shadow 100%).
 # It serves queue `fixture` (target_info, as a worker names its queue).
 # Prints its port, then runs until killed or orphaned.
@@ -666,6 +667,8 @@ shadow_agreed = Counter("ticketq_shadow_agreed", "fixture", registry=reg)
 shadow_disagreed = Counter("ticketq_shadow_disagreed", "fixture", ["near_tie"], registry=reg)
 flushes = Counter("ticketq_flushes", "fixture", registry=reg)
 queue_depth = Gauge("ticketq_queue_depth", "fixture", ["queue"], registry=reg)
+stalled = Gauge("ticketq_classifying_stalled_seconds", "fixture", registry=reg)
+data_lost = Counter("ticketq_redis_data_lost", "fixture", registry=reg)
 Info("ticketq_model", "fixture", registry=reg).info(
     {"model": "fixture-exporter", "standin": "true", "dtype": "float32", "device": "cpu"}
 )
@@ -704,6 +707,8 @@ while os.getppid() == parent:
             failed.inc()
             rejected.inc()
             invalid.inc()
+            stalled.set(30)
+            data_lost.inc()
             queue_depth.labels("fixture").set(2000 + 100 * (time.monotonic() - start))
         else:
             queue_depth.labels("fixture").set(10)

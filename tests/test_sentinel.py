@@ -254,6 +254,7 @@ def run_failover(servers: SentinelSet, tmp_path, tiny_model_dir, replica_acks: i
         )  # fmt: skip
         assert worker.proc.poll() is None, "the worker must follow the failover, not exit"
         assert "Unrecoverable error" not in log, log[-3000:]
+        assert "Traceback" not in log, f"a failover is an outage: a line each, no traceback\n{log[-3000:]}"
         assert lost == 0
         assert duplicated == 0
         assert resumed_at - promoted_at < 10, "the worker answers again within 10 s of the promotion"

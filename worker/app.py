@@ -20,6 +20,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
+import kombu.exceptions
 import redis
 from celery import Celery, signals
 
@@ -163,9 +164,34 @@ def live_cost_model(settings: Settings, classifier: Classifier, metrics: Metrics
     return lambda report: learner.observe(report.rows, report.width, report.seconds)
 
 
+# Celery's consumer logs each lost broker connection with its whole chained traceback (three per
+# failover or restart): an outage, not a bug, gets its one line with the reason instead.
+CONSUMER_LOGGER = "celery.worker.consumer.consumer"
+_OUTAGES = (redis.ConnectionError, redis.TimeoutError, kombu.exceptions.OperationalError, ConnectionError)
+
+
+class OutageWithoutTraceback(logging.Filter):
+    """A record whose exception is a lost connection keeps its message and the reason, no traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, _OUTAGES):
+            record.msg, record.args = f"{record.getMessage()} ({type(exc).__name__}: {exc})", ()
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def quiet_outages(logger: logging.Logger | None = None) -> None:
+    """Install `OutageWithoutTraceback` on Celery's consumer logger, once."""
+    logger = logger or logging.getLogger(CONSUMER_LOGGER)
+    if not any(isinstance(f, OutageWithoutTraceback) for f in logger.filters):
+        logger.addFilter(OutageWithoutTraceback())
+
+
 def create_app(settings: Settings, classifier_factory: ClassifierFactory | None = None) -> Celery:
     """The Celery app of one worker (or client) process; `classifier_factory` replaces the engine (tests)."""
     codec.install()
+    quiet_outages()
     sentinel = is_sentinel_url(settings.broker_url)
     # A failover to the next sentinel of the list must keep the atomic fetch (see PinnedConnection).
     amqp = "worker.transport:AMQP" if settings.fetch == "atomic" else None
