@@ -116,7 +116,7 @@ def test_status_on_a_full_redis_says_the_workers_could_not_be_asked(tmp_path):
                               text=True, timeout=60, env={**env, "TICKETQ_BROKER_URL": server.url})  # fmt: skip
     finally:
         server.kill()
-    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stdout + done.stderr
+    assert done.returncode == 4 and "Traceback" not in done.stderr, done.stdout + done.stderr
     [line] = [line for line in done.stdout.splitlines() if line.startswith("workers:")]
     assert line.startswith("workers: unknown, not asked: Redis refuses the writes a Celery ping makes (out of memory)")
     assert "maxmemory_policy=noeviction" in done.stdout

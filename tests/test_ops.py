@@ -235,6 +235,6 @@ def test_a_bare_rediss_url_uses_the_system_store_or_says_what_to_give(tls_redis)
         assert "Check that it is running" not in errors[0]
     # SSL_CERT_FILE makes the test CA the system store, as a managed Redis's CA is: the bare URL works.
     trusted = run(commands["status"], url, SSL_CERT_FILE=ca)
-    assert trusted.returncode == 1 and "queue: tls" in trusted.stdout, trusted.stdout + trusted.stderr  # 1: no worker
+    assert trusted.returncode == 4 and "queue: tls" in trusted.stdout, trusted.stdout + trusted.stderr  # 4: no worker
     named = run(commands["status"], f"{url}?ssl_ca_certs={ca}")
-    assert named.returncode == 1 and "queue: tls" in named.stdout, named.stdout + named.stderr
+    assert named.returncode == 4 and "queue: tls" in named.stdout, named.stdout + named.stderr

@@ -15,6 +15,7 @@ from rich.table import Table
 from producer.clitools import (
     CONTEXT_SETTINGS,
     EXIT_FAILED,
+    EXIT_NO_WORKER,
     EXIT_USAGE,
     command,
     error,
@@ -27,7 +28,7 @@ cli = typer.Typer(
     help="ticketq — route support tickets with a small LLM: Redis + Celery micro-batches, length-sorted, "
     "prefix-cached, label-constrained, checked against the unbatched reference.\n\n"
     "Exit status: 0 done; 1 some tickets failed; 2 bad settings, options or input, nothing done; "
-    "3 the input was read but nothing was classified.",
+    "3 the input was read but nothing was classified; 4 (status) no worker answered.",
     no_args_is_help=True,
     add_completion=False,
     context_settings=CONTEXT_SETTINGS,
@@ -510,7 +511,7 @@ def exporter(
 @cli.command()
 def status(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
     """Queue depth, in-flight messages, live workers (Celery ping), dead letters by reason, results
-    stream, Redis's memory and whether it kept its data. Exit status 1 when no worker answered the
+    stream, Redis's memory and whether it kept its data. Exit status 4 when no worker answered the
     ping (or none could be asked: a full Redis refuses the ping's writes), 2 when Redis is
     unreachable; with --json, 0 whenever Redis answered."""
     from worker.tools.ops import redis_data_line
@@ -528,7 +529,7 @@ def status(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] 
         shown = ", ".join(shown) if isinstance(shown, list) else shown
         print(f"{key.replace('_', ' ')}: {shown if shown not in ('', None) else 'none'}")
     if not state["workers"]:
-        raise typer.Exit(EXIT_FAILED)  # nothing is consuming the queue (or nobody could ask): worth a non-zero status
+        raise typer.Exit(EXIT_NO_WORKER)  # nothing is consuming the queue (or nobody could ask)
 
 
 @dead.command("list")
