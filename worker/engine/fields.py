@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import torch
 
 from ticketq.schema import FieldResult, Schema, TicketFields
-from worker.engine import batching
+from worker.engine.batching import Plan, plan_optimal
 from worker.engine.cost import CostModel
 from worker.engine.layout import packed_mask, padded_ids
 from worker.engine.loading import prefix_cache
@@ -121,9 +121,9 @@ class FieldsEngine:
         """A batch row: the shared part, then every question's segment."""
         return len(encoded.ids) + len(self._segment_ids)
 
-    def plan(self, encoded: Sequence[EncodedTicket]) -> batching.Plan:
+    def plan(self, encoded: Sequence[EncodedTicket]) -> Plan:
         engine = self.engine
-        return batching.plan_optimal(
+        return plan_optimal(
             [self.row_length(e) for e in encoded],
             max_batch_tokens=engine.max_batch_tokens,
             max_batch_size=engine.max_batch_size,
@@ -135,7 +135,7 @@ class FieldsEngine:
     def classify(
         self,
         texts: Sequence[object],
-        plan: batching.Plan | None = None,
+        plan: Plan | None = None,
         on_batch: BatchCallback | None = None,
         on_results: ResultsCallback | None = None,
         more: MoreCallback | None = None,
@@ -150,7 +150,7 @@ class FieldsEngine:
     def classify_encoded(
         self,
         encoded: Sequence[EncodedTicket],
-        plan: batching.Plan | None = None,
+        plan: Plan | None = None,
         on_batch: BatchCallback | None = None,
         on_results: ResultsCallback | None = None,
         more: MoreCallback | None = None,

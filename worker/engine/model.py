@@ -26,7 +26,7 @@ from dataclasses import replace
 import torch
 
 from ticketq.schema import Schema, default_schema
-from worker.engine import batching
+from worker.engine.batching import Plan, plan_optimal
 from worker.engine.configure import ModelInfo, load_configured
 from worker.engine.cost import CostModel
 from worker.engine.fields import FieldsEngine
@@ -169,11 +169,11 @@ class Engine:
     def encode(self, texts: Sequence[object]) -> list[EncodedTicket]:
         return [self.prompt.encode(text) for text in texts]
 
-    def plan(self, encoded: Sequence[EncodedTicket]) -> batching.Plan:
-        return batching.plan_optimal([len(e.ids) for e in encoded], max_batch_tokens=self.max_batch_tokens,
+    def plan(self, encoded: Sequence[EncodedTicket]) -> Plan:
+        return plan_optimal([len(e.ids) for e in encoded], max_batch_tokens=self.max_batch_tokens,
                                      max_batch_size=self.max_batch_size, cost=self.cost)  # fmt: skip
 
-    def classify(self, texts: Sequence[object], plan: batching.Plan | None = None,
+    def classify(self, texts: Sequence[object], plan: Plan | None = None,
                  on_batch: BatchCallback | None = None, on_predictions: AnswersCallback | None = None,
                  more: MoreCallback | None = None) -> tuple[list[Prediction], list[BatchReport]]:  # fmt: skip
         """Classify `texts` (in their order) with the planned, cached, label-only path.
@@ -187,7 +187,7 @@ class Engine:
         """
         return self.classify_encoded(self.encode(texts), plan, on_batch, on_predictions, more)
 
-    def classify_encoded(self, encoded: Sequence[EncodedTicket], plan: batching.Plan | None = None,
+    def classify_encoded(self, encoded: Sequence[EncodedTicket], plan: Plan | None = None,
                          on_batch: BatchCallback | None = None, on_predictions: AnswersCallback | None = None,
                          more: MoreCallback | None = None) -> tuple[list[Prediction], list[BatchReport]]:  # fmt: skip
         return run_planned(self, encoded, plan, on_batch, on_predictions, more)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, Protocol, TypeVar
 
-from worker.engine import batching
+from worker.engine.batching import Batch, Plan
 from worker.engine.prompt import EncodedTicket
 from worker.results import BatchReport
 
@@ -33,7 +33,7 @@ class BatchEngine(Protocol[Answer]):
 
     def encode(self, texts: Sequence[object]) -> list[EncodedTicket]: ...
 
-    def plan(self, encoded: Sequence[EncodedTicket]) -> batching.Plan: ...
+    def plan(self, encoded: Sequence[EncodedTicket]) -> Plan: ...
 
     def forward_batch(self, tickets: Sequence[EncodedTicket], width: int | None = None) -> list[Answer]: ...
 
@@ -50,11 +50,11 @@ class Forward:
     """The next forward the scheduler chose: one engine's batch (indices into the run's tickets)."""
 
     engine: BatchEngine[Any]
-    batch: batching.Batch
+    batch: Batch
     tickets: tuple[EncodedTicket, ...]
 
 
-def run_planned(engine: BatchEngine[Answer], encoded: Sequence[EncodedTicket], plan: batching.Plan | None,
+def run_planned(engine: BatchEngine[Answer], encoded: Sequence[EncodedTicket], plan: Plan | None,
                 on_batch: BatchCallback | None, on_answers: AnswersCallback | None,
                 more: MoreCallback | None) -> tuple[list[Answer], list[BatchReport]]:  # fmt: skip
     """Run `plan` (default `engine.plan(encoded)`) one forward at a time; between two forwards,
@@ -78,6 +78,10 @@ class PlannedRun:
     waiting ticket came first, so no schema waits behind another's stream of arrivals. Tickets
     added between forwards join their engine's waiting ones and those are planned again: every
     forward is chosen from everything waiting at its start.
+
+    Cost: an `add` replans each joining engine's waiting tickets (`batching.plan_optimal`,
+    O(waiting x max_batch_size)); `schedule` scans the waiting batches, O(waiting). At worst
+    (tickets arriving one per forward) a run of n tickets replans n times.
     """
 
     def __init__(self, on_batch: BatchCallback | None = None, on_answers: AnswersCallback | None = None) -> None:
@@ -85,9 +89,9 @@ class PlannedRun:
         self.encoded: list[EncodedTicket] = []
         self.results: list[Any] = []
         self.reports: list[BatchReport] = []
-        self._plans: dict[int, tuple[BatchEngine[Any], list[batching.Batch]]] = {}  # id(engine) -> its batches
+        self._plans: dict[int, tuple[BatchEngine[Any], list[Batch]]] = {}  # id(engine) -> its batches
 
-    def add(self, tickets: Sequence[Ticketed], plan: batching.Plan | None = None) -> None:
+    def add(self, tickets: Sequence[Ticketed], plan: Plan | None = None) -> None:
         """Tickets (engine, encoded) join the run, indexed after those before them. `plan`: the
         plan of the first tickets of a one-engine run (indices into `tickets`), else planned here."""
         start = len(self.encoded)
