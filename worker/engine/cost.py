@@ -51,7 +51,7 @@ class CostModel:
         """Non-negative least squares fit from `(rows, width, measured_ms)` samples.
 
         `relative` minimises the errors as shares of each measurement instead of in milliseconds,
-        so a 40 ms forward counts as much as a 2 s one: the shapes a planner weighs against each
+        so a short forward counts as much as a long one: the shapes a planner weighs against each
         other (one batch or two) are the small ones, which absolute errors let the largest drown.
 
         Three unknowns, so NNLS is cheap by enumeration: the constrained optimum is the unconstrained
