@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from worker.engine.batching import (
     Batch,
-    CostModel,
     Plan,
     plan_fixed,
     plan_global_pad,
@@ -21,6 +20,7 @@ from worker.engine.batching import (
     plan_sequential,
     sort_by_length,
 )
+from worker.engine.cost import CostModel
 
 PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SMALL = settings(max_examples=100, deadline=None)

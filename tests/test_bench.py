@@ -20,7 +20,7 @@ from producer.synthetic import generate_tickets
 from worker.engine import Engine, batching
 from worker.engine.prompt import system_text
 from worker.settings import DEFAULT_SYSTEM_PROMPT
-from worker.tools.bench.baselines import GENERATE_NEW_TOKENS, parse_label
+from worker.tools.bench.baselines import GENERATE_NEW_TOKENS, full_prompt_batch, generate_text, parse_label
 from worker.tools.bench.cli import main, parse_args
 from worker.tools.bench.records import Answer
 from worker.tools.bench.report import compare
@@ -163,7 +163,7 @@ def test_modes_default_quick_and_all():
 
 @pytest.mark.parametrize("labels", [("account", "account security", "billing"), ("billing", "technical", "account")])
 def test_full_prompt_batch_matches_the_reference(tiny_engine, labels):
-    """The engine's full-prompt batches (the baselines' scorer), also for labels sharing leading tokens."""
+    """The full-prompt batches (the baselines' scorer), also for labels sharing leading tokens."""
     engine = Engine(
         tiny_engine.model, tiny_engine.tokenizer, labels=labels, system=system_text(DEFAULT_SYSTEM_PROMPT, labels, {})
     )
@@ -171,7 +171,7 @@ def test_full_prompt_batch_matches_the_reference(tiny_engine, labels):
     encoded = engine.encode(texts)
     plan = batching.plan_fixed([len(e.ids) for e in encoded], 5)
     for batch in plan.batches:
-        predictions, reports = engine.full_prompt_batch([encoded[i] for i in batch.indices], batch.width)
+        predictions, reports = full_prompt_batch(engine, [encoded[i] for i in batch.indices], batch.width)
         assert len(reports) == len(engine.prompt.trie.branches)
         assert reports[0].computed_tokens == batch.rows * (engine.prefix_len + batch.width)
         assert reports[0].pad_tokens == batch.pad_tokens
@@ -182,7 +182,7 @@ def test_full_prompt_batch_matches_the_reference(tiny_engine, labels):
 
 
 def test_generate_runs_every_decode_step_on_the_standin(tiny_engine):
-    decoded, prompt_tokens, new_tokens = tiny_engine.generate("  my invoice is wrong  ", GENERATE_NEW_TOKENS)
+    decoded, prompt_tokens, new_tokens = generate_text(tiny_engine, "  my invoice is wrong  ", GENERATE_NEW_TOKENS)
     full = tiny_engine.prompt.full_ids(tiny_engine.prompt.encode("my invoice is wrong"))
     assert prompt_tokens == len(full)  # the rendered chat is the prompt every other mode scores
     assert new_tokens == 4 and isinstance(decoded, str)  # random weights never say end-of-turn

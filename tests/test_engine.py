@@ -21,9 +21,9 @@ from texts import long_text
 
 from producer.synthetic import awkward_texts, generate_tickets
 from worker.engine import Engine, ModelNotFound, batching
-from worker.engine.core import NoChatTemplate
 from worker.engine.kernels import PackedLinear
 from worker.engine.loading import cache_tensors, load_model
+from worker.engine.model import NoChatTemplate
 from worker.engine.prompt import InvalidTicket, system_text
 from worker.results import Prediction, padding_ratio
 from worker.settings import DEFAULT_SYSTEM_PROMPT

@@ -16,7 +16,7 @@ from texts import long_text
 from producer.synthetic import awkward_texts, generate_tickets
 from ticketq.schema import DEFAULT_FIELD, TicketFields, default_schema, load_schema, parse_schema
 from worker.engine import Engine, batching
-from worker.engine.fields import FieldsEngine
+from worker.engine.fields import FieldsEngine, FieldsHost
 from worker.engine.prompt import FieldsPrompt, system_text, truncate
 from worker.settings import DEFAULT_SYSTEM_PROMPT
 
@@ -300,3 +300,9 @@ def test_a_single_field_system_layout_is_classify_with_its_labels(tiny_engine):
     predictions, _ = engine.classify(texts)
     for result, prediction in zip(results, predictions, strict=True):
         assert result.fields["team"].probs == pytest.approx(prediction.probs, abs=1e-6)
+
+
+def test_the_engine_offers_what_a_fields_engine_uses(tiny_engine):
+    """`FieldsHost` names what a FieldsEngine uses of its engine; the engine has each, public."""
+    needed = [*FieldsHost.__annotations__, "prime", "decode", "last_logits"]
+    assert all(not name.startswith("_") and hasattr(tiny_engine, name) for name in needed)

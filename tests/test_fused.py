@@ -18,6 +18,7 @@ from ticketq.schema import parse_schema
 from worker.engine import Engine
 from worker.engine.fused import FusedDecoder
 from worker.engine.kernels import PackedLinear
+from worker.engine.layout import prefix_mask
 from worker.engine.prompt import system_text
 from worker.settings import DEFAULT_SYSTEM_PROMPT
 
@@ -106,10 +107,11 @@ def test_keeping_positions_gives_those_rows_of_the_full_forward(fused):
     keep = torch.stack([lengths - 1, torch.zeros_like(lengths), lengths // 2], dim=1)  # (B, 3)
 
     def forward(keep_):
-        cache = fused._batch_cache(len(encoded))
+        cache = fused.batch_cache(len(encoded))
         ids = torch.tensor([[*e.ids, *[fused.pad_id] * (width - len(e.ids))] for e in encoded])
         positions = fused.prefix_len + torch.arange(width).expand(len(encoded), -1)
-        hidden = fused._decode(ids, fused._mask(lengths, width, extra=0), positions, cache, keep_)
+        mask = prefix_mask(fused.prefix_len, lengths, width, 0, fused.dtype)
+        hidden = fused.decode(ids, mask, positions, cache, keep_)
         return hidden, cache.get_seq_length()
 
     full, full_len = forward(None)

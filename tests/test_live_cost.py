@@ -10,9 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from worker.engine import autotune, batching
+from worker.engine import autotune
+from worker.engine import cost as cost_model
 from worker.engine.autotune import LiveCostModel, load_cached
-from worker.engine.batching import CostModel
+from worker.engine.cost import CostModel
 
 DEADLINE_S = 60  # for a background refit to finish: generous, a loaded machine still makes it
 
@@ -140,8 +141,7 @@ def test_the_engine_plans_with_what_it_learnt_from_its_own_forwards(tiny_engine)
 def test_a_fit_with_no_fixed_cost_keeps_its_token_cost_with_one_tokens_worth_fixed():
     """Forwards dominated by their tokens: least squares puts the fixed cost at zero; the planner
     gets the measured per-token cost and a fixed cost of one token, not the configured defaults."""
-    from worker.engine.autotune import floored, sound
-    from worker.engine.batching import CostModel
+    from worker.engine.cost import CostModel, floored, sound
 
     samples = [(rows, width, 4.0 * rows * width) for rows in (1, 2, 4, 8) for width in (16, 32, 64, 128)]
     fit = CostModel.fit(samples)
@@ -220,13 +220,13 @@ def test_a_failing_background_refit_is_logged_and_the_next_one_runs(monkeypatch,
 def test_a_refit_of_400_noisy_shapes_makes_a_bounded_number_of_least_squares_solves(monkeypatch):
     """The trimmed fit refits a bounded number of times, not once per trimmed shape: at most
     TRIM_ROUNDS fits of 7 solves, each over at most the 400 shapes (O(samples) in all)."""
-    solve, rows_solved = batching._solve, []
+    solve, rows_solved = cost_model._solve, []
 
     def counting(scaled, targets, terms):
         rows_solved.append(len(targets))
         return solve(scaled, targets, terms)
 
-    monkeypatch.setattr(batching, "_solve", counting)
+    monkeypatch.setattr(cost_model, "_solve", counting)
     rng, forwards, shapes = random.Random(400), [], set()
     for forward in bursty(rng, 10_000):
         if (forward[0], forward[1]) not in shapes:

@@ -8,11 +8,14 @@ any schema join between forwards, and the cache of compiled schemas is bounded.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from producer.synthetic import generate_tickets
 from ticketq.schema import TicketFields, load_schema
-from worker.engine.core import PlannedRun
+from worker.engine.scheduler import PlannedRun
 from worker.engine.schemas import SchemaSet, UnknownSchema
 from worker.results import Prediction
 from worker.tools.procs import ROOT
@@ -126,3 +129,11 @@ def test_planned_run_with_one_engine_is_the_engines_own_classify(tiny_engine):
     got, reports = run.run()
     assert [p.label for p in got] == [p.label for p in want]
     assert [(r.rows, r.width) for r in reports] == [(r.rows, r.width) for r in want_reports]
+
+
+def test_the_scheduler_and_the_planner_import_no_torch():
+    """The scheduler is plain Python over the planner and the cost model: importing them loads no torch."""
+    code = ("import sys; import worker.engine.scheduler, worker.engine.batching, worker.engine.cost; "
+            "print('torch' in sys.modules)")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr

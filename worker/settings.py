@@ -50,16 +50,16 @@ class Settings(ClientSettings):
     matmul: Literal["auto", "torch", "onednn"] = Field(
         "auto",
         description="On a CPU: the decoder's linear layers through torch's default GEMM (MKL for float32) or "
-        "oneDNN's matmul on weights prepacked at start-up. float32: exact, 2-3x MKL on some AMD CPUs; auto: oneDNN "
-        "where it measures >= 1.15x torch's (measured and cached as for TICKETQ_DTYPE=auto). bfloat16 on a CPU with "
-        "native bf16: the same kernel torch runs, the same bits, 1.04-1.18x faster; auto packs there.",
+        "oneDNN's matmul on weights prepacked at start-up. float32: exact, faster than MKL on some AMD CPUs; auto: "
+        "oneDNN where it measures >= 1.15x torch's (measured and cached as for TICKETQ_DTYPE=auto). bfloat16 on a "
+        "CPU with native bf16: the same kernel torch runs, the same bits, faster; auto packs there.",
     )
     fuse: bool = Field(
         True,
         description="With the weights prepacked for oneDNN (TICKETQ_MATMUL): run batches through ticketq's own "
-        "layer loop, float32 with the MLP's SiLU and product and the residual adds inside oneDNN's GEMMs (1.25x "
-        "on 1,024-token batches, results within 1e-6 of transformers' layers), attention as two float32 matmuls, "
-        "the last layer for the answer positions only (bfloat16: 3-10% a forward). Off: transformers' layers.",
+        "layer loop, float32 with the MLP's SiLU and product and the residual adds inside oneDNN's GEMMs (the same "
+        "arithmetic up to rounding), attention as two float32 matmuls, the last layer for the answer positions "
+        "only. Off: transformers' layers.",
     )
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice).")
     system_prompt: str = Field(

@@ -25,6 +25,7 @@ import torch
 from producer.synthetic import generate_tickets
 from worker.engine import Engine
 from worker.engine.kernels import PackedLinear, release_freed_memory, replace_module
+from worker.engine.layout import prefix_mask
 from worker.engine.prompt import EncodedTicket
 from worker.settings import Settings
 
@@ -67,7 +68,8 @@ def last_hidden(engine: Engine, rows: list[EncodedTicket]) -> torch.Tensor:
     lengths = torch.tensor([len(r.ids) for r in rows])
     ids = torch.tensor([list(r.ids) for r in rows])  # (B, W): the rows are all `width` long
     positions = engine.prefix_len + torch.arange(width).expand(len(rows), -1)  # (B, W)
-    return engine._decode(ids, engine._mask(lengths, width, extra=0), positions, engine._batch_cache(len(rows)))
+    mask = prefix_mask(engine.prefix_len, lengths, width, 0, engine.dtype)  # (B, 1, W, P+W)
+    return engine.decode(ids, mask, positions, engine.batch_cache(len(rows)))
 
 
 def _shape(text: str) -> tuple[int, int]:

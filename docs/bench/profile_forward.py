@@ -15,7 +15,7 @@ region around it: the linear layers (`nn.Linear`, oneDNN-packed or dynamic int8)
 (the cos/sin table, and applying it to q and k), attention (transformers' SDPA wrapper: the SDPA
 kernel itself, and `repeat_kv`'s copies of K/V for the 14 query heads), the KV cache (`DynamicLayer.
 update`: each layer's new K/V concatenated after the prefix), the MLP's silu and product, the
-residual adds, the 4D mask (`Engine._mask`, and transformers' `create_causal_mask`, which returns it
+residual adds, the 4D mask (`layout.prefix_mask`, and transformers' `create_causal_mask`, which returns it
 as is), the label head; ops outside every region are "batch set-up and gathers" (ids, positions, the
 prefix cache's views, each row's last hidden state). The split is the fastest profiled forward's, as shares of
 its wall time; "python, dispatch and the profiler" is the part of it no op accounts for (the
@@ -97,6 +97,8 @@ def tagged(engine: Engine) -> Iterator[None]:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.qwen2 import modeling_qwen2
 
+    from worker.engine import model as engine_model
+
     modules = [m for m in engine.decoder.modules() if type(m).__name__ in MODULE_TAGS]
     if type(engine.decoder).__name__ != "Qwen2Model" or not any(
         type(m).__name__.endswith("Linear") for m in modules
@@ -108,8 +110,8 @@ def tagged(engine: Engine) -> Iterator[None]:
         (modeling_qwen2, "apply_rotary_pos_emb", modeling_qwen2.apply_rotary_pos_emb),
         (modeling_qwen2, "create_causal_mask", modeling_qwen2.create_causal_mask),
         (cache_utils.DynamicLayer, "update", cache_utils.DynamicLayer.update),
-        (engine, "_mask", None),
-        (engine, "_branch_scores", None),
+        (engine_model, "prefix_mask", engine_model.prefix_mask),
+        (engine_model, "branch_logprobs", engine_model.branch_logprobs),
     ]
     names = ("rotary", "mask", "KV cache update", "mask", "label head")
     for (owner, attr, _), name in zip(patched, names, strict=True):

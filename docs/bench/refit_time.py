@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from live_cost import burn, cpu_name
 
 from worker.engine.autotune import TRIM_ROUNDS, LiveCostModel
-from worker.engine.batching import CostModel
+from worker.engine.cost import CostModel
 
 TRUE = CostModel(fixed_ms=47.3, token_ms=1.58, quad_ms=3.2e-3)
 

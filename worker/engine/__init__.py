@@ -1,13 +1,21 @@
 """The classification engine: the only package that touches tensors.
 
-- `core` — `Engine`: the cached prefix, the optimised path and the unbatched reference.
+- `model` — `Engine`: the model, its cached prefix, the optimised path and the unbatched reference.
+- `fields` — `FieldsEngine`: several closed questions (a schema) per ticket in one pass.
+- `schemas` — the schemas one worker serves, their `FieldsEngine`s kept LRU-bounded.
+- `scheduler` — `PlannedRun`: tickets of one or more engines, one planned forward at a time (no torch).
+- `scoring` — trie-constrained label scoring: the softmax over the allowed tokens.
+- `layout` — a batch's tensors after the cached prefix: padded ids, the additive 4D masks.
 - `batching` — planning and padding arithmetic (plain Python, no torch).
+- `cost` — `CostModel`: the predicted time of a forward pass, and its fit (numpy, no torch).
+- `configure` — from the settings to a loaded model (device, dtype, GEMM kernel); `ModelInfo`.
 - `prompt` — the chat template split into prefix / ticket / suffix, and the ticket's canonical text.
 - `kernels` — device, dtype and GEMM-kernel choice, measured on a machine's first start and cached;
   oneDNN's `PackedLinear`.
+- `fused` — `FusedDecoder`: the batched decoder forward with its elementwise work inside oneDNN's GEMMs.
 - `int8` — the opt-in dynamic int8 decoder.
 - `loading` — `from_pretrained` (the garbage collector paused) and the transformers cache API.
-- `autotune` — the planner's cost model, measured at start-up.
+- `autotune` — the planner's cost model fitted to the device: measured at start-up, refitted while serving.
 
 Importing the package imports no torch; `Engine`, `ModelInfo` and `ModelNotFound` load it on
 first use, so `from worker.engine import batching` stays light.
@@ -18,17 +26,22 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from worker.engine.core import Engine, ModelInfo
+    from worker.engine.configure import ModelInfo
     from worker.engine.loading import ModelNotFound
+    from worker.engine.model import Engine
 
 __all__ = ["Engine", "ModelInfo", "ModelNotFound"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Engine", "ModelInfo"):
-        from worker.engine import core
+    if name == "Engine":
+        from worker.engine.model import Engine
 
-        return getattr(core, name)
+        return Engine
+    if name == "ModelInfo":
+        from worker.engine.configure import ModelInfo
+
+        return ModelInfo
     if name == "ModelNotFound":
         from worker.engine.loading import ModelNotFound
 

@@ -32,10 +32,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from worker.engine.batching import CostModel
+from worker.engine.cost import CostModel, floored, sound
 from worker.engine.prompt import EncodedTicket
 
 log = logging.getLogger(__name__)
@@ -123,11 +123,11 @@ def fit_planned(samples: list[tuple[int, int, float]], budget: int) -> CostModel
     """The cost model of the batches the planner makes: the shapes within `budget`, relative errors.
 
     A forward's cost per token is not one number: it falls as a batch grows past a few tokens
-    (the fixed cost spread) and rises again past the CPU's caches (measured on a Zen 5 in float32:
-    3.6 ms a token at 16 tokens, 1.86 at 256, 2.35 at 1,024). A line through all of it in absolute
-    milliseconds follows the big shapes; it put the fixed cost at zero there, and the planner cut
-    200 tickets into 91 forwards where 23 ran 26% faster. The budget already keeps batches out of
-    the expensive end, so the fit looks only at the shapes up to it, each as a share of its time.
+    (the fixed cost spread) and rises again past the CPU's caches (docs/performance.md). A line
+    through all of it in absolute milliseconds follows the big shapes and can put the fixed cost
+    at zero, which makes the planner cut a stream into many small forwards. The budget already
+    keeps batches out of the expensive end, so the fit looks only at the shapes up to it, each as
+    a share of its time.
     """
     planned = [sample for sample in samples if sample[0] * sample[1] <= budget]
     return CostModel.fit(planned if _spans(planned) else samples, relative=True)
@@ -136,22 +136,6 @@ def fit_planned(samples: list[tuple[int, int, float]], budget: int) -> CostModel
 def _row(engine, token: int, width: int) -> EncodedTicket:
     ticket = max(1, width - len(engine.prompt.suffix_ids))
     return EncodedTicket(ids=(*([token] * ticket), *engine.prompt.suffix_ids), ticket_tokens=ticket, truncated=False)
-
-
-def floored(cost: CostModel) -> CostModel:
-    """A fit whose fixed cost came out zero gets one token's worth instead.
-
-    Where every forward is dominated by its tokens (the full-size model in float32 on 2 cores: 21.6 ms
-    + 4.14 ms a token, quiet), the fixed cost is within the timings' noise and least squares can put
-    it at zero; a planner told that a forward costs nothing by itself would cut every batch into
-    batches of one, and the old answer, the configured 25 ms + 0.8 ms a token, describes no machine.
-    One token's worth keeps the measured per-token cost and batches that share a width together."""
-    return replace(cost, fixed_ms=cost.token_ms) if cost.fixed_ms <= 0 < cost.token_ms else cost
-
-
-def sound(cost: CostModel) -> bool:
-    """A fit the planner can use: a positive fixed and per-token cost (a zero term is noise)."""
-    return cost.fixed_ms > 0 and cost.token_ms > 0
 
 
 # ----- the fit cache ------------------------------------------------------------------------

@@ -27,14 +27,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from ticketq.schema import FieldResult, Schema, TicketFields
-from worker.engine import batching
-from worker.engine.core import Engine, MoreCallback, choice_logprobs, padded_ids, run_planned
+from worker.engine.batching import Plan, plan_optimal
+from worker.engine.cost import CostModel
+from worker.engine.layout import packed_mask, padded_ids
 from worker.engine.loading import prefix_cache
-from worker.engine.prompt import YES, EncodedTicket, FieldsPrompt, Question
+from worker.engine.prompt import YES, EncodedTicket, FieldsPrompt, PromptTemplate, Question
+from worker.engine.scheduler import BatchCallback, MoreCallback, run_planned
+from worker.engine.scoring import branch_logprobs, choice_logprobs, label_logprobs
 from worker.results import BatchReport
 
 # on_results(indices into the caller's texts, their answers): one call per forward batch
@@ -43,10 +47,34 @@ ResultsCallback = Callable[[Sequence[int], list[TicketFields]], None]
 Branch = tuple[int, tuple[int, ...]]  # (question index, trie branch path)
 
 
+class FieldsHost(Protocol):
+    """What a `FieldsEngine` uses of the engine whose model it runs on (`model.Engine`): the model,
+    its planner settings (read at every plan, so a refitted cost applies here too), and its
+    decoder calls."""
+
+    model: Any  # the transformers causal LM (its `config` shapes a batch's cache)
+    tokenizer: Any
+    prompt: PromptTemplate  # the engine's own: its ticket budget and truncation are the default
+    label_head: torch.nn.Module
+    pad_id: int
+    device: torch.device
+    dtype: torch.dtype
+    max_batch_tokens: int
+    max_batch_size: int
+    cost: CostModel
+
+    def prime(self, prefix_ids: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
+
+    def decode(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any,
+               keep: torch.Tensor | None = None) -> torch.Tensor: ...  # fmt: skip
+
+    def last_logits(self, ids: Sequence[int]) -> torch.Tensor: ...
+
+
 class FieldsEngine:
     """A schema on an engine's model: `classify` (every field in one pass per batch) and `reference`."""
 
-    def __init__(self, engine: Engine, schema: Schema) -> None:
+    def __init__(self, engine: FieldsHost, schema: Schema) -> None:
         self.engine = engine
         self.schema = schema
         self.prompt = FieldsPrompt(
@@ -93,9 +121,9 @@ class FieldsEngine:
         """A batch row: the shared part, then every question's segment."""
         return len(encoded.ids) + len(self._segment_ids)
 
-    def plan(self, encoded: Sequence[EncodedTicket]) -> batching.Plan:
+    def plan(self, encoded: Sequence[EncodedTicket]) -> Plan:
         engine = self.engine
-        return batching.plan_optimal(
+        return plan_optimal(
             [self.row_length(e) for e in encoded],
             max_batch_tokens=engine.max_batch_tokens,
             max_batch_size=engine.max_batch_size,
@@ -107,8 +135,8 @@ class FieldsEngine:
     def classify(
         self,
         texts: Sequence[object],
-        plan: batching.Plan | None = None,
-        on_batch: Callable[[BatchReport], None] | None = None,
+        plan: Plan | None = None,
+        on_batch: BatchCallback | None = None,
         on_results: ResultsCallback | None = None,
         more: MoreCallback | None = None,
     ) -> tuple[list[TicketFields], list[BatchReport]]:
@@ -122,8 +150,8 @@ class FieldsEngine:
     def classify_encoded(
         self,
         encoded: Sequence[EncodedTicket],
-        plan: batching.Plan | None = None,
-        on_batch: Callable[[BatchReport], None] | None = None,
+        plan: Plan | None = None,
+        on_batch: BatchCallback | None = None,
         on_results: ResultsCallback | None = None,
         more: MoreCallback | None = None,
     ) -> tuple[list[TicketFields], list[BatchReport]]:
@@ -150,21 +178,14 @@ class FieldsEngine:
         # a segment's tokens are numbered from the end of its own ticket's shared part
         offset = torch.where(inside, starts[segment.clamp(min=0)], 0)  # (B, W)
         positions = P + torch.arange(width, device=device)[None, :] - offset  # (B, W)
-        mask = _packed_mask(P, segment, self.dtype)  # (B, 1, W, P+W)
+        mask = packed_mask(P, segment, self.dtype)  # (B, 1, W, P+W)
         ends = torch.tensor(self._ends, device=device)  # (S,) each segment's end inside the packed block
-        hidden = self._decode(ids, mask, positions, cache, keep=shared[:, None] + ends - 1)  # (B, S, H)
+        hidden = self.engine.decode(ids, mask, positions, cache, keep=shared[:, None] + ends - 1)  # (B, S, H)
         scores = {  # branch -> per row, the log-probs over its children at its segment's last token
-            branch: self._branch_scores(branch, hidden[:, index]).tolist()  # (B, C)
+            branch: branch_logprobs(hidden[:, index], self._rows[branch]).tolist()  # (B, C)
             for index, branch in enumerate(self._segments)
         }
         return [self._answer(i, e, scores) for i, e in enumerate(tickets)]
-
-    def _branch_scores(self, branch: Branch, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax((hidden @ self._rows[branch].T).float(), dim=-1)  # (B, C)
-
-
-    def _decode(self, ids, mask, positions, cache, keep: torch.Tensor | None = None) -> torch.Tensor:
-        return self.engine._decode(ids, mask, positions, cache, keep)
 
     def _answer(self, row: int, encoded: EncodedTicket, scores: dict[Branch, list[list[float]]]) -> TicketFields:
         return self._assemble(encoded, lambda branch, child: scores[branch][row][child])
@@ -175,24 +196,19 @@ class FieldsEngine:
     def reference(self, text: object) -> TicketFields:
         """One ticket, each question's full prompt, no cache, full-vocabulary logits: the answers to match."""
         encoded = self.prompt.encode(text)
-        engine = self.engine
         logprobs: dict[Branch, torch.Tensor] = {}
         for q, question in enumerate(self.questions):
             full = self.prompt.full_ids(encoded, question)
             for path, kids in question.trie.branches.items():
-                ids = torch.tensor([[*full, *path]], device=self.device)  # (1, T)
-                logits = engine.model(input_ids=ids, use_cache=False, **engine._last_only).logits[0, -1].float()  # (V,)
-                logprobs[(q, path)] = choice_logprobs(logits, kids)  # (C,)
+                logprobs[(q, path)] = choice_logprobs(self.engine.last_logits([*full, *path]), kids)  # (C,)
         return self._assemble(encoded, lambda branch, child: float(logprobs[branch][child]))
 
     def _assemble(self, encoded: EncodedTicket, choice: Callable[[Branch, int], float]) -> TicketFields:
         """Each question's answers' log-probs from its trie's choices, then each field's result."""
         per_question = []
         for q, question in enumerate(self.questions):
-            logprobs = {
-                name: sum(choice((q, path), child) for path, child in question.trie.decisions(name))
-                for name in question.answers
-            }
+            logprobs = label_logprobs(question.trie, question.answers,
+                                      lambda path, child, q=q: choice((q, path), child))  # fmt: skip
             per_question.append({name: math.exp(lp) for name, lp in logprobs.items()})
         fields = {}
         for spec in self.schema.fields:
@@ -211,19 +227,3 @@ class FieldsEngine:
             truncation=encoded.truncation if encoded.truncated else None,
         )
 
-
-def _packed_mask(P: int, segment: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive 4D mask of packed rows: `segment` (B, W) is -1 on the shared part, k on segment k, -2 on pads.
-
-    Every query sees the cached prefix. A shared-part query sees the shared part causally; a segment's
-    query sees the whole shared part and its own segment causally; nothing sees another segment or
-    a pad (a pad query sees the prefix and the shared part, so no row of the softmax is empty).
-    """
-    rows, width = segment.shape
-    q = torch.arange(width, device=segment.device)
-    causal = q[None, :] <= q[:, None]  # (Q, K)
-    key, query = segment[:, None, :], segment[:, :, None]  # (B, 1, K), (B, Q, 1)
-    allowed = causal[None] & ((key == -1) | ((key == query) & (query >= 0)))  # (B, Q, K)
-    mask = torch.zeros((rows, width, P + width), dtype=dtype, device=segment.device)
-    mask[:, :, P:].masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[:, None]  # (B, 1, Q, P+K)

@@ -2,24 +2,22 @@
 
 transformers' decoder layer writes the MLP as `down(silu(gate(x)) * up(x))` and the residuals as
 `h + o(...)`, `h + down(...)`: on the CPU each of those elementwise ops reads and writes a whole
-(tokens x 4,864) or (tokens x 896) tensor after the GEMM that produced it. At a batch of 1,024
-tokens that is 20 MB per tensor, out of every cache: measured on a 2-core Zen 5 in float32, one
-layer's MLP takes 68-81 ms where its three GEMMs alone take 58-60. oneDNN applies such ops inside
-the GEMM, on the accumulator before it is stored ("post-ops"), and `kernels.PackedLinear` (the
-weights the engine has already prepacked) exposes them: `gate` with SiLU, `up` times that, `o`
-and `down` plus the residual. The rest of the layer is transformers' own code, called as it is
-(its RMSNorm, its rotary tables and `apply_rotary_pos_emb`, the cache update); attention is two
-matmuls and a softmax in float32 over the engine's 4D mask (`_attention`: faster than torch's
-SDPA kernel on the CPU for these shapes).
+(tokens x intermediate) or (tokens x hidden) tensor after the GEMM that produced it, at large
+batches out of every cache (docs/performance.md, "Figures behind the engine's choices"). oneDNN
+applies such ops inside the GEMM, on the accumulator before it is stored ("post-ops"), and
+`kernels.PackedLinear` (the weights the engine has already prepacked) exposes them: `gate` with
+SiLU, `up` times that, `o` and `down` plus the residual. The rest of the layer is transformers' own
+code, called as it is (its RMSNorm, its rotary tables and `apply_rotary_pos_emb`, the cache
+update); attention is two matmuls and a softmax in float32 over the engine's 4D mask
+(`_attention`: faster than torch's SDPA kernel on the CPU for these shapes).
 
-bfloat16 runs the same loop without the post-ops (on tensors half the size they measured no
-faster) and gains from the rest: 3-10% a forward on a Zen 5. `FusedDecoder.build(decoder)`
-returns None for a decoder it does not recognise (another MLP, a sliding window, weights not
-packed, int8): the engine then runs transformers' decoder as before. In float32 the arithmetic is
-the same up to rounding, results within ~1e-6 (the post-op runs on the accumulator, attention sums
-in another order); bfloat16 attention is computed in float32, as torch's SDPA kernel accumulates.
-The engine's reference path (`Engine.reference`) never runs through here, so the tests hold this
-path to it.
+bfloat16 runs the same loop without the post-ops (no faster on tensors half the size) and gains
+from the rest. `FusedDecoder.build(decoder)` returns None for a decoder it does not recognise
+(another MLP, a sliding window, weights not packed, int8): the engine then runs transformers'
+decoder instead. In float32 the arithmetic is the same up to rounding (the post-op runs on the
+accumulator, attention sums in another order); bfloat16 attention is computed in float32, as
+torch's SDPA kernel accumulates. The engine's reference path (`Engine.reference`) never runs
+through here, so the tests hold this path to it.
 
 `keep` (B, K) asks for the hidden states at K positions per row only: the last layer then runs its
 attention output, `o` and the MLP for those positions alone (its keys and values are computed for
@@ -69,7 +67,7 @@ class FusedDecoder:
         self.norm = decoder.norm
         self.layers = layers
         # float32: SiLU, product and residuals inside the GEMMs. bfloat16 tensors are half the
-        # bytes and the post-ops measured no faster there, so bf16 runs them as separate ops.
+        # bytes and the post-ops are no faster there, so bf16 runs them as separate ops.
         self.post_ops = decoder.embed_tokens.weight.dtype == torch.float32
 
     @classmethod
@@ -130,9 +128,9 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     """softmax(q kᵀ scale + mask) v in float32, the query heads of a key/value head as one matrix.
 
     Two batched matmuls and a softmax: on the CPU, for the batches the planner makes (tens to a few
-    hundred tokens a row after a short prefix), 1.0-1.9x torch's fused SDPA kernel in float32 and
-    1.0-4x its bfloat16 one (measured on a Zen 5), and in float32 for every dtype, as the SDPA
-    kernel accumulates. (B, Hq, Q, D) queries, (B, KVH, KV, D) keys and values, (B, 1, Q, KV) mask.
+    hundred tokens a row after a short prefix), at least as fast as torch's fused SDPA kernel
+    (docs/performance.md), and in float32 for every dtype, as the SDPA kernel accumulates.
+    (B, Hq, Q, D) queries, (B, KVH, KV, D) keys and values, (B, 1, Q, KV) mask.
     """
     rows, heads, queries, dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]

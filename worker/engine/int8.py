@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 INT8 = "int8"  # TICKETQ_DTYPE value: float32 model, int8 decoder linears on the batched path
 # Decoder linears the int8 path keeps in float32: the MLP's down projection reads silu(gate) * up,
-# whose heavy tail makes one per-batch activation scale too coarse (most of the int8 error, measured).
+# whose heavy tail makes one per-batch activation scale too coarse (most of the int8 error).
 INT8_FLOAT_LINEARS = ("mlp.down_proj",)
 
 
@@ -35,19 +35,12 @@ def quantize_linears_int8(decoder: torch.nn.Module, full_range: bool | None = No
     """A copy of `decoder` whose linear layers but `INT8_FLOAT_LINEARS` run dynamic int8.
 
     int8 weights with one scale per output channel; activations quantised per batch, on 8 bits
-    where `full_range` (default: `int8_full_range()`), else on torch's 7. Chosen by measurement
-    (docs/bench/int8-variants.md: 2 x 200 tickets, the full-size stand-in, one thread, a 2-core
-    Intel Xeon with AVX512-VNNI; agreement with the float32 reference off the near-ties): every
-    linear with one scale per matrix, the first version, 94.3% at 1.75-2.0x float32; per-channel
-    scales alone 95.8%, with 8-bit activations 98.2%; down_proj in float32 as well, 99.2% with
-    7-bit activations (what a CPU without VNNI runs) and 99.5% with 8 (this), at ~1.5x float32
-    (1.49x and 1.59x, best of 3 and of 2 rounds). Most of the error was down_proj's input,
-    silu(gate) * up, heavy-tailed under one per-batch scale.
-
-    Speed, measured on a 2-core AVX2 EPYC against float32 on the decoder's GEMM shapes: torch's
-    `quantize_dynamic` (fbgemm/x86 int8 kernels) 1.6-3x faster; the int8 weight-only and int8 x
-    int8 ops that torchao's CPU configs call (`_weight_int8pack_mm`, `_int_mm`) 20-40x slower
-    (on the AVX512-VNNI Xeon, `_int_mm` is on par with fbgemm; `_weight_int8pack_mm` still ~60x).
+    where `full_range` (default: `int8_full_range()`), else on torch's 7. The variant was chosen by
+    its agreement with the float32 reference and its speed (docs/performance.md, "Figures behind
+    the engine's choices"; docs/bench/int8-variants.md): most of the error of an all-int8 decoder is
+    down_proj's input, silu(gate) * up, heavy-tailed under one per-batch scale, so down_proj stays
+    float32; torch's `quantize_dynamic` (fbgemm/x86 int8 kernels) is the int8 kernel that runs
+    faster than float32 on the CPU, where torchao's CPU int8 ops run slower.
     The copy shares every float parameter (embeddings, norms, down_proj) with `decoder`, which is
     left untouched for the float32 reference.
     """

@@ -18,7 +18,7 @@ measurements that straddled), or at the next start once its file is deleted.
 
 Importing this module bounds oneDNN's two shape-keyed caches (`bound_onednn_caches`) before the
 process creates its first oneDNN primitive: every forward batch has its own (rows x width), and at
-their default 1,024 entries the caches grew a process by up to 0.7 GB (docs/bench/soak.md).
+their default size the caches grow a process by every batch shape it has seen (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ log = logging.getLogger(__name__)
 
 # Entries in each of oneDNN's shape-keyed caches: oneDNN's primitive cache and the primitive
 # descriptor cache of ideep (torch's oneDNN wrapper). A primitive is made for one (M, K, N), M the
-# rows x width of a forward batch, and both caches keep one for every M they see, 1,024 each by
-# default at 0.3-0.6 MB an entry. A forward batch needs one per distinct linear shape (4 in Qwen2);
-# 64 keep the last 16 batch shapes. A miss re-creates the same kernel (the same answers, bit for
-# bit) in 1-2.5 ms: measured, 1.4 more misses a forward batch than at 1,024, no more time in all.
+# rows x width of a forward batch, and both caches keep one for every M they see (1,024 each by
+# default). A forward batch needs one per distinct linear shape (4 in Qwen2); 64 keep the last 16
+# batch shapes. A miss re-creates the same kernel (the same answers, bit for bit); what the bound
+# saves and costs is in docs/performance.md.
 ONEDNN_CACHE_CAPACITY = 64
 ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
@@ -108,7 +108,7 @@ def bf16_matmul_speedup(rows: int = 256, reps: int = 3, threshold: float = BF16_
     settled against `threshold` and cached (`settled_speedup`): 1.0 where the measurements straddle it.
 
     "Native bf16" in /proc/cpuinfo is not enough: some CPUs with AVX-512 BF16 run the model far
-    faster in bfloat16, others slower. A tenth of a second of timing settles it.
+    faster in bfloat16, others slower. A few GEMMs of timing settle it.
     """
     shape = {"rows": rows, "in": HIDDEN, "out": INTERMEDIATE, "reps": reps}
     return settled_speedup("bf16-matmul", lambda: bf16_gemm_ratio(rows, reps), shape, threshold)
@@ -159,9 +159,8 @@ class PackedLinear(torch.nn.Module):
     """An `nn.Linear` whose weight is prepacked for oneDNN's matmul (`mkldnn::_linear_pointwise`).
 
     torch's float32 `linear` goes to MKL's GEMM, which on some AMD CPUs runs well below the
-    machine's AVX-512 peak (measured on a Zen 5 EPYC: 160-210 GFLOPS against oneDNN's 400-480 on
-    the decoder's shapes); oneDNN picks its kernels by CPU features. The same float32 arithmetic,
-    summed in another order (|difference| ~1e-6 relative). The packed weight is an opaque oneDNN
+    machine's AVX-512 peak (docs/performance.md); oneDNN picks its kernels by CPU features. The
+    same float32 arithmetic, summed in another order (a float32 rounding apart). The packed weight is an opaque oneDNN
     tensor that replaces the dense one (no second copy); `to_linear` unpacks it. A bfloat16 weight
     packs too: torch's own bf16 `linear` on a CPU already runs this oneDNN kernel, re-laying out the
     plain weight in every call, so packed it computes the same bits, faster.
@@ -209,7 +208,7 @@ def pack_linears(decoder: torch.nn.Module, dtype: torch.dtype = torch.float32) -
     ]
     for name in names:
         replace_module(decoder, name, PackedLinear(decoder.get_submodule(name)))
-        release_freed_memory()  # else glibc keeps every replaced weight: +1.4 GB RSS on the 0.5B model
+        release_freed_memory()  # else glibc keeps every replaced weight mapped (docs/performance.md)
     return len(names)
 
 
@@ -228,7 +227,7 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 def release_freed_memory() -> None:
-    """Hand memory freed by Python back to the OS (glibc keeps freed heap chunks of ~17 MB mapped)."""
+    """Hand memory freed by Python back to the OS (glibc keeps large freed heap chunks mapped)."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

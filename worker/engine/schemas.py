@@ -19,8 +19,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from ticketq.schema import Schema
-from worker.engine.core import Engine, PlannedRun
 from worker.engine.fields import FieldsEngine
+from worker.engine.model import Engine
+from worker.engine.scheduler import PlannedRun, Ticketed
 from worker.results import BatchReport
 
 log = logging.getLogger(__name__)
@@ -101,11 +102,11 @@ class SchemaSet:
         arrivals = (lambda: self._encode(more())) if more is not None else None
         return run.run(arrivals)
 
-    def _encode(self, items: Sequence[Item]) -> list[tuple[object, object]]:
+    def _encode(self, items: Sequence[Item]) -> list[Ticketed]:
         """(runner, encoded ticket) per item, each schema's texts encoded by its own prompt."""
-        runners: dict[str, object] = {}
+        runners: dict[str, Engine | FieldsEngine] = {}
         pairs = []
         for name, text in items:
             runner = runners.get(name) or runners.setdefault(name, self.runner(name))
-            pairs.append((runner, runner.prompt.encode(text)))
+            pairs.append(Ticketed(runner, runner.prompt.encode(text)))
         return pairs

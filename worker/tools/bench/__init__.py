@@ -43,8 +43,8 @@ Modules, each one job:
                round after round, the queue mode's worker process included (`worker.tools.procs`).
 - `peer_process` a peer mode in a spawned process of its own, and how its death is told.
 - `memory`     peak RSS per mode.
-- `baselines`  sequential, full-prompt batches and generate: calls into the engine's scoring
-               (`Engine.reference`, `Engine.full_prompt_batch`, `Engine.generate`), no tensors.
+- `baselines`  sequential (`Engine.reference`), full-prompt batches and generate, scored with the
+               engine's scoring (`worker.engine.scoring`).
 - `multifield` the schema modes: their FieldsEngines or SchemaSet, each checked against the
                per-field reference (`FieldsEngine.reference`).
 - `report`     statistics per mode, the run's header, the table, Markdown, JSON and the chart.
