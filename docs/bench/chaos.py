@@ -353,11 +353,12 @@ class Load:
             finished = self.sent_all.is_set()  # read first: a batch taken after it holds every last send
             with self.ledger.lock:
                 batch, self.fresh = (self.fresh, []) if len(waits) < MAX_WAITS else ([], self.fresh)
+                left = bool(self.fresh)  # every wait busy: these wait for a free one, even after the last send
             if batch:
                 waits.append(threading.Thread(target=self.wait_batch, args=(batch,), daemon=True,
                                               name=f"chaos-wait-{self.number}-{len(batch)}"))  # fmt: skip
                 waits[-1].start()
-            elif finished:
+            elif finished and not left:
                 break
             time.sleep(BATCH_S)
         for thread in waits:
