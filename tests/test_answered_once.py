@@ -22,9 +22,9 @@ from prometheus_client import CollectorRegistry
 from workers import RedisServer
 
 from ticketq import names
-from worker import store
 from worker.metrics import Metrics
 from worker.nullclassifier import NullClassifier
+from worker.redis.keys import DONE_KEY
 from worker.service import TicketService
 from worker.settings import Settings
 
@@ -145,4 +145,4 @@ def test_a_reused_task_id_is_answered_and_a_redelivery_published_once(server, cl
     assert statuses == [("pack:0", "ok", None), ("pack:1", "ok", None), *reused]
     assert registry.get_sample_value("ticketq_duplicate_results_total") == 3
     assert tickets_total(registry) == 6
-    assert client.bitcount(store.DONE_KEY.format(task_id="pack")) == 2
+    assert client.bitcount(DONE_KEY.format(task_id="pack")) == 2

@@ -22,8 +22,8 @@ from workers import ROOT, RedisServer, running_worker, wait_for, worker_env
 from producer.api import Producer
 from ticketq import epoch, names
 from ticketq.config import ClientSettings
-from worker import store
 from worker.metrics import Metrics
+from worker.redis.outbox import Outbox
 from worker.tools.ops import redis_data_line
 
 LOST = "Redis lost its data"
@@ -65,10 +65,10 @@ def test_the_marker_is_adopted_then_a_vanished_or_replaced_one_is_one_loss_each(
 
 def test_the_outbox_checks_with_each_job_and_logs_and_counts_a_loss_once(server, caplog):
     client = server.client()
-    outbox = store.Outbox(client, stream_maxlen=1000, result_expires_s=3600, worst_batch_s=5)
+    outbox = Outbox(client, stream_maxlen=1000, result_expires_s=3600, worst_batch_s=5)
     metrics = Metrics()
     before = metrics.registry.get_sample_value("ticketq_redis_data_lost_total")
-    with caplog.at_level(logging.INFO, logger="worker.store"):
+    with caplog.at_level(logging.INFO, logger="worker.health.data_loss"):
         assert outbox.attempts(["t-1"]) == [None]
         assert outbox.attempts(["t-1"]) == [None]
         client.flushall()

@@ -12,6 +12,7 @@ import linecache
 import pytest
 from celery import Celery
 
+from worker.redis import celery_results
 from worker.transport import guards
 
 
@@ -63,17 +64,17 @@ def test_a_renamed_heart_step_stops_the_start(monkeypatch):
 
 
 def guards_heart() -> str:
-    from worker.transport.consumer import HEART_STEP
-
-    return HEART_STEP
+    return guards.HEART_STEP
 
 
 def test_the_result_meta_the_outbox_writes_is_celerys(monkeypatch):
     app = Celery("probe", backend="redis://127.0.0.1:1/0", set_as_current=False)
-    guards.check_result_meta(app.backend)  # builds the meta only: nothing is sent
-    from worker import store
+    celery_results.check_result_meta(app.backend)  # builds the meta only: nothing is sent
+    real = celery_results.success_meta
 
-    real = store.success_meta
-    monkeypatch.setattr(store, "success_meta", lambda *a: {k: v for k, v in real(*a).items() if k != "children"})
+    def without_children(*args):
+        return {key: value for key, value in real(*args).items() if key != "children"}
+
+    monkeypatch.setattr(celery_results, "success_meta", without_children)
     with pytest.raises(guards.IncompatibleLibrary, match="children"):
-        guards.check_result_meta(app.backend)
+        celery_results.check_result_meta(app.backend)

@@ -37,7 +37,8 @@ from workers import ROOT, RedisServer, Worker, free_port, running_worker, wait_f
 from producer.api import BrokerUnavailable, Producer
 from ticketq import connections, names
 from ticketq.config import ClientSettings
-from worker import store
+from ticketq.names import ATTEMPTS_KEY
+from worker.health import refusals
 from worker.settings import Settings
 from worker.tools.ops import Ops
 
@@ -68,8 +69,8 @@ def test_a_refused_write_is_named_in_one_line_and_not_as_unreachable():
 
 
 def test_a_refusal_episode_is_logged_once(caplog):
-    episode = store.Episode("Redis is full (maxmemory)", "retrying", "Redis takes writes again", quiet_s=0.0)
-    with caplog.at_level(logging.INFO, logger="worker.store"):
+    episode = refusals.Episode("Redis is full (maxmemory)", "retrying", "Redis takes writes again", quiet_s=0.0)
+    with caplog.at_level(logging.INFO, logger="worker.health.refusals"):
         for _ in range(5):
             episode.begin("a write refused")
         assert episode.active
@@ -86,15 +87,16 @@ def test_a_server_at_the_edge_of_its_limit_makes_one_episode(caplog):
     """Refusals with a write squeezing through between them (memory rises and falls with the
     replies Redis buffers), at the outbox's and the fetch's retry pace: one episode, logged once."""
     now = [0.0]
-    episode = store.Episode("Redis is full (maxmemory)", "retrying", "Redis takes writes again", clock=lambda: now[0])
-    with caplog.at_level(logging.INFO, logger="worker.store"):
+    episode = refusals.Episode("Redis is full (maxmemory)", "retrying", "Redis takes writes again",
+                               clock=lambda: now[0])  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="worker.health.refusals"):
         for _ in range(10):  # refused, then one write accepted 1.5 s later, refused again 0.5 s after that
             episode.begin("a write refused")
             now[0] += 1.5
             episode.end()
             now[0] += 0.5
         assert episode.active
-        now[0] += store.Episode.QUIET_S
+        now[0] += refusals.Episode.QUIET_S
         episode.end()
     lines = [record.getMessage().split(":")[0].split(",")[0] for record in caplog.records]
     assert lines == ["Redis is full (maxmemory)", "Redis takes writes again"], lines
@@ -217,7 +219,7 @@ def test_a_full_redis_stops_nothing_and_everything_resumes(tmp_path):
     try:
         first.wait_ready(timeout=120)
         sent = producer.submit_many([f"ticket {n}: my card was charged twice" for n in range(300)])
-        wait_for(lambda: client.keys(store.ATTEMPTS_KEY.format(task_id="*")), 60, "a batch in progress", 0.005)
+        wait_for(lambda: client.keys(ATTEMPTS_KEY.format(task_id="*")), 60, "a batch in progress", 0.005)
         ballast = fill(client)
         full_at = time.monotonic()
 

@@ -135,8 +135,7 @@ def client():
 
 @pytest.mark.integration
 def test_the_exporter_reports_each_queue_s_backlog_with_no_worker(client):
-    from ticketq.names import queue_lists
-    from worker import store
+    from ticketq.names import ALIVE_KEY, CONSUMERS_KEY, queue_lists
     from worker.tools.exporter import BacklogCollector
 
     queue, other, empty = (f"exporter-{uuid.uuid4().hex[:8]}" for _ in range(3))
@@ -144,8 +143,8 @@ def test_the_exporter_reports_each_queue_s_backlog_with_no_worker(client):
     client.rpush(main, "a", "b", "c")
     client.rpush(high, "d")  # a plain Celery client's priority message counts too
     client.rpush(queue_lists(other)[-1], "e", "f")
-    client.hset(store.CONSUMERS_KEY, mapping={"live": "{}", "dead": "{}"})
-    client.set(store.ALIVE_KEY.format(consumer="live"), "{}")
+    client.hset(CONSUMERS_KEY, mapping={"live": "{}", "dead": "{}"})
+    client.set(ALIVE_KEY.format(consumer="live"), "{}")
     registry = CollectorRegistry()
     registry.register(BacklogCollector(client, [queue, other, empty, queue]))
     depths = {sample.labels["queue"]: sample.value for family in registry.collect() for sample in family.samples

@@ -22,9 +22,11 @@ import redis
 from celery import Celery, states
 from workers import ROOT, RedisServer, Worker, wait_for, worker_env
 
-from ticketq import names
+from ticketq import dead_letters, names
 from ticketq.contract import TicketRejected
-from worker import store
+from ticketq.names import ALIVE_KEY, CONSUMERS_KEY
+from worker.redis import requeue
+from worker.redis.keys import DONE_KEY
 from worker.settings import Settings
 from worker.tools.ops import Answered, NotRequeueable, Ops
 
@@ -105,26 +107,26 @@ def test_an_oversize_ticket_is_requeued_whole_once_the_limit_is_raised(setup, ap
 
     assert ops.requeue(letter) == "big-1"
     assert raw_letters(client, "big-1") == [letter.entry_id], "kept until the re-sent ticket is answered"
-    assert store.requeued(client) == {letter.entry_id: "big-1"}
+    assert requeue.requeued(client) == {letter.entry_id: "big-1"}
     assert app.AsyncResult("big-1").get(timeout=60)["status"] == "ok", "the old FAILURE made way for the answer"
-    assert ops.find_dead("big-1") == [] and store.requeued(client) == {}, "answered: the letter is dropped"
+    assert ops.find_dead("big-1") == [] and requeue.requeued(client) == {}, "answered: the letter is dropped"
     assert [r["status"] for r in stream(client, "big-1")] == ["failed", "ok"]
 
     # A worker_error letter for the answered ticket (as a worker cut off from Redis wrote before it
     # checked), its ok result overwritten by that FAILURE: requeue says so, sends and clears nothing.
     app.backend.mark_as_failure("big-1", TicketRejected("worker_error", "ConnectionError: cut off"))
-    entry = store.ticket_entry("big-1", None, "worker_error", "worker_error: cut off", [ticket], "w")
+    entry = dead_letters.ticket_entry("big-1", None, "worker_error", "worker_error: cut off", [ticket], "w")
     client.xadd(names.DEAD_LETTER_STREAM, entry)
     [false_letter] = ops.dead_letters("worker_error")
     with pytest.raises(Answered, match="already has a result"):
         ops.requeue(false_letter)
-    assert client.bitcount(store.DONE_KEY.format(task_id="big-1")) == 1 and client.llen(setup.queues["large"]) == 0
+    assert client.bitcount(DONE_KEY.format(task_id="big-1")) == 1 and client.llen(setup.queues["large"]) == 0
     requeued = cli(["dead", "requeue", "--reason", "worker_error"], setup)
     assert requeued.returncode == 3 and "already has a result" in requeued.stderr, requeued.stderr
     assert len(stream(client, "big-1")) == 2 and client.llen(setup.queues["large"]) == 0
 
     # A letter written before letters kept payloads whole: its JSON cut at 65,536 characters.
-    cut = {**entry, "reason": "oversize", "slot": "0", "payload": store._dump(ticket)[:65536]}
+    cut = {**entry, "reason": "oversize", "slot": "0", "payload": dead_letters.payload_json(ticket)[:65536]}
     cut.pop("truncated")
     client.xadd(names.DEAD_LETTER_STREAM, {**cut, "task_id": "cut-1"})
     [cut_letter] = ops.find_dead("cut-1")
@@ -181,17 +183,17 @@ def test_status_counts_only_the_ticket_queue(setup, ops):
     before = ops.status()
     try:
         client.hset("unacked", mapping=unacked)
-        client.hset(store.CONSUMERS_KEY, mapping={name: json.dumps(info) for name, info in consumers.items()})
+        client.hset(CONSUMERS_KEY, mapping={name: json.dumps(info) for name, info in consumers.items()})
         for name in consumers:
             if name != "gone:3:d":
-                client.set(store.ALIVE_KEY.format(consumer=name), 1, ex=60)
+                client.set(ALIVE_KEY.format(consumer=name), 1, ex=60)
         state = ops.status()
         assert state["in_flight"] == before["in_flight"] + 2
         assert state["leases"] == {"alive": before["leases"]["alive"], "expired": before["leases"]["expired"] + 1}
         assert state["leases"]["alive"] >= 1, "the large worker's own consumer"
     finally:
         client.hdel("unacked", *unacked)
-        client.hdel(store.CONSUMERS_KEY, *consumers)
+        client.hdel(CONSUMERS_KEY, *consumers)
 
 
 def test_status_shows_the_review_stream_and_its_consumer_groups(setup, ops):

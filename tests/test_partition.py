@@ -35,7 +35,7 @@ from workers import RedisServer, Worker, free_port, skip_or_fail, wait_for, work
 from producer.api import Producer
 from ticketq import names
 from ticketq.config import ClientSettings
-from worker import store
+from ticketq.names import OWNED_KEY
 
 QUEUE = "partition"
 LEASE_S = 3
@@ -152,7 +152,7 @@ def test_a_partitioned_worker_leaves_what_was_taken_over(tmp_path):
 
 
 def _owned(client) -> int:
-    return sum(client.scard(key) for key in client.scan_iter(store.OWNED_KEY.format(consumer="*")))
+    return sum(client.scard(key) for key in client.scan_iter(OWNED_KEY.format(consumer="*")))
 
 
 def _settled(client) -> bool:

@@ -43,7 +43,7 @@ from workers import ROOT, RedisServer, Worker, free_port, wait_for, worker_env
 from producer.api import Producer
 from producer.synthetic import generate_tickets
 from ticketq import names
-from worker import store
+from ticketq.names import ATTEMPTS_KEY, CONSUMERS_KEY, FETCHING_KEY, OWNED_KEY
 from worker.settings import Settings
 from worker.tools.procs import WORKER_COMMAND
 
@@ -51,7 +51,7 @@ pytestmark = pytest.mark.integration
 
 FULL = os.environ.get("TICKETQ_TEST_FULL_RELIABILITY") == "1"
 QUEUE = "reliability"
-ATTEMPTS_PATTERN = store.ATTEMPTS_KEY.format(task_id="*")
+ATTEMPTS_PATTERN = ATTEMPTS_KEY.format(task_id="*")
 FINAL_STATES = {"SUCCESS", "FAILURE"}
 
 
@@ -124,7 +124,7 @@ def in_flight(client: redis.Redis) -> tuple[int, int]:
 
 def nothing_in_flight(client: redis.Redis) -> bool:
     """Nothing queued, fetched, unacked or inside a batch: a ticket without a result now is lost."""
-    fetching = client.keys(store.FETCHING_KEY.format(consumer="*", queue="*"))
+    fetching = client.keys(FETCHING_KEY.format(consumer="*", queue="*"))
     return not (client.llen(QUEUE) or client.hlen("unacked") or client.keys(ATTEMPTS_PATTERN)
                 or any(client.llen(key) for key in fetching))  # fmt: skip
 
@@ -155,7 +155,7 @@ def wait_all_final(client: redis.Redis, keys: set[tuple[str, str]], timeout: flo
         missing = {task_id for task_id, _ in keys - set(finals(client))}
         queued = sum(any(task_id.encode() in item for task_id in missing) for item in client.lrange(QUEUE, 0, -1))
         unacked = sum(any(task_id.encode() in item for task_id in missing) for item in client.hvals("unacked"))
-        attempts = sum(client.exists(store.ATTEMPTS_KEY.format(task_id=task_id)) for task_id in missing)
+        attempts = sum(client.exists(ATTEMPTS_KEY.format(task_id=task_id)) for task_id in missing)
         states = Counter(str(meta and meta["status"]) for meta in backend_states(client, list(missing)).values())
         raise AssertionError(
             f"{exc}: {len(missing)} tasks without a final result; of them {queued} in the queue, {unacked} "
@@ -269,7 +269,7 @@ def test_kill9_idle_worker_under_traffic(redis_server, workers):
         wait_for(lambda: len(finals(client)) >= 200, 60, "the worker keeping up with the traffic")
         first.proc.send_signal(signal.SIGKILL)
         first.proc.wait()
-        held = sum(client.llen(key) for key in client.keys(store.FETCHING_KEY.format(consumer="*", queue="*")))
+        held = sum(client.llen(key) for key in client.keys(FETCHING_KEY.format(consumer="*", queue="*")))
         time.sleep(0.5)  # traffic goes on after the kill: load generation, not synchronisation
     finally:
         stop.set()
@@ -425,7 +425,7 @@ def test_message_fetched_just_before_redis_dies_is_requeued_on_reconnect(redis_s
     monkeypatch.undo()
     redis_server.start()  # the AOF is replayed
     client = redis_server.client()
-    fetching = client.keys(store.FETCHING_KEY.format(consumer="*", queue=queue.name))
+    fetching = client.keys(FETCHING_KEY.format(consumer="*", queue=queue.name))
     assert client.llen(queue.name) == 0 and client.hlen("unacked") == 0, "fetched, never recorded"
     assert len(fetching) == 1 and client.llen(fetching[0]) == 1, "the fetch survived the restart in the list"
     assert not received, "a message that is not recorded is not delivered"
@@ -463,8 +463,8 @@ def test_one_fetch_takes_the_prefetch_room_and_records_it_before_delivering(redi
             conn.drain_events(timeout=10)
             assert [(n, unacked) for n, unacked, _ in received] == [(0, 4), (1, 4), (2, 4), (3, 4)]
             assert client.llen(queue.name) == 6
-            assert not client.keys(store.FETCHING_KEY.format(consumer="*", queue=queue.name)), "emptied by the MULTI"
-            owned = client.keys(store.OWNED_KEY.format(consumer="*"))
+            assert not client.keys(FETCHING_KEY.format(consumer="*", queue=queue.name)), "emptied by the MULTI"
+            owned = client.keys(OWNED_KEY.format(consumer="*"))
             assert [client.scard(key) for key in owned] == [4]
             for _, _, message in received[:3]:
                 message.ack()
@@ -500,7 +500,7 @@ def test_an_unrecordable_message_in_a_fetched_batch_is_refused_alone(redis_serve
     assert entry[b"reason"] == b"unreadable_message" and b"delivery_tag" in entry[b"error"]
     assert json.loads(base64.b64decode(entry[b"payload_b64"])) == bad
     assert client.llen(queue.name) == 0 and client.hlen("unacked") == 0
-    assert not client.keys(store.FETCHING_KEY.format(consumer="*", queue=queue.name))
+    assert not client.keys(FETCHING_KEY.format(consumer="*", queue=queue.name))
 
 
 def test_kill9_at_random_moments_loses_nothing(redis_server, workers):
@@ -526,7 +526,7 @@ def test_kill9_at_random_moments_loses_nothing(redis_server, workers):
 
     def watch_recovery() -> None:
         while not stop.is_set() or len(recovered) < len(killed):
-            registered = {name.decode() for name in client.hkeys(store.CONSUMERS_KEY)}
+            registered = {name.decode() for name in client.hkeys(CONSUMERS_KEY)}
             now = time.monotonic()
             for name in list(killed):
                 if name not in registered and name not in recovered:
@@ -535,7 +535,7 @@ def test_kill9_at_random_moments_loses_nothing(redis_server, workers):
 
     def consumer_of(worker: Worker) -> str:
         def registered() -> str | None:
-            consumers = client.hgetall(store.CONSUMERS_KEY).items()
+            consumers = client.hgetall(CONSUMERS_KEY).items()
             return next((name.decode() for name, info in consumers if json.loads(info)["pid"] == worker.pid), None)
 
         return wait_for(registered, 30, "the worker's consumer registered")
@@ -550,7 +550,7 @@ def test_kill9_at_random_moments_loses_nothing(redis_server, workers):
             time.sleep(rng.uniform(0.0, 0.5))  # a random moment: load generation, not synchronisation
             victim = live.pop(rng.randrange(len(live)))
             name = consumer_of(victim)
-            mid_batch += bool(client.scard(store.OWNED_KEY.format(consumer=name)))
+            mid_batch += bool(client.scard(OWNED_KEY.format(consumer=name)))
             victim.proc.send_signal(signal.SIGKILL)
             killed[name] = time.monotonic()
             victim.proc.wait()

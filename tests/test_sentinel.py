@@ -30,7 +30,7 @@ from workers import RedisServer, running_worker, wait_for, worker_env
 from producer.api import BrokerUnavailable, NotReplicated, Producer, TicketResult
 from ticketq import connections, names
 from ticketq.config import ClientSettings, SettingsError, mask_url
-from worker import store
+from ticketq.names import ALIVE_KEY, ATTEMPTS_KEY, CONSUMERS_KEY, FETCHING_KEY
 from worker.settings import Settings
 
 QUEUE = "failover"
@@ -164,9 +164,9 @@ def stream(client: redis.Redis) -> list[tuple[float, dict]]:
 
 def in_flight(client: redis.Redis) -> dict[str, int]:
     """Messages queued, fetched, unacked, and requests inside a batch (attempts keys), on `client`'s server."""
-    fetching = client.keys(store.FETCHING_KEY.format(consumer="*", queue="*"))
+    fetching = client.keys(FETCHING_KEY.format(consumer="*", queue="*"))
     return {"queued": client.llen(QUEUE), "fetched": sum(client.llen(key) for key in fetching),
-            "unacked": client.hlen("unacked"), "in a batch": len(client.keys(store.ATTEMPTS_KEY.format(task_id="*")))}
+            "unacked": client.hlen("unacked"), "in a batch": len(client.keys(ATTEMPTS_KEY.format(task_id="*")))}
 
 
 def drained(client: redis.Redis, worker, timeout: float) -> None:
@@ -239,8 +239,8 @@ def run_failover(servers: SentinelSet, tmp_path, tiny_model_dir, replica_acks: i
         duplicated = sum(n - 1 for n in counts.values())
         resumed_at = min((added for added, _ in entries if added >= promoted_at), default=float("inf"))
         sending_at = min((done for started, done in sends.returned if started > killed_at), default=float("inf"))
-        leases = [name.decode() for name in client.hkeys(store.CONSUMERS_KEY)
-                  if client.exists(store.ALIVE_KEY.format(consumer=name.decode()))]  # fmt: skip
+        leases = [name.decode() for name in client.hkeys(CONSUMERS_KEY)
+                  if client.exists(ALIVE_KEY.format(consumer=name.decode()))]  # fmt: skip
         log = worker.log()
         print(
             f"\n[failover, TICKETQ_REPLICA_ACKS={replica_acks}] sent {len(sends.all)} "

@@ -43,7 +43,7 @@ from workers import ROOT, Worker, redis_or_skip, wait_for, worker_env
 from producer.api import Producer
 from producer.synthetic import generate_tickets
 from ticketq import names
-from worker import store
+from worker.redis.keys import DONE_KEY
 from worker.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -262,7 +262,7 @@ def test_cli_run_results_are_in_the_backend_and_once_in_the_stream(cli_run, flee
     assert counts == Counter((r["task_id"], r["id"]) for r in cli_run.results), "each result exactly once"
     # The side channels live on the broker's database (/3 here), not on the default /0.
     some_task = next(iter(task_ids))
-    done_key = store.DONE_KEY.format(task_id=some_task)
+    done_key = DONE_KEY.format(task_id=some_task)
     assert broker.exists(done_key)
     default_db = redis.Redis.from_url("redis://127.0.0.1:6379/0")
     try:

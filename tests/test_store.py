@@ -12,19 +12,11 @@ import pytest
 import redis
 from workers import redis_or_skip
 
-from ticketq.names import RESULTS_STREAM, REVIEW_STREAM
-from worker.store import (
-    ATTEMPTS_KEY,
-    DEAD_LETTER_MIN_BYTES,
-    DIGEST_KEY,
-    DONE_KEY,
-    Outbox,
-    dead_letter_bound,
-    keep_failure,
-    payload_digest,
-    raw_entry,
-    ticket_entry,
-)  # fmt: skip
+from ticketq.dead_letters import DEAD_LETTER_MIN_BYTES, dead_letter_bound, raw_entry, ticket_entry
+from ticketq.names import ATTEMPTS_KEY, RESULTS_STREAM, REVIEW_STREAM
+from worker.redis.keys import DIGEST_KEY, DONE_KEY
+from worker.redis.outbox import Outbox, payload_digest
+from worker.redis.requeue import keep_failure
 
 REDIS_URL = "redis://127.0.0.1:6379/6"  # a database of its own: its stream entries are not ticket results
 

@@ -22,7 +22,7 @@ from celery_batches import SimpleRequest
 from workers import redis_or_skip
 
 from ticketq import names
-from worker import store
+from ticketq.names import ATTEMPTS_KEY
 from worker.metrics import Metrics
 from worker.nullclassifier import NullClassifier
 from worker.results import Prediction
@@ -144,7 +144,7 @@ def test_each_forward_batch_is_published_before_the_next_is_computed(client, app
     for request in requests:
         stored = AsyncResult(request.id, app=app)
         assert stored.state == states.SUCCESS and stored.result["task_id"] == request.id
-    assert not any(client.exists(store.ATTEMPTS_KEY.format(task_id=r.id)) for r in requests)
+    assert not any(client.exists(ATTEMPTS_KEY.format(task_id=r.id)) for r in requests)
     registry = service.metrics.registry
     assert registry.get_sample_value("ticketq_publish_seconds_count") == 3
     assert registry.get_sample_value("ticketq_time_to_first_result_seconds_count") == 1

@@ -42,10 +42,10 @@ from test_reliability import (  # noqa: F401 -- `workers` is the fixture that st
 from workers import redis_or_skip, wait_for
 
 from ticketq import names
-from worker import store
+from ticketq.names import ALIVE_KEY, OWNED_KEY
+from worker.health.progress import CLASSIFYING, Progress
 from worker.metrics import Metrics
 from worker.nullclassifier import NullClassifier
-from worker.progress import CLASSIFYING, Progress
 from worker.results import BatchReport
 from worker.service import TicketService
 from worker.settings import Settings
@@ -159,7 +159,7 @@ def test_a_stalled_loop_holds_the_lease_and_the_fetch_back_until_it_moves(redis_
     with Connection(redis_server.url, transport=fetch.Transport, transport_options=options) as conn:
         conn.Producer().publish({"n": 1}, routing_key=queue.name, declare=[queue], serializer="json")
         channel = conn.channel()
-        alive = store.ALIVE_KEY.format(consumer=channel.consumer)
+        alive = ALIVE_KEY.format(consumer=channel.consumer)
         callback = lambda body, message: (received.append(body), message.ack())  # noqa: E731
         with Consumer(channel, [queue], callbacks=[callback]):
             assert client.exists(alive) and channel.may_fetch(), "registered by its first beat"
@@ -217,7 +217,7 @@ def test_a_hung_forward_is_taken_over_and_every_ticket_answered_once(redis_serve
         status, text = wait_for(lambda: _stalled(hung), 60, "/readyz saying the worker is stalled")
         assert status == 503, text
         assert hung.metrics()["ticketq_classifying_stalled_seconds{}"] > WORST_BATCH_S
-        owned = sum(client.scard(key) for key in client.keys(store.OWNED_KEY.format(consumer="*")))
+        owned = sum(client.scard(key) for key in client.keys(OWNED_KEY.format(consumer="*")))
 
         taker = workers(null_env(redis_server, **base), "taker", faulty=True)
         ready_at = time.monotonic()

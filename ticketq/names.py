@@ -3,7 +3,7 @@ the default label set.
 
 Producers, workers, any Celery client and the deployment files refer to these strings; a rename
 here is a protocol change. Worker-only names (metrics, the worker's own Redis keys) live in
-`worker.constants` and `worker.store`; the worker's delivery records live here, because a
+`worker.constants` and `worker.redis.keys`; the worker's delivery records live here, because a
 producer reads them to tell a lost message from one that is queued or being worked on.
 """
 
@@ -25,7 +25,7 @@ EPOCH_KEY = "ticketq:epoch"
 DATA_LOST_KEY = "ticketq:epoch:lost"
 
 # Where a message is between the queue and its ack, as the worker's atomic fetch and leases record
-# it (worker/transport/lua/worker_state.lua lists what each holds; the worker writes them, a
+# it (worker/transport/worker_state.lua lists what each holds; the worker writes them, a
 # producer only reads them): a consumer's fetching list (BLMOVE target), the delivery tags it
 # holds unacked, its lease, and the registry of consumers. kombu's own unacked record is
 # `unacked_key()`. An attempts key counts the deliveries of an unfinished message.

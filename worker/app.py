@@ -28,14 +28,16 @@ from ticketq import codec, connections
 from ticketq.config import is_redis_url, is_sentinel_url, mask_url
 from ticketq.connections import RedisUnavailable, connect, redis_client
 from ticketq.contract import DEAD_LETTER_REASONS, Reason, TicketRejected
+from ticketq.dead_letters import raw_entry
 from ticketq.names import TASK_CLASSIFY
-from worker import store
+from worker.health import refusals
+from worker.health.progress import CLASSIFYING
 from worker.metrics import Metrics
 from worker.nullclassifier import NullClassifier
-from worker.progress import CLASSIFYING
+from worker.redis import celery_results
+from worker.redis.outbox import Outbox
 from worker.service import Classifier, TicketService
 from worker.settings import Settings, load_settings
-from worker.store import Outbox, raw_entry
 from worker.transport import batches, guards
 from worker.transport.consumer import GuardedConsumer
 
@@ -99,7 +101,7 @@ class Runtime:
         return self.service
 
     def ready_problem(self) -> str | None:
-        problems = store.write_problems()  # Redis refusing writes, results not on the replicas yet
+        problems = refusals.write_problems()  # Redis refusing writes, results not on the replicas yet
         if not self.consumer_running:
             problems.insert(0, "consumer not running")
         stalled = CLASSIFYING.stalled_for()  # its lease is no longer renewed meanwhile (worker.transport.lease)
@@ -333,10 +335,10 @@ def wait_for_writes(client: redis.Redis, poll_s: float = 1.0) -> None:
     """Until Redis takes writes: a full Redis (noeviction) or one with too few replicas for
     min-replicas-to-write refuses the writes Celery's consumer starts with. /readyz says why meanwhile."""
     while (problem := connections.write_problem(client)) is not None:
-        if not store.refusing(problem, "starting the consumer"):
+        if not refusals.refusing(problem, "starting the consumer"):
             raise CannotStart(f"Redis refuses writes ({problem}): point TICKETQ_BROKER_URL at the master")
         time.sleep(poll_s)
-    store.accepted()
+    refusals.accepted()
 
 
 @contextmanager
@@ -370,7 +372,7 @@ def _connect_signals(app: Celery) -> None:
         # Celery logs and swallows exceptions from signal handlers; a worker without a model must stop.
         try:
             with _startup_logging():
-                guards.check_result_meta(app.backend)
+                celery_results.check_result_meta(app.backend)
                 runtime.start()
                 task = app.tasks.get(TASK_CLASSIFY)
                 if runtime.metrics and isinstance(task, batches.Batches):

@@ -2,7 +2,7 @@
 
 Keep them in one place so a rename cannot leave a panel or an alert behind (tests/test_deploy.py
 checks every name deploy/ uses against this file). Names clients share (task, queue, streams)
-are in ticketq.names; the Redis keys workers write, in worker.store.
+are in ticketq.names; the Redis keys workers write, in worker.redis.keys.
 """
 
 # Prometheus metric names (the client adds `_total` to counters, `_bucket/_sum/_count` to histograms).

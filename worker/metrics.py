@@ -44,8 +44,8 @@ from prometheus_client.utils import floatToGoString
 
 from ticketq.names import QUEUE
 from worker import constants as c
-from worker import store
-from worker.progress import CLASSIFYING
+from worker.health.data_loss import DATA_LOST
+from worker.health.progress import CLASSIFYING
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -236,7 +236,7 @@ class Metrics:
         self.stalled.set_function(CLASSIFYING.stalled_for)
         r.register(TallyCollector(
             c.M_REDIS_DATA_LOST, "Times this worker found Redis without its data (restarted without persistence, "
-            "or flushed): the epoch marker gone.", lambda: store.DATA_LOST.count,
+            "or flushed): the epoch marker gone.", lambda: DATA_LOST.count,
         ))  # fmt: skip
         self.flushes = Counter(c.M_FLUSHES, "Buffer drains (micro-batches handed to the engine).", registry=r)
         self.first_result = Histogram(

@@ -33,13 +33,14 @@ import redis
 
 from ticketq import codec
 from ticketq.contract import Reason, Ticket, TicketRejected, result_id, validate_ticket
+from ticketq.dead_letters import dead_letter_bound, ticket_entry
 from ticketq.schema import DEFAULT_SCHEMA_NAME, TicketFields
+from worker.health.progress import CLASSIFYING
 from worker.metrics import Metrics
-from worker.progress import CLASSIFYING
+from worker.redis.outbox import Outbox, Unconfirmed, payload_digest
 from worker.results import BatchReport, Prediction
 from worker.settings import Settings
 from worker.shadow import ShadowChecker
-from worker.store import Outbox, Unconfirmed, dead_letter_bound, payload_digest, ticket_entry
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ class TicketService:
     def process(self, requests: Sequence[Any], backend: Backend, feed: Feed | None = None) -> None:
         """Classify and publish one buffer (and what `feed` adds while it runs); never raises (see
         module docstring). Work is in hand meanwhile: the lease promises progress on it
-        (`worker.progress`)."""
+        (`worker.health.progress`)."""
         self.metrics.flushes.inc()
         CLASSIFYING.begin(self.settings.worst_batch_s)
         try:

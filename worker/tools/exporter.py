@@ -19,9 +19,8 @@ import redis
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
 
-from ticketq.names import DEAD_LETTER_STREAM, RESULTS_STREAM, queue_lists
+from ticketq.names import ALIVE_KEY, CONSUMERS_KEY, DEAD_LETTER_STREAM, RESULTS_STREAM, queue_lists
 from worker import constants as c
-from worker import store
 from worker.metrics import health_app, queue_depth_family, wsgi_server
 
 log = logging.getLogger(__name__)
@@ -52,7 +51,7 @@ class BacklogCollector:
         yield _gauge(c.M_CONSUMERS_ALIVE, "Consumers of the atomic fetch holding a live lease.", alive)
 
     def _sample(self) -> tuple[dict[str, int], int, int, int]:
-        consumers = [name.decode() for name in self.client.hkeys(store.CONSUMERS_KEY)]
+        consumers = [name.decode() for name in self.client.hkeys(CONSUMERS_KEY)]
         lists = {queue: queue_lists(queue) for queue in self.queues}
         pipe = self.client.pipeline(transaction=False)
         for key in (key for keys in lists.values() for key in keys):
@@ -60,7 +59,7 @@ class BacklogCollector:
         pipe.xlen(DEAD_LETTER_STREAM)
         pipe.xlen(RESULTS_STREAM)
         for name in consumers:
-            pipe.exists(store.ALIVE_KEY.format(consumer=name))
+            pipe.exists(ALIVE_KEY.format(consumer=name))
         replies = iter(pipe.execute())
         depths = {queue: sum(next(replies) for _ in keys) for queue, keys in lists.items()}
         dead, results = next(replies), next(replies)

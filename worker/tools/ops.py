@@ -2,7 +2,7 @@
 (list, show, requeue through Celery with the original task id), and result lookup.
 
 No torch: it runs anywhere a producer runs. Stream names come from `ticketq.names`, keys and the
-writes a requeue makes from `worker.store`.
+writes a requeue makes from `worker.redis.requeue`.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from producer.api import Producer
 from ticketq import connections, epoch, names
 from ticketq.config import mask_url
 from ticketq.contract import Reason, TicketRejected, validate_ticket
-from worker import store
+from worker.redis import requeue
 from worker.settings import Settings
 
 
 @dataclass(frozen=True)
 class DeadLetter:
-    """One entry of the dead-letter stream (`ticket_entry` or `raw_entry` in worker/store.py)."""
+    """One entry of the dead-letter stream (`ticket_entry` or `raw_entry` in ticketq/dead_letters.py)."""
 
     entry_id: str
     fields: dict[str, str]
@@ -65,7 +65,7 @@ class DeadLetter:
 LEGACY_CUT = 65536  # where dead letters without a `truncated` field cut the payload's JSON
 
 # Reasons whose failed result was streamed with the dead letter (bit <slot> of the done key set): a
-# requeue keeps that failure (`store.keep_failure`), so the re-sent ticket streams its answer, or
+# requeue keeps that failure (`requeue.keep_failure`), so the re-sent ticket streams its answer, or
 # another failure, but not the same one again. The others never streamed: a mark means another
 # delivery answered.
 _STREAMED = frozenset({
@@ -158,13 +158,13 @@ class Ops:
         and awaiting recovery by a live worker (their messages go back to the queue within a lease
         period). A consumer record names its queues; those of control and event queues only are
         Celery's own, not workers of this queue."""
-        names = [name for name, info in self.redis.hgetall(store.CONSUMERS_KEY).items()
-                 if self.settings.queue in _queues(info)]  # fmt: skip
+        consumers = [name for name, info in self.redis.hgetall(names.CONSUMERS_KEY).items()
+                     if self.settings.queue in _queues(info)]  # fmt: skip
         pipe = self.redis.pipeline(transaction=False)
-        for name in names:
-            pipe.exists(store.ALIVE_KEY.format(consumer=name.decode()))
+        for name in consumers:
+            pipe.exists(names.ALIVE_KEY.format(consumer=name.decode()))
         alive = sum(bool(found) for found in pipe.execute())
-        return {"alive": alive, "expired": len(names) - alive}
+        return {"alive": alive, "expired": len(consumers) - alive}
 
     def dead_letters(self, reason: str | None = None) -> list[DeadLetter]:
         """The dead letters (with `reason`), after dropping those whose re-sent message is answered."""
@@ -182,7 +182,7 @@ class Ops:
         first time one looks after its ticket was answered, and never before: a re-sent message that
         is lost leaves its letter to requeue again.
         """
-        pending = store.requeued(self.redis)
+        pending = requeue.requeued(self.redis)
         if not pending:
             return {}
         backend = self.producer.app.backend
@@ -195,7 +195,7 @@ class Ops:
             results = [backend.get_task_meta(task).get("status") in states.READY_STATES for task in pending.values()]
         for (entry_id, _), answered in zip(list(pending.items()), results, strict=True):
             if answered:
-                store.drop_dead_letter(self.redis, entry_id)
+                requeue.drop_dead_letter(self.redis, entry_id)
                 del pending[entry_id]
         return pending
 
@@ -215,7 +215,7 @@ class Ops:
 
         Before sending: the attempts counter goes (or the retry would be refused), the old FAILURE
         goes (or the new result could not be stored, and waiters would keep the failure), and where
-        this letter's own failure was streamed it is kept (`store.keep_failure`): the re-sent ticket
+        this letter's own failure was streamed it is kept (`requeue.keep_failure`): the re-sent ticket
         streams its answer, or another failure, once, and never the same failure a second time.
         """
         if letter.truncated:
@@ -228,14 +228,14 @@ class Ops:
         _check_can_succeed(letter)
         args, task_id = self._resend_args(letter)
         own = self._check_unanswered(letter, task_id, args)
-        store.forget_message(self.redis, task_id, digest=own)
+        requeue.forget_message(self.redis, task_id, digest=own)
         if own:  # the re-sent ticket is slot 0 of task_id: alone, or the first of its own message
-            store.keep_failure(self.redis, task_id, 0, letter.reason, self.settings.result_expires_s)
+            requeue.keep_failure(self.redis, task_id, 0, letter.reason, self.settings.result_expires_s)
         backend = self.producer.app.backend
         if backend.get_task_meta(task_id).get("status") == "FAILURE":
             backend.forget(task_id)
         self.producer.app.send_task(names.TASK_CLASSIFY, args=args, queue=self.settings.queue, task_id=task_id)
-        store.mark_requeued(self.redis, letter.entry_id, task_id)
+        requeue.mark_requeued(self.redis, letter.entry_id, task_id)
         return task_id
 
     def _check_unanswered(self, letter: DeadLetter, task_id: str, args: list) -> bool:
@@ -244,7 +244,7 @@ class Ops:
         meta = self.producer.app.backend.get_task_meta(task_id)
         if meta.get("status") == "SUCCESS":  # a ticket answered ok, or a pack finished (every slot answered)
             raise Answered(f"task {task_id} already has a result (ticketq result {task_id}); nothing re-sent")
-        done = store.done_count(self.redis, task_id)
+        done = requeue.done_count(self.redis, task_id)
         if letter.reason in _STREAMED and (task_id != letter.task_id or letter.fields.get("slot") == "0"):
             return True
         tickets = len(args[0]) if isinstance(args[0], list) else 1

@@ -5,9 +5,13 @@
   same through Redis Sentinel (`SentinelTransport`, `SentinelChannel`).
 - `lease` — each consumer's lease and the recovery of consumers whose lease ran out.
 - `batches` — celery-batches' task base, feeding the running job between forwards.
-- `lua/` — the Redis scripts.
+- `state` — the fetch's and leases' Redis state, one script (`worker_state.lua`; `fetch_more.lua`
+  beside `fetch`).
+- `events`, `consumer` — Celery's worker events and consumer, guarded.
 
-Nothing outside this package (and `worker.engine.kernels` for torch) touches a private name.
+Nothing outside this package touches a private name, except `worker.engine.kernels` (torch's) and
+`worker.redis.celery_results` (Celery's result meta; listed in `guards.REQUIRED`). This package
+imports nothing of the worker above it: only `ticketq` and `worker.health`.
 `broker_transport = "worker.transport:Transport"` selects the atomic fetch
 (`worker.transport:SentinelTransport` for a sentinel:// broker, with `amqp="worker.transport:AMQP"`
 so that a failover to the next sentinel keeps it).

@@ -9,15 +9,14 @@ from typing import Any
 import celery_batches
 from celery.exceptions import InvalidTaskError
 from celery.worker.consumer import Consumer
-from celery.worker.consumer.heart import Heart
 
 from worker.transport.batches import Batches, rearm_flush_timer
 from worker.transport.events import WorkerEvents
+from worker.transport.guards import HEART_STEP
 
 log = logging.getLogger(__name__)
 
 # The bootstep left out, by its class: Celery names steps "module:Class".
-HEART_STEP = f"{Heart.__module__}:{Heart.__name__}"
 
 
 class GuardedConsumer(Consumer):

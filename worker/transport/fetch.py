@@ -10,7 +10,8 @@ at any instant leaves the message in the queue, in a fetching list or in the una
 never nowhere. A fetch takes up to 64 messages (within the prefetch window) in two round trips,
 and acks are written once per event-loop turn (see QoS). Each consuming channel holds a lease
 (`worker.transport.lease`). Producers and plain Celery clients are unchanged: same queue list,
-same message format. Keys: see worker.store (FETCHING_KEY, OWNED_KEY, ALIVE_KEY, CONSUMERS_KEY).
+same message format. Keys: ticketq.names (FETCHING_KEY, OWNED_KEY, ALIVE_KEY, CONSUMERS_KEY), each
+listed with its meaning in worker.redis.keys.
 
 `SentinelTransport` is the same on a master that Redis Sentinel names (sentinel:// URLs): kombu's
 SentinelChannel builds the pools, so every connection asks the sentinels where the master is.
@@ -21,7 +22,7 @@ master anew, instead of stopping the worker.
 A Redis that refuses writes (full under noeviction, too few replicas for min-replicas-to-write)
 pauses fetching: a refused fetch or record leaves its messages in the queue or in this consumer's
 fetching list, where they are recorded and delivered once Redis takes writes again; acks are a
-script of deletions, which a full Redis still runs. Each refusal is an episode of worker.store.
+script of deletions, which a full Redis still runs. Each refusal is an episode of worker.health.refusals.
 """
 
 from __future__ import annotations
@@ -46,16 +47,17 @@ from kombu.utils.json import dumps
 
 from ticketq import codec, connections
 from ticketq.contract import Reason
-from ticketq.names import DEAD_LETTER_STREAM
-from worker import store
+from ticketq.dead_letters import raw_entry
+from ticketq.lua import script
+from ticketq.names import DEAD_LETTER_STREAM, FETCHING_KEY, OWNED_KEY
+from worker.health import refusals
 from worker.transport.guards import REDIS_MIN, IncompatibleLibrary
 from worker.transport.lease import Lease
-from worker.transport.lua import script
 from worker.transport.state import WorkerState
 
 log = logging.getLogger(__name__)
 
-FETCH_MORE = script("fetch_more")
+FETCH_MORE = script(__package__, "fetch_more")  # beside this module: fetch_more.lua
 REFUSED_PAUSE_S = 1.0  # after a refused write, fetching waits this long before it tries again
 
 
@@ -78,7 +80,7 @@ class QoS(kombu_redis.QoS):
     the event loop's turn (`flush_acks`, on every tick), where every ack of that turn goes in one
     call (without an event loop, as in a plain kombu consumer, an ack is written at once). A
     worker killed before a tick's flush has those messages redelivered; their results are
-    published once (worker.store).
+    published once (worker.redis.outbox).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -185,7 +187,7 @@ class Channel(kombu_redis.Channel):
             self._disconnect_pools()
             raise WritesRefused(f"Redis refuses writes ({problem}); ticketq waits until it takes them again")
         self.consumer = new_consumer_id()
-        self.owned_key = store.OWNED_KEY.format(consumer=self.consumer)
+        self.owned_key = OWNED_KEY.format(consumer=self.consumer)
         self.recorded = False  # True while a fetched batch, recorded already, is handed to kombu
         self._fetch_queue: str | None = None
         self._lease: Lease | None = None
@@ -194,7 +196,7 @@ class Channel(kombu_redis.Channel):
         self._held: set[str] = set()  # queues whose fetched messages wait, unrecorded, in the fetching list
 
     def fetching_key(self, queue: str, consumer: str | None = None) -> str:
-        return store.FETCHING_KEY.format(consumer=consumer or self.consumer, queue=queue)
+        return FETCHING_KEY.format(consumer=consumer or self.consumer, queue=queue)
 
     def basic_consume(self, queue: str, *args: Any, **kwargs: Any) -> Any:
         result = super().basic_consume(queue, *args, **kwargs)
@@ -218,8 +220,8 @@ class Channel(kombu_redis.Channel):
         return self._lease.registered and time.monotonic() >= self._refused_until
 
     def refused(self, exc: BaseException, what: str) -> bool:
-        """True when `exc` is Redis refusing a write (worker.store.refused): fetching pauses."""
-        if not store.refused(exc, what):
+        """True when `exc` is Redis refusing a write (worker.health.refusals.refused): fetching pauses."""
+        if not refusals.refused(exc, what):
             return False
         self._refused_until = time.monotonic() + REFUSED_PAUSE_S
         return True
@@ -274,7 +276,7 @@ class Channel(kombu_redis.Channel):
                 if not self.refused(exc, "fetching"):
                     raise
                 raise Empty() from None
-            store.accepted()
+            refusals.accepted()
             self._queue_cycle.rotate(queue)
             if item is None:
                 raise Empty()
@@ -387,7 +389,7 @@ class Channel(kombu_redis.Channel):
 
     def _refuse(self, queue: str, item: bytes, exc: Exception, tag: str | None = None) -> None:
         log.error("refused an unreadable item on queue %r (not a kombu message): %r", queue, exc)
-        entry = store.raw_entry(Reason.UNREADABLE_MESSAGE, exc, {}, "", item)
+        entry = raw_entry(Reason.UNREADABLE_MESSAGE, exc, {}, "", item)
         with self.conn_or_acquire() as client:
             pipe = client.pipeline()  # dead letter and removal in one transaction: kept exactly once
             pipe.xadd(DEAD_LETTER_STREAM, entry, maxlen=self.ticketq_stream_maxlen)

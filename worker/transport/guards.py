@@ -5,14 +5,14 @@ checked at worker start-up.
 `worker.transport` were written and tested against is installed, or when a name they override,
 call or read is gone, naming each one. The shims use these names directly (never through a
 `getattr` default), so a rename fails here, loudly, instead of switching a fix off in silence.
-torch's private ops are guarded where they are used, in `worker.engine.kernels`.
+torch's private ops are guarded where they are used, in `worker.engine.kernels`; the result meta
+ticketq writes in Celery's format is checked against Celery's in `worker.redis.celery_results`.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-import types
 from collections.abc import Mapping
 from importlib.metadata import version
 from typing import Any
@@ -23,6 +23,7 @@ from celery.app.amqp import AMQP
 from celery.backends.base import BaseBackend
 from celery.worker import state as worker_state
 from celery.worker.consumer import Consumer
+from celery.worker.consumer.heart import Heart
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
@@ -82,6 +83,9 @@ ASSIGNED: dict[tuple[Any, str], tuple[str, ...]] = {
 
 REDIS_MIN = (6, 2)  # BLMOVE
 
+# The consumer step `consumer.GuardedConsumer` leaves out: it must exist in Celery's blueprint.
+HEART_STEP = f"{Heart.__module__}:{Heart.__name__}"
+
 
 class IncompatibleLibrary(RuntimeError):
     """A library changed under a shim of `worker.transport`."""
@@ -112,8 +116,6 @@ def check_versions() -> None:
                 f"version (pip install 'ticketq') or review worker/transport/ for this release"
             )
     missing = missing_names()
-    from worker.transport.consumer import HEART_STEP  # the step GuardedConsumer leaves out must exist
-
     if HEART_STEP not in Consumer.Blueprint.default_steps:
         missing.append(f"celery.worker.consumer.Consumer.Blueprint.default_steps[{HEART_STEP!r}]")
     if missing:
@@ -130,19 +132,3 @@ def _source(function: Any) -> str:
         return inspect.getsource(function)
     except (OSError, TypeError):  # gone, or not Python source
         return ""
-
-
-def check_result_meta(backend: BaseBackend) -> None:
-    """`worker.store` writes Celery's result meta itself (one script call per forward batch, not a
-    backend call per ticket): it must be exactly what this Celery's backend would store."""
-    from worker.store import success_meta
-
-    request = types.SimpleNamespace(children=[], group=None, parent_id=None)  # a ticketq task's request
-    theirs = backend._get_result_meta({"probe": 1}, "SUCCESS", None, request)
-    theirs["task_id"] = "probe"  # BaseBackend._store_result adds it
-    ours = success_meta("probe", {"probe": 1}, theirs["date_done"])
-    if ours != theirs:
-        raise IncompatibleLibrary(
-            f"Celery's result meta changed: it stores {sorted(theirs)}, worker.store writes {sorted(ours)}; "
-            "see worker/transport/guards.py"
-        )

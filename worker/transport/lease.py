@@ -8,7 +8,7 @@ back once its lease has run out. The thread has a client of its own (`Channel.ow
 Sentinel, one that follows the master), and rides out a Redis that refuses writes like any outage.
 
 A lease is a promise of progress: while the classifying loop holds work without progress for
-longer than its bound (`worker.progress`, TICKETQ_WORST_BATCH_S) the thread stops renewing and the
+longer than its bound (`worker.health.progress`, TICKETQ_WORST_BATCH_S) the thread stops renewing and the
 channel stops fetching, so live workers take over what it holds once the lease runs out; it
 renews again at the first progress, and the late results are published once (the outbox's rules).
 """
@@ -28,9 +28,9 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
 from ticketq import connections
-from ticketq.names import queue_lists
-from worker import store
-from worker.progress import CLASSIFYING
+from ticketq.names import ALIVE_KEY, CONSUMERS_KEY, OWNED_KEY, queue_lists
+from worker.health import refusals
+from worker.health.progress import CLASSIFYING
 from worker.transport.state import PushRecorder, WorkerState
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class Lease(threading.Thread):
                 self.recover_expired(client)
             return steady_since
         except redis.RedisError as exc:
-            if not store.refused(exc, "the lease") and steady_since is not None:
+            if not refusals.refused(exc, "the lease") and steady_since is not None:
                 log.warning("lease not renewed, Redis unavailable (%s)", exc)
             self.check_lapse()
             return None
@@ -115,9 +115,9 @@ class Lease(threading.Thread):
     def held_back(self) -> bool:
         """Whether the classifying loop is stalled, so that this lease must not be renewed; logs once
         when a stall begins and when it ends. Not while Redis refuses writes or the replicas lag
-        (`store.write_problems`): the loop then waits on Redis by design, with no deadline, and any
+        (`refusals.write_problems`): the loop then waits on Redis by design, with no deadline, and any
         worker taking its messages over would wait the same way."""
-        quiet = 0.0 if store.write_problems() else CLASSIFYING.stalled_for()
+        quiet = 0.0 if refusals.write_problems() else CLASSIFYING.stalled_for()
         if quiet and not self.stalled:
             log.warning(
                 "lease of consumer %s no longer renewed: the classifying loop has held work for %.1fs without "
@@ -149,7 +149,7 @@ class Lease(threading.Thread):
                             "recovered the messages it held meanwhile; its acks of those are skipped",
                             self.channel.consumer, gap, self.lease_s)  # fmt: skip
         self._registered, self.renewed_at, self.lapsed = True, now, False
-        store.accepted()
+        refusals.accepted()
 
     def check_lapse(self) -> None:
         """Log once when the lease has gone a whole period without renewal."""
@@ -163,11 +163,11 @@ class Lease(threading.Thread):
         )  # fmt: skip
 
     def recover_expired(self, client: redis.Redis) -> None:
-        consumers = {bytes_to_str(k): json.loads(v) for k, v in client.hgetall(store.CONSUMERS_KEY).items()}
+        consumers = {bytes_to_str(k): json.loads(v) for k, v in client.hgetall(CONSUMERS_KEY).items()}
         others = [name for name in consumers if name != self.channel.consumer]
         pipe = client.pipeline(transaction=False)
         for name in others:
-            pipe.exists(store.ALIVE_KEY.format(consumer=name))
+            pipe.exists(ALIVE_KEY.format(consumer=name))
         for name, alive in zip(others, pipe.execute(), strict=True):
             if not alive:
                 self.recover(client, name, consumers[name].get("queues", []))
@@ -177,7 +177,7 @@ class Lease(threading.Thread):
         """Put a dead consumer's fetched and unacked messages back in their queues (safe to race)."""
         started = time.monotonic()
         fetched = sum(self.state.requeue(client, consumer, queue) for queue in queues)
-        tags = [bytes_to_str(tag) for tag in client.smembers(store.OWNED_KEY.format(consumer=consumer))]
+        tags = [bytes_to_str(tag) for tag in client.smembers(OWNED_KEY.format(consumer=consumer))]
         restored = sum(self.restore_owned(client, consumer, tag) for tag in tags)
         self.state.forget(client, consumer)
         if fetched or restored:

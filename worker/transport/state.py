@@ -1,4 +1,4 @@
-"""The Python side of `lua/worker_state.lua`: one method per command, each one script call.
+"""The Python side of `worker_state.lua` (beside this module): one method per command, each one script call.
 
 The atomic fetch (`fetch.QoS`) and the leases (`lease.Lease`) change the worker state only
 through here: what each key means is written once, in the script's header, and every change is
@@ -13,10 +13,10 @@ from typing import Any
 
 import redis
 
-from worker import store
-from worker.transport.lua import script
+from ticketq.lua import script
+from ticketq.names import ALIVE_KEY, CONSUMERS_KEY, FETCHING_KEY, OWNED_KEY
 
-WORKER_STATE = script("worker_state")
+WORKER_STATE = script(__package__, "worker_state")  # beside this module: worker_state.lua
 _PUSHES = ("lpush", "rpush")
 
 
@@ -31,10 +31,10 @@ class WorkerState:
         keys = (
             self.unacked_index_key,
             self.unacked_key,
-            store.OWNED_KEY.format(consumer=consumer),
-            store.FETCHING_KEY.format(consumer=consumer, queue=queue),
-            store.ALIVE_KEY.format(consumer=consumer),
-            store.CONSUMERS_KEY,
+            OWNED_KEY.format(consumer=consumer),
+            FETCHING_KEY.format(consumer=consumer, queue=queue),
+            ALIVE_KEY.format(consumer=consumer),
+            CONSUMERS_KEY,
             queue,  # "" for the commands that use no queue: they never touch KEYS[7]
             *targets,
         )
@@ -62,7 +62,7 @@ class WorkerState:
         """Whether `consumer` still owns each of these delivery tags (read only)."""
         if not tags:
             return []
-        return [bool(flag) for flag in client.smismember(store.OWNED_KEY.format(consumer=consumer), list(tags))]
+        return [bool(flag) for flag in client.smismember(OWNED_KEY.format(consumer=consumer), list(tags))]
 
     def requeue(self, client: redis.Redis, consumer: str, queue: str) -> int:
         """`consumer`'s fetching list for `queue` back at the queue's consuming end (it was next)."""

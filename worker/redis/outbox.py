@@ -1,0 +1,241 @@
+"""The outbox: the worker's writes of its answers and delivery counts (publish once, the results
+and review streams, dead letters, attempts counters, the epoch check), each through `Writes`.
+
+Keys and their meaning: worker.redis.keys. Celery's backend results: worker.redis.celery_results.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import uuid
+from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import redis
+
+from ticketq import codec
+from ticketq.epoch import Epoch, Loss, whoami
+from ticketq.lua import script
+from ticketq.names import ATTEMPTS_KEY, DEAD_LETTER_STREAM, EPOCH_KEY, RESULTS_STREAM, REVIEW_STREAM
+from worker.health.data_loss import DATA_LOST
+from worker.redis import celery_results
+from worker.redis.keys import CANCELLED, DIGEST_KEY, DONE_KEY, FAILED_KEY, PUBLISH_CALL_KEY, PUBLISH_CALL_TTL_S
+from worker.redis.writes import Writes
+
+if TYPE_CHECKING:
+    from worker.settings import Settings
+
+log = logging.getLogger(__name__)
+
+# The outbox's Redis scripts, beside this module (each file's header lists its keys and arguments).
+PUBLISH_ONCE = script(__package__, "publish_once")  # one forward batch's results, each (task, slot) streamed once
+COUNT_DELIVERIES = script(__package__, "count_deliveries")  # INCR + EXPIRE of each message's attempts key
+
+
+class Published(NamedTuple):
+    """What `Outbox.publish` did not stream: (task id, slot) of each result already published by the
+    same message (a re-execution), and of each result of another message under a used task id."""
+
+    repeats: list[tuple[str, int]]
+    conflicts: list[tuple[str, int]]
+
+
+DIGEST_FORMAT = "2:"  # a digest of another format is never taken for a conflict
+
+
+def payload_digest(args: Any) -> str:
+    """A short hash of a message's arguments, as decoded, less each ticket's `submitted_at` (when
+    it was sent, not what): equal for every delivery of one message and for the same tickets sent
+    again under their idempotent task ids, different for another message that reuses a task id."""
+    try:
+        return DIGEST_FORMAT + hashlib.blake2b(codec.dumps(_without_send_time(args)), digest_size=12).hexdigest()
+    except (TypeError, ValueError):  # not JSON-shaped (a hand-built request): not checked
+        return ""
+
+
+def _without_send_time(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: item for key, item in value.items() if key != "submitted_at"}
+    if isinstance(value, list | tuple):
+        return [_without_send_time(item) for item in value]
+    return value
+
+
+class Outbox(Writes):
+    """The worker's Redis writes: results stream, Celery backend results, attempts counters, dead letters."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        stream_maxlen: int,
+        result_expires_s: int,
+        worst_batch_s: float,
+        replica_acks: int = 0,
+        replica_timeout_s: float = 1.0,
+    ) -> None:
+        super().__init__(client, worst_batch_s, replica_acks, replica_timeout_s)
+        self.stream_maxlen = stream_maxlen
+        self.result_expires_s = result_expires_s
+        self.epoch = Epoch(whoami("worker"))
+
+    @classmethod
+    def from_settings(cls, client: redis.Redis, settings: Settings) -> Outbox:
+        return cls(client, settings.stream_maxlen, settings.result_expires_s, settings.worst_batch_s,
+                   settings.replica_acks, settings.replica_timeout_s)  # fmt: skip
+
+    # ----- attempts: how often a message was delivered while unfinished ----------------------
+
+    def attempts(self, task_ids: Sequence[str]) -> list[int | None]:
+        """The delivery count of each message, None for a first delivery (one MGET, which reads the
+        epoch marker too: every job checks that Redis still holds its data, at no extra round trip)."""
+        if not task_ids:
+            return []
+        keys = [ATTEMPTS_KEY.format(task_id=task_id) for task_id in task_ids]
+        *counts, marker = self.retrying(lambda: self.redis.mget([*keys, EPOCH_KEY]), write=False)
+        self.judge_epoch(marker)
+        return [None if count is None else int(count) for count in counts]
+
+    def judge_epoch(self, marker: bytes | None) -> Loss | None:
+        """Judge the epoch marker as just read (`ticketq.epoch.Epoch.seen`); a loss is logged and
+        counted once (`DATA_LOST`). A Redis that refuses the fresh marker (full) or is cut off is
+        judged again at the next check."""
+        try:
+            loss = self.epoch.seen(self.redis, marker)
+        except redis.RedisError as exc:
+            log.debug("epoch marker not checked (%s); checked again with the next job", exc)
+            return None
+        if loss is not None:
+            DATA_LOST.noticed(loss)
+        return loss
+
+    def count_deliveries(self, task_ids: Sequence[str]) -> int:
+        """INCR each message's attempts key (with its expiry) in one script call; the first one's new count."""
+        keys = [ATTEMPTS_KEY.format(task_id=task_id) for task_id in task_ids]
+        return int(self.retrying(lambda: self.redis.eval(COUNT_DELIVERIES, len(keys), *keys, self.result_expires_s))[0])
+
+    # ----- results -------------------------------------------------------------------------
+
+    def publish(self, slots: Sequence[tuple], finished: Sequence[str], review: Collection[tuple[str, int]] = ()
+                ) -> Published:  # fmt: skip
+        """Stream each (task id, slot, result JSON[, payload digest]) once, and drop the attempts keys
+        of `finished` messages; the (task id, slot) in `review` are copied to the review stream
+        (`names.REVIEW_STREAM`) with their first publication.
+
+        One script call. EVAL, not a registered Script: redis-py checks SCRIPT EXISTS before
+        every pipeline that holds a Script (a second round trip per forward batch); EVAL of a short
+        body costs a few hundred bytes and Redis caches the compiled script. Deleting an attempts key
+        before the backend write is safe: a crash in between only makes the redelivered message look
+        fresh, and its results are published once anyway. The digest is the message's
+        `payload_digest` (omitted or "": not checked); a message whose task id already streamed
+        another payload's results gets nothing written, and its results come back as conflicts.
+        """
+        by_task: dict[str, list[tuple[int, bytes]]] = {}
+        digests: dict[str, str] = {}
+        for task_id, slot, encoded, *digest in slots:
+            by_task.setdefault(task_id, []).append((slot, encoded))
+            digests.setdefault(task_id, digest[0] if digest else "")
+        keys = [
+            RESULTS_STREAM,
+            *(DONE_KEY.format(task_id=task_id) for task_id in by_task),
+            *(DIGEST_KEY.format(task_id=task_id) for task_id in by_task),
+            *(FAILED_KEY.format(task_id=task_id) for task_id in by_task),
+            PUBLISH_CALL_KEY.format(call=uuid.uuid4().hex),  # the same for every retry of this call
+            REVIEW_STREAM,
+            *(ATTEMPTS_KEY.format(task_id=task_id) for task_id in finished),
+        ]
+        groups = by_task.values()
+        order = [(task_id, slot) for task_id, group in by_task.items() for slot, _ in group]
+        args = [
+            self.stream_maxlen,
+            self.result_expires_s,
+            len(by_task),
+            PUBLISH_CALL_TTL_S,
+            ",".join(str(at) for at, place in enumerate(order, 1) if place in review) if review else "",
+            *(",".join([str(slot) for slot, _ in group]) for group in groups),
+            *digests.values(),
+            *(encoded for group in groups for _, encoded in group),
+        ]
+        # Durable only when it finishes a message: an ack follows, and must not outrun the replicas.
+        command = lambda target: target.eval(PUBLISH_ONCE, len(keys), *keys, *args)  # noqa: E731
+        try:
+            if finished:
+                repeats, conflicts = self.durable(self.redis, command)
+            else:
+                repeats, conflicts = self.retrying(lambda: command(self.redis))
+        except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError, OSError) as exc:
+            raise Unconfirmed(keys[3 * len(by_task) + 1], order, exc) from exc
+        return _published(order, repeats, conflicts)
+
+    def landed(self, unconfirmed: Unconfirmed) -> Published | None:
+        """What a publish call that gave up did after all (its command may have reached Redis, and
+        run, after its reply was lost): its answer, or None if it has not run, in which case it is
+        cancelled: a copy still in flight does nothing when it arrives. Retries while Redis is
+        away, up to worst_batch_s."""
+        key = unconfirmed.call_key
+        # Fenced in one step: if the call has not run, it never will (arriving late, it finds the key).
+        fenced = self.retrying(lambda: self.redis.set(key, CANCELLED, nx=True, ex=PUBLISH_CALL_TTL_S))
+        if fenced:
+            return None
+        answer = self.retrying(lambda: self.redis.get(key), write=False)
+        repeats, conflicts = (part or [] for part in json.loads(answer))
+        return _published(unconfirmed.order, repeats, conflicts)
+
+    def stream_results(self, encoded: Sequence[bytes]) -> None:
+        """Append results to the stream without publish-once marks: the answers of messages that
+        reused another message's task id (the id's marks belong to that one)."""
+        if not encoded:
+            return
+
+        def append() -> None:
+            pipe = self.redis.pipeline(transaction=True)  # all or none: a retry never appends twice
+            for data in encoded:
+                pipe.xadd(RESULTS_STREAM, {"data": data}, maxlen=self.stream_maxlen, approximate=True)
+            pipe.execute()
+
+        self.retrying(append)
+
+    def answered(self, backend: Any, requests: Sequence[tuple[str, int]]) -> set[str]:
+        """Task ids among (task id, ticket count) that have a final result: a result in the backend,
+        or every ticket's result streamed (one pipelined round trip)."""
+        if not requests:
+            return set()
+        client = getattr(backend, "client", None)
+        pipe = self.redis.pipeline(transaction=False)
+        for task_id, _ in requests:
+            pipe.bitcount(DONE_KEY.format(task_id=task_id))
+        streamed = self.retrying(pipe.execute, write=False)
+        stored = [False] * len(requests)
+        if isinstance(client, redis.Redis):
+            keys = [backend.get_key_for_task(task_id) for task_id, _ in requests]
+            stored = self.retrying(lambda: [bool(v) for v in client.mget(keys)], write=False)
+        return {task_id for (task_id, count), done, kept in zip(requests, streamed, stored, strict=True)
+                if kept or done >= max(count, 1)}  # fmt: skip
+
+    def store_successes(self, backend: Any, successes: Sequence[tuple[Any, bytes]]) -> None:
+        """Celery SUCCESS results for (request, value as JSON) pairs (`celery_results.store_successes`)."""
+        celery_results.store_successes(self, backend, successes)
+
+    def mark_failed(self, backend: Any, request: Any, exc: BaseException) -> None:
+        """Celery FAILURE result for one request (`celery_results.mark_failed`)."""
+        celery_results.mark_failed(self, backend, request, exc)
+
+    # ----- dead letters --------------------------------------------------------------------
+
+    def dead_letter(self, entry: dict[str, str]) -> None:
+        """Append one entry (`ticketq.dead_letters`: `ticket_entry` or `raw_entry`) to the dead-letter stream."""
+        self.retrying(lambda: self.redis.xadd(DEAD_LETTER_STREAM, entry, maxlen=self.stream_maxlen))
+
+
+class Unconfirmed(redis.ConnectionError):
+    """A publish call that Redis did not answer within worst_batch_s: it may still have run (a
+    command sent into a partition arrives when it heals). `Outbox.landed` finds out."""
+
+    def __init__(self, call_key: str, order: list[tuple[str, int]], cause: BaseException) -> None:
+        super().__init__(f"publishing {len(order)} result(s) unconfirmed: {cause}")
+        self.call_key, self.order = call_key, order
+
+
+def _published(order: list[tuple[str, int]], repeats: Sequence[int], conflicts: Sequence[int]) -> Published:
+    return Published([order[p - 1] for p in repeats], [order[p - 1] for p in conflicts])
