@@ -198,11 +198,29 @@ _warned: set[str] = set()
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
+# How a checkpoint's `architectures` names a decoder-only language model's head class.
+_CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")
+
+
+def decoder_only_problem(name_or_path: str, config: Mapping) -> str | None:
+    """Why the model of `config` (config.json's keys) is not a decoder-only language model (a BERT
+    or T5 checkpoint), or None. transformers would load a BERT as `BertLMHeadModel` with fresh
+    weights, and the engine, which runs a cached prefix through a decoder, would fail far from the
+    cause; this is checked before any weight is read."""
+    architectures = [str(name) for name in config.get("architectures") or ()]
+    model_type = config.get("model_type", "?")
+    causal = any(name.endswith(_CAUSAL_HEADS) for name in architectures) or not architectures
+    if causal and not config.get("is_encoder_decoder"):
+        return None
+    kind = ", ".join(architectures) or str(model_type)
+    return (f"TICKETQ_MODEL={name_or_path}: {kind} (model_type {model_type}) is not a decoder-only language "
+            "model; ticketq serves causal chat models such as Qwen2, Llama or Mistral (a *ForCausalLM "
+            "checkpoint with a chat template)")
+
+
 def _directory_problem(model: str, path: Path) -> str | None:
     """A model directory whose config.json names no decoder-only language model (read as JSON:
     nothing heavy is imported); a missing or unreadable one is left to the load's own message."""
-    from worker.engine.loading import decoder_only_problem
-
     try:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):

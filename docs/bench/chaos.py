@@ -69,7 +69,7 @@ from producer.api import Producer, TicketResult  # noqa: E402
 from producer.synthetic import generate_tickets  # noqa: E402
 from ticketq.config import ClientSettings  # noqa: E402
 from ticketq.names import DEAD_LETTER_STREAM, RESULTS_STREAM  # noqa: E402
-from worker import store  # noqa: E402
+from ticketq import names  # noqa: E402
 from worker.settings import Settings  # noqa: E402
 from worker.tools.procs import WORKER_COMMAND  # noqa: E402
 
@@ -499,9 +499,9 @@ class Nemesis(threading.Thread):
         """A consumer of process `pid` has a live lease on the current master."""
         client = self.servers.master_client()
         try:
-            consumers = client.hgetall(store.CONSUMERS_KEY)
+            consumers = client.hgetall(names.CONSUMERS_KEY)
             mine = [name.decode() for name, info in consumers.items() if json.loads(info).get("pid") == pid]
-            return any(client.exists(store.ALIVE_KEY.format(consumer=name)) for name in mine)
+            return any(client.exists(names.ALIVE_KEY.format(consumer=name)) for name in mine)
         except redis.RedisError:
             return False
         finally:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from ticketq.process import paused_gc
+from worker.settings import decoder_only_problem
 
 if TYPE_CHECKING:
     import torch
@@ -51,26 +51,6 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype):
         raise ModelNotFound(_not_loaded(name_or_path, exc)) from exc
     model.to(device).eval().requires_grad_(False)
     return model, tokenizer
-
-
-# How a checkpoint's `architectures` names a decoder-only language model's head class.
-_CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")
-
-
-def decoder_only_problem(name_or_path: str, config: Mapping) -> str | None:
-    """Why the model of `config` (config.json's keys) is not a decoder-only language model (a BERT
-    or T5 checkpoint), or None. transformers would load a BERT as `BertLMHeadModel` with fresh
-    weights, and the engine, which runs a cached prefix through a decoder, would fail far from the
-    cause; this is checked before any weight is read."""
-    architectures = [str(name) for name in config.get("architectures") or ()]
-    model_type = config.get("model_type", "?")
-    causal = any(name.endswith(_CAUSAL_HEADS) for name in architectures) or not architectures
-    if causal and not config.get("is_encoder_decoder"):
-        return None
-    kind = ", ".join(architectures) or str(model_type)
-    return (f"TICKETQ_MODEL={name_or_path}: {kind} (model_type {model_type}) is not a decoder-only language "
-            "model; ticketq serves causal chat models such as Qwen2, Llama or Mistral (a *ForCausalLM "
-            "checkpoint with a chat template)")
 
 
 def _check_decoder_only(name_or_path: str, config) -> None:
