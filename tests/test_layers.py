@@ -4,7 +4,8 @@
     producer/           the client side: imports the contract only
     worker/engine/      tensors: imports no Celery glue, no transport, no tools
     worker/transport/   private names of Celery, kombu, celery-batches, redis-py: no engine, no tools
-    worker/*.py         the service core (Celery glue, service, store, metrics, settings)
+    worker/service/     the pipeline (stages and hooks): no Celery glue, no tools
+    worker/*.py         the core (Celery glue, store, metrics, settings)
     worker/tools/       CLI, demo, bench, load test, ops, stand-in: above everything, imported by nothing below
 
 Checked in a fresh interpreter per layer, so nothing imported by another test hides a violation.
@@ -39,6 +40,7 @@ LAYERS = {
                                                    "worker.store", "producer", "celery", "kombu")),
     "worker/transport": (_modules("worker/transport"), ("worker.engine", "worker.tools", "worker.app",
                                                          "worker.service", "producer", "torch")),
+    "worker/service": (_modules("worker/service"), ("worker.app", "worker.tools", "producer")),
     "worker (core)": (_modules("worker", recursive=False), ("worker.tools", "producer")),
 }  # fmt: skip
 
@@ -62,9 +64,9 @@ def test_each_layer_imports_only_the_layers_below_it(layer):
 
 
 def test_every_worker_module_sits_in_a_layer_folder():
-    """The service core is worker/*.py; everything else lives in engine/, transport/ or tools/."""
+    """The core is worker/*.py; everything else lives in engine/, service/, transport/ or tools/."""
     folders = {path.name for path in (ROOT / "worker").iterdir() if path.is_dir() and path.name != "__pycache__"}
-    assert folders == {"engine", "transport", "tools"}, folders
+    assert folders == {"engine", "service", "transport", "tools"}, folders
 
 
 def test_importing_worker_app_builds_nothing():
