@@ -228,7 +228,8 @@ def test_re_execution_publishes_nothing_twice(client, app):
     first.process(requests, app.backend)
     stored = {r.id: AsyncResult(r.id, app=app).result for r in requests}
     metrics = Metrics()
-    _service(ScriptedClassifier(batch=2), client, metrics).process(requests, app.backend)  # a crash-redelivery: attempts keys are gone, results are not
+    again = _service(ScriptedClassifier(batch=2), client, metrics)
+    again.process(requests, app.backend)  # a crash-redelivery: attempts keys are gone, results are not
     assert len(_stream_for(client, {r.id for r in requests})) == 4
     assert {r.id: AsyncResult(r.id, app=app).result for r in requests} == stored, "a stored result is kept"
     assert metrics.registry.get_sample_value("ticketq_duplicate_results_total") == 4
