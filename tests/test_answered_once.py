@@ -25,7 +25,7 @@ from ticketq import names
 from worker import store
 from worker.metrics import Metrics
 from worker.nullclassifier import NullClassifier
-from worker.service import TicketService
+from worker.service.core import TicketService
 from worker.service.hooks.standard import standard_hooks
 from worker.settings import Settings
 

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from worker.metrics import Metrics
 from worker.nullclassifier import NullClassifier
-from worker.service import TicketService
+from worker.service.core import TicketService
 from worker.service.hooks import Hook
 from worker.service.hooks.standard import standard_hooks
 from worker.service.memory import MemoryOutbox

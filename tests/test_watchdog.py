@@ -47,7 +47,7 @@ from worker.metrics import Metrics
 from worker.nullclassifier import NullClassifier
 from worker.progress import CLASSIFYING, Progress
 from worker.results import BatchReport
-from worker.service import TicketService
+from worker.service.core import TicketService
 from worker.service.hooks.standard import standard_hooks
 from worker.settings import Settings
 from worker.transport import fetch

@@ -32,8 +32,9 @@ from worker import store
 from worker.metrics import Metrics
 from worker.nullclassifier import NullClassifier
 from worker.progress import CLASSIFYING
-from worker.service import Classifier, TicketService
+from worker.service.core import TicketService
 from worker.service.hooks.standard import live_cost, standard_hooks
+from worker.service.ports import Classifier
 from worker.service.routing import Routing
 from worker.settings import Settings, load_settings
 from worker.store import Outbox, raw_entry

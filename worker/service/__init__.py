@@ -1,5 +1,8 @@
 """What a worker does with one drained buffer of Celery requests, as stages with hooks.
 
+Nothing is imported here (so no module of the package imports another through this one):
+`worker.service.core.TicketService` is the entry, `worker.service.ports` what it needs around it.
+
     core        TicketService: the job loop, the last line of defence around each run
     admission   redeliveries split, arguments decoded once, tickets validated, expired, routed
     routing     which schema answers a ticket and where it is computed
@@ -20,8 +23,3 @@ Between two forwards the running job takes the requests that arrived meanwhile f
 the engine's plan, so every forward is chosen from everything waiting at its start. A message is
 acknowledged through the feed as soon as its result is out, not when the job ends.
 """
-
-from worker.service.core import TicketService
-from worker.service.ports import Backend, Classifier, Feed, Outbox
-
-__all__ = ["Backend", "Classifier", "Feed", "Outbox", "TicketService"]
