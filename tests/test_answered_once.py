@@ -25,7 +25,9 @@ from ticketq import names
 from worker.metrics import Metrics
 from worker.nullclassifier import NullClassifier
 from worker.redis.keys import DONE_KEY
-from worker.service import TicketService
+from worker.redis.outbox import Outbox
+from worker.service.core import TicketService
+from worker.service.hooks.standard import standard_hooks
 from worker.settings import Settings
 
 LABELS = ("billing", "technical", "account")
@@ -57,8 +59,9 @@ def app(server) -> Iterator[Celery]:
 
 def service_on(server: RedisServer, client: redis.Redis) -> tuple[TicketService, CollectorRegistry]:
     registry = CollectorRegistry()
-    settings = Settings(broker_url=server.url, metrics_port=0, max_retries=1)
-    return TicketService(settings, NullClassifier(LABELS), Metrics(registry), client), registry
+    settings, classifier = Settings(broker_url=server.url, metrics_port=0, max_retries=1), NullClassifier(LABELS)
+    hooks = standard_hooks(settings, classifier, Metrics(registry))
+    return TicketService(settings, classifier, Outbox.from_settings(client, settings), hooks), registry
 
 
 def request(task_id: str, payload: object) -> SimpleRequest:
@@ -95,7 +98,7 @@ def test_a_failed_batch_spares_what_another_worker_answered(server, client, app)
 
     # the cut-off worker comes back and fails the batch it still held: only what has no answer
     healed, registry = service_on(server, client)
-    healed._fail_open([answered, pack, open_], app.backend, ConnectionError("Redis unreachable for 40s"))
+    healed.defence.fail_open([answered, pack, open_], app.backend, ConnectionError("Redis unreachable for 40s"))
     assert app.AsyncResult(answered.id).state == states.SUCCESS, "the answer is not overwritten by a FAILURE"
     assert app.AsyncResult(pack.id).state == states.SUCCESS
     assert not dead(client, answered.id) and not dead(client, pack.id)
@@ -106,7 +109,7 @@ def test_a_failed_batch_spares_what_another_worker_answered(server, client, app)
     # every ticket streamed, backend result not written yet (the other worker is between the two): spared too
     streamed_only = request("streamed-only", {"id": "S-1", "text": "wrong VAT"})
     other_worker.outbox.publish([(streamed_only.id, 0, b'{"task_id": "streamed-only"}')], [])
-    healed._fail_open([streamed_only], app.backend, ConnectionError("cut off"))
+    healed.defence.fail_open([streamed_only], app.backend, ConnectionError("cut off"))
     assert app.AsyncResult(streamed_only.id).state == states.PENDING and not dead(client, streamed_only.id)
 
 

@@ -185,7 +185,7 @@ def file_verdict(raw: dict, tmp_path: Path) -> tuple[str, str]:
 
 def worker_verdict(raw: dict) -> tuple[str, str]:
     """What the worker decides for the ticket as it arrives off the queue (a JSON round trip)."""
-    from worker.service import validate_ticket as worker_validate
+    from worker.service.admission import validate_ticket as worker_validate
 
     assert worker_validate is validate_ticket, "the worker must use the contract's validator"
     try:

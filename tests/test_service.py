@@ -201,7 +201,7 @@ def _short_tickets(n: int, seed: int, limit: int = PAIR_MAX_TICKET_BYTES) -> lis
 
 
 def _worker_name(worker: Worker) -> str:
-    return f"{socket.gethostname()}:{worker.pid}"  # TicketService.worker_name
+    return f"{socket.gethostname()}:{worker.pid}"  # worker.service.answers.Answers.worker_name
 
 
 def _send_raw(producer: Producer, args: list) -> AsyncResult:

@@ -25,8 +25,10 @@ from ticketq import names
 from ticketq.names import ATTEMPTS_KEY
 from worker.metrics import Metrics
 from worker.nullclassifier import NullClassifier
+from worker.redis.outbox import Outbox
 from worker.results import Prediction
-from worker.service import TicketService
+from worker.service.core import TicketService
+from worker.service.hooks.standard import standard_hooks
 from worker.settings import Settings
 
 REDIS_URL = "redis://127.0.0.1:6379/3"
@@ -107,9 +109,10 @@ class ScriptedClassifier:
         return self.null.reference(text)
 
 
-def _service(classifier, client: redis.Redis) -> TicketService:
+def _service(classifier, client: redis.Redis, metrics: Metrics | None = None) -> TicketService:
     settings = Settings(broker_url=REDIS_URL, metrics_port=0, max_retries=1)
-    return TicketService(settings, classifier, Metrics(), client)
+    hooks = standard_hooks(settings, classifier, metrics or Metrics())
+    return TicketService(settings, classifier, Outbox.from_settings(client, settings), hooks)
 
 
 def _request(payload, expires: datetime | None = None) -> SimpleRequest:
@@ -136,8 +139,8 @@ def test_each_forward_batch_is_published_before_the_next_is_computed(client, app
         done = [AsyncResult(r.id, app=app).state == states.SUCCESS for r in requests]
         assert sum(done) == published_before[-1], "the backend is written with the stream, per forward batch"
 
-    service = _service(ScriptedClassifier(batch=2, before=before), client)
-    service.process(requests, app.backend)
+    metrics = Metrics()
+    _service(ScriptedClassifier(batch=2, before=before), client, metrics).process(requests, app.backend)
     assert published_before == [0, 2, 4]
     stream = _stream_for(client, ids)
     assert sorted(entry["id"] for entry in stream) == sorted(f"stream-{i}" for i in range(6))
@@ -145,7 +148,7 @@ def test_each_forward_batch_is_published_before_the_next_is_computed(client, app
         stored = AsyncResult(request.id, app=app)
         assert stored.state == states.SUCCESS and stored.result["task_id"] == request.id
     assert not any(client.exists(ATTEMPTS_KEY.format(task_id=r.id)) for r in requests)
-    registry = service.metrics.registry
+    registry = metrics.registry
     assert registry.get_sample_value("ticketq_publish_seconds_count") == 3
     assert registry.get_sample_value("ticketq_time_to_first_result_seconds_count") == 1
 
@@ -225,11 +228,12 @@ def test_re_execution_publishes_nothing_twice(client, app):
     first = _service(ScriptedClassifier(batch=2), client)
     first.process(requests, app.backend)
     stored = {r.id: AsyncResult(r.id, app=app).result for r in requests}
-    again = _service(ScriptedClassifier(batch=2), client)
+    metrics = Metrics()
+    again = _service(ScriptedClassifier(batch=2), client, metrics)
     again.process(requests, app.backend)  # a crash-redelivery: attempts keys are gone, results are not
     assert len(_stream_for(client, {r.id for r in requests})) == 4
     assert {r.id: AsyncResult(r.id, app=app).result for r in requests} == stored, "a stored result is kept"
-    assert again.metrics.registry.get_sample_value("ticketq_duplicate_results_total") == 4
+    assert metrics.registry.get_sample_value("ticketq_duplicate_results_total") == 4
 
 
 def test_expired_message_is_answered_without_being_computed(client, app):
@@ -238,8 +242,8 @@ def test_expired_message_is_answered_without_being_computed(client, app):
     late_pack = _request([_ticket(1, "late"), _ticket(2, "late")], expires=now - timedelta(seconds=1))
     timely = _request(_ticket(3, "timely"), expires=now + timedelta(hours=1))
     classifier = ScriptedClassifier(batch=8)
-    service = _service(classifier, client)
-    service.process([late, late_pack, timely], app.backend)
+    metrics = Metrics()
+    _service(classifier, client, metrics).process([late, late_pack, timely], app.backend)
     assert classifier.computed == [timely.args[0]["text"]]
     stream = {e["id"]: e for e in _stream_for(client, {late.id, late_pack.id, timely.id})}
     assert {i: e["status"] for i, e in stream.items()} == {"late-0": "failed", "late-1": "failed",
@@ -248,7 +252,7 @@ def test_expired_message_is_answered_without_being_computed(client, app):
     failed = AsyncResult(late.id, app=app)
     assert failed.state == states.FAILURE and "expired" in str(failed.result)
     assert [row["reason"] for row in AsyncResult(late_pack.id, app=app).get(timeout=5)] == ["expired", "expired"]
-    value, queue = service.metrics.registry.get_sample_value, service.metrics.queue
+    value, queue = metrics.registry.get_sample_value, metrics.queue
     assert value("ticketq_tickets_total", {"queue": queue, "label": "none", "outcome": "expired"}) == 3
     assert value("ticketq_dead_letters_total", {"queue": queue, "reason": "expired"}) is None, "not dead-lettered"
 

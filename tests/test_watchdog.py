@@ -46,8 +46,10 @@ from ticketq.names import ALIVE_KEY, OWNED_KEY
 from worker.health.progress import CLASSIFYING, Progress
 from worker.metrics import Metrics
 from worker.nullclassifier import NullClassifier
+from worker.redis.outbox import Outbox
 from worker.results import BatchReport
-from worker.service import TicketService
+from worker.service.core import TicketService
+from worker.service.hooks.standard import standard_hooks
 from worker.settings import Settings
 from worker.transport import fetch
 
@@ -128,7 +130,8 @@ def test_the_service_holds_work_from_job_start_to_end_and_marks_each_forward(cli
     bound = 2.0
     settings = Settings(broker_url=REDIS_URL, metrics_port=0, worst_batch_s=bound)
     classifier = SlowSecondForward()
-    service = TicketService(settings, classifier, Metrics(), client)
+    hooks = standard_hooks(settings, classifier, Metrics())
+    service = TicketService(settings, classifier, Outbox.from_settings(client, settings), hooks)
     requests = [_request({"id": f"wd-{n}", "text": f"watchdog ticket {n}: my invoice is wrong"}) for n in range(3)]
     service.process(requests, app.backend)
     (first_bound, first, _), (_, second, after_second), (_, third, _) = classifier.seen

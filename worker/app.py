@@ -36,7 +36,10 @@ from worker.metrics import Metrics
 from worker.nullclassifier import NullClassifier
 from worker.redis import celery_results
 from worker.redis.outbox import Outbox
-from worker.service import Classifier, TicketService
+from worker.service.core import TicketService
+from worker.service.hooks.standard import live_cost, standard_hooks
+from worker.service.ports import Classifier
+from worker.service.routing import Routing
 from worker.settings import Settings, load_settings
 from worker.transport import batches, guards
 from worker.transport.consumer import GuardedConsumer
@@ -95,8 +98,9 @@ class Runtime:
             metrics.serve(settings.metrics_host, settings.metrics_port, ready=self.ready_problem, about=about)
             log.info("metrics on http://%s:%d/metrics", settings.metrics_host, settings.metrics_port)
         self.metrics = metrics
-        learner = live_cost_model(settings, classifier, metrics)
-        self.service = TicketService(settings, classifier, metrics, client, learner)
+        routing = Routing.of(classifier, settings)
+        hooks = standard_hooks(settings, classifier, metrics, routing, live_cost(settings, classifier, metrics))
+        self.service = TicketService(settings, classifier, Outbox.from_settings(client, settings), hooks, routing)
         wait_for_writes(client)
         return self.service
 
@@ -144,26 +148,6 @@ def build_classifier(settings: Settings) -> Classifier:
         " — STAND-IN: labels are meaningless" if info.standin else "",
     )  # fmt: skip
     return engine
-
-
-def live_cost_model(settings: Settings, classifier: Classifier, metrics: Metrics) -> Callable[[Any], None] | None:
-    """The forward observer that refits the planner's cost model while serving (TICKETQ_LIVE_COST),
-    its fits exported; None for a classifier that plans with no cost model (the null classifier).
-
-    The observer only records (O(1) on the classifying thread); the refits run on a background
-    thread and swap the model in between plans, their fits exported from there."""
-    cost = getattr(classifier, "cost", None)
-    if cost is not None:
-        metrics.observe_cost_model(cost.fixed_ms, cost.token_ms, cost.quad_ms)
-    if not settings.live_cost or cost is None:
-        return None
-    from worker.engine.autotune import LiveCostModel
-
-    def on_fit(fit: Any, error: float) -> None:
-        metrics.observe_cost_model(fit.fixed_ms, fit.token_ms, fit.quad_ms, error)
-
-    learner = LiveCostModel(classifier, on_fit)
-    return lambda report: learner.observe(report.rows, report.width, report.seconds)
 
 
 # Celery's consumer logs each lost broker connection with its whole chained traceback (three per

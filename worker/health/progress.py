@@ -1,8 +1,9 @@
 """Whether the classifying loop moves: the record its lease is a promise of.
 
-The service marks it (`TicketService`): a job begins (work in hand), a forward batch is computed,
-its results are out, the job ends (nothing in hand). The lease thread (`worker.transport.lease`)
-stops renewing while it is stalled, so live workers take over the messages this worker holds;
+The service marks it through its progress hook (`worker.service.hooks.progress`): a job begins
+(work in hand), a forward batch is computed, its results are out, the job ends (nothing in hand).
+The lease thread (`worker.transport.lease`) stops renewing while it is stalled, so live workers
+take over the messages this worker holds;
 `/readyz` and `ticketq_classifying_stalled_seconds` say so. Standard library only: the service
 and the transport both import it, neither through the other.
 

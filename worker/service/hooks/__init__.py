@@ -1,0 +1,97 @@
+"""Observers of the service's pipeline, as dramatiq's middleware: the core calls each hook at its
+point, and metrics, the progress record, the live cost model, the shadow check and dead-letter
+accounting each attach as one small `Hook` (a module each beside this one).
+
+Hooks run on the classifying thread, in the order given, and must be quick: whatever is slow (the
+shadow check, a cost refit) is handed to a thread of its own. An exception in a hook is the
+service's exception (the job's last line of defence fails what it has not answered).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from ticketq.contract import TicketRejected
+from worker.results import BatchReport
+
+
+class Hook:
+    """Every point the service reports; each does nothing here, a hook overrides the ones it needs."""
+
+    def on_job_start(self) -> None:
+        """A job (one drained buffer and its arrivals) begins: work is in hand."""
+
+    def on_job_end(self) -> None:
+        """The job is over, answered or failed: nothing in hand."""
+
+    def on_compute(self, slots: Sequence[Any]) -> None:
+        """These slots (`records.Slot`) go to the engine: their queue wait ends."""
+
+    def on_forward(self, report: BatchReport) -> None:
+        """A forward batch was computed."""
+
+    def on_answer(self, slot: Any, answer: Any) -> None:
+        """The engine answered `slot`'s ticket (a `Prediction`, or `TicketFields` for a schema)."""
+
+    def on_publish(self, seconds: float) -> None:
+        """One publish (stream, backend, acks) is done, in `seconds`."""
+
+    def on_first_result(self, seconds: float) -> None:
+        """The job's first result is out, `seconds` after the job began."""
+
+    def on_results(self, slots: Sequence[Any]) -> None:
+        """These slots' results were streamed by this worker: tickets done (each counted once)."""
+
+    def on_repeats(self, count: int) -> None:
+        """`count` results were already published by an earlier run of their message: not again."""
+
+    def on_dead_letter(self, entry: dict[str, str], rejection: TicketRejected) -> None:
+        """An entry went to the dead-letter stream."""
+
+
+class Hooks(Hook):
+    """Several hooks as one: each call goes to every hook, in order (None entries are skipped)."""
+
+    def __init__(self, hooks: Iterable[Hook | None] = ()) -> None:
+        self.hooks = [hook for hook in hooks if hook is not None]
+
+    def on_job_start(self) -> None:
+        for hook in self.hooks:
+            hook.on_job_start()
+
+    def on_job_end(self) -> None:
+        for hook in self.hooks:
+            hook.on_job_end()
+
+    def on_compute(self, slots: Sequence[Any]) -> None:
+        for hook in self.hooks:
+            hook.on_compute(slots)
+
+    def on_forward(self, report: BatchReport) -> None:
+        for hook in self.hooks:
+            hook.on_forward(report)
+
+    def on_answer(self, slot: Any, answer: Any) -> None:
+        for hook in self.hooks:
+            hook.on_answer(slot, answer)
+
+    def on_publish(self, seconds: float) -> None:
+        for hook in self.hooks:
+            hook.on_publish(seconds)
+
+    def on_first_result(self, seconds: float) -> None:
+        for hook in self.hooks:
+            hook.on_first_result(seconds)
+
+    def on_results(self, slots: Sequence[Any]) -> None:
+        for hook in self.hooks:
+            hook.on_results(slots)
+
+    def on_repeats(self, count: int) -> None:
+        for hook in self.hooks:
+            hook.on_repeats(count)
+
+    def on_dead_letter(self, entry: dict[str, str], rejection: TicketRejected) -> None:
+        for hook in self.hooks:
+            hook.on_dead_letter(entry, rejection)

@@ -1,0 +1,81 @@
+"""What the service needs of the things around it: the classifier, Celery's result backend, the
+running job's feed of arrivals, and the outbox its results go out through (`worker.redis.outbox.Outbox`
+on Redis; `worker.service.memory.MemoryOutbox` in the unit tests)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, Protocol
+
+from worker.results import BatchReport, Prediction
+
+
+class Classifier(Protocol):
+    """What the service needs of a classifier (`worker.engine.Engine`, `NullClassifier`, or a
+    `classifier_factory`'s own). `classify` calls `on_predictions` once per forward batch and asks
+    `more()` for tickets that arrived meanwhile; it may ignore `more` (its jobs then take no
+    arrivals, which wait for the next job)."""
+
+    labels: tuple[str, ...]
+
+    def classify(
+        self,
+        texts: Sequence[str],
+        on_batch: Callable[[BatchReport], None] | None = None,
+        on_predictions: Callable[[Sequence[int], list[Prediction]], None] | None = None,
+        more: Callable[[], Sequence[str]] | None = None,
+    ) -> Any: ...
+
+    def reference(self, text: str) -> Prediction: ...
+
+
+class Backend(Protocol):
+    def mark_as_done(self, task_id: str, result: Any, request: Any = None) -> Any: ...
+
+    def mark_as_failure(
+        self, task_id: str, exc: BaseException, request: Any = None, call_errbacks: bool = True
+    ) -> Any: ...
+
+
+class Feed(Protocol):
+    """Where the running job finds more work, and tells that a message is finished."""
+
+    def more(self) -> list[Any]:
+        """Requests that arrived since the job started; from now on they are part of it."""
+        ...
+
+    def done(self, task_ids: Sequence[str], failures: Mapping[str, str] | None = None,
+             answers: Mapping[str, str] | None = None) -> None:  # fmt: skip
+        """These messages' results are out: acknowledge them (never raises). `failures`: the error
+        of each that ended in state FAILURE; `answers`: a short text of each one's answer."""
+        ...
+
+    def taken_over(self, task_ids: Sequence[str]) -> set[str]:
+        """Those of these messages that another worker took over (this worker's lease lapsed):
+        theirs to answer, not this worker's to fail. May raise Redis' errors."""
+        ...
+
+
+class Outbox(Protocol):
+    """The writes the service makes (`worker.redis.outbox.Outbox` documents each one's effect)."""
+
+    def attempts(self, task_ids: Sequence[str]) -> list[int | None]: ...
+
+    def count_deliveries(self, task_ids: Sequence[str]) -> int: ...
+
+    def publish(self, slots: Sequence[tuple], finished: Sequence[str],
+                review: Collection[tuple[str, int]] = ()) -> Any: ...  # fmt: skip
+
+    def landed(self, unconfirmed: Any) -> Any: ...
+
+    def stream_results(self, encoded: Sequence[bytes]) -> None: ...
+
+    def answered(self, backend: Any, requests: Sequence[tuple[str, int]]) -> set[str]: ...
+
+    def store_successes(self, backend: Any, successes: Sequence[tuple[Any, bytes]]) -> None: ...
+
+    def mark_failed(self, backend: Any, request: Any, exc: BaseException) -> None: ...
+
+    def dead_letter(self, entry: dict[str, str]) -> None: ...
+
+    def retrying(self, action: Callable[[], Any], write: bool = True) -> Any: ...

@@ -1,0 +1,80 @@
+"""Schema routing: which schema answers a ticket, what the engine takes for it, and where it is computed.
+
+With TICKETQ_SCHEMAS on a classifier that can compile them (`worker.engine.schemas.SchemaSet`),
+a ticket names its schema or gets the set's default; else only the classifier's own schema is
+served, and a ticket naming another is refused `unknown_schema`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ticketq.contract import Reason, Ticket, TicketRejected
+from ticketq.schema import DEFAULT_SCHEMA_NAME
+from worker.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class Routing:
+    def __init__(self, classifier: Any, schemas: Any = None) -> None:
+        """`schemas`: a `SchemaSet` on `classifier`'s model, or None (its own field only)."""
+        self.classifier, self.schemas = classifier, schemas
+        own = getattr(classifier, "schema", None)
+        self.known = schemas.names if schemas else (own.name if own else DEFAULT_SCHEMA_NAME,)
+
+    @classmethod
+    def of(cls, classifier: Any, settings: Settings) -> Routing:
+        return cls(classifier, _schema_set(classifier, settings))
+
+    def route(self, ticket: Ticket) -> str | None:
+        """The schema `ticket` is answered with (None: the classifier's own field); `unknown_schema`
+        for a name this worker does not serve."""
+        if self.schemas is not None:
+            name = ticket.schema or self.schemas.default
+            if name in self.schemas:
+                return name
+        elif ticket.schema is None or ticket.schema == self.known[0]:
+            return None
+        served = ", ".join(self.known)
+        raise TicketRejected(Reason.UNKNOWN_SCHEMA, f"no schema named {ticket.schema!r} here; this worker serves: "
+                                                    f"{served} (TICKETQ_SCHEMAS)")  # fmt: skip
+
+    def items(self, slots: Sequence[Any]) -> list:
+        """What the classifier takes for `slots`: texts, or (schema, text) pairs for a schema set."""
+        if self.schemas is None:
+            return [slot.ticket.text for slot in slots]
+        return [(slot.schema, slot.ticket.text) for slot in slots]
+
+    def classify(self, items: list, on_batch: Callable, on_predictions: Callable,
+                 more: Callable[[], list] | None) -> list:  # fmt: skip
+        """Every item's answer, each forward batch's handed to `on_predictions` as it is computed."""
+        if self.schemas is None:
+            answers, _ = self.classifier.classify(items, on_batch=on_batch, on_predictions=on_predictions, more=more)
+        else:
+            answers, _ = self.schemas.classify(items, on_batch=on_batch, on_results=on_predictions, more=more)
+        return answers
+
+    def reference(self, schema: str | None) -> Callable[[str], Any]:
+        """The unbatched reference path of `schema`'s answers (not thread-safe: the classifying thread only)."""
+        if self.schemas is None or schema is None:
+            return self.classifier.reference
+        return self.schemas.runner(schema).reference
+
+
+def _schema_set(classifier: Any, settings: Settings) -> Any:
+    """The `SchemaSet` of TICKETQ_SCHEMAS on the classifier's model, or None (no schemas, or a
+    classifier without a model to compile them on, e.g. the null classifier)."""
+    schemas = settings.load_schemas()
+    if not schemas:
+        return None
+    if not callable(getattr(classifier, "fields", None)):
+        log.warning("TICKETQ_SCHEMAS ignored: %s answers its own labels only", type(classifier).__name__)
+        return None
+    from worker.engine.schemas import SchemaSet
+
+    schema_set = SchemaSet(classifier, schemas, settings.schema_cache)
+    log.info("schemas served: %s (tickets naming none: %s)", ", ".join(schema_set.names), schema_set.default)
+    return schema_set
