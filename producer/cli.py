@@ -29,20 +29,12 @@ from producer.api import (
     TicketResult,
     WaitStopped,
 )
-from producer.clitools import (
-    CONTEXT_SETTINGS,
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_USAGE,
-    command,
-    exit_status,
-    report,
-    summary_line,
-)
 from producer.synthetic import generate_tickets
 from producer.tickets import OutputError, TicketFile, TicketFileError, check_output, read_tickets, write_results
+from ticketq.cli import CONTEXT_SETTINGS, command, report, summary_line
 from ticketq.config import ClientSettings, SettingsError, mask_url
 from ticketq.contract import TicketRejected, validate_ticket
+from ticketq.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, exit_status
 from ticketq.names import REVIEW_STREAM
 
 EXIT_PROBLEMS = EXIT_FAILED  # some tickets were rejected, failed or timed out

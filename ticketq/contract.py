@@ -32,6 +32,8 @@ from collections.abc import Mapping
 from enum import Enum
 from typing import Literal, NamedTuple, TypedDict
 
+from ticketq.errors import TicketqError
+
 MAX_TICKET_BYTES = 65536  # default of TICKETQ_MAX_TICKET_BYTES
 SCHEMA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # how a schema is named (files, tickets, results)
 
@@ -82,7 +84,7 @@ DEAD_LETTER_REASONS: tuple[Reason, ...] = (
 )  # fmt: skip
 
 
-class TicketRejected(ValueError):
+class TicketRejected(TicketqError, ValueError):
     """A ticket or message that cannot be classified; `reason` is a `Reason` value (a plain str).
 
     `str()` is `"<reason>: <detail>"`, which is all Celery stores of an exception: a client

@@ -27,6 +27,8 @@ from ticketq import codec, connections
 from ticketq.config import is_redis_url, is_sentinel_url, mask_url
 from ticketq.connections import RedisUnavailable, connect, redis_client
 from ticketq.contract import DEAD_LETTER_REASONS, Reason, TicketRejected
+from ticketq.errors import TicketqError
+from ticketq.exits import EXIT_USAGE
 from ticketq.names import TASK_CLASSIFY
 from worker import store
 from worker.metrics import Metrics
@@ -43,7 +45,7 @@ log = logging.getLogger(__name__)
 ClassifierFactory = Callable[[Settings], Classifier]
 
 
-class ModelNotReady(RuntimeError):
+class ModelNotReady(TicketqError, RuntimeError):
     """The engine could not be built (model missing, bad settings)."""
 
 
@@ -53,7 +55,7 @@ class CannotStart(SystemExit):
     with `str()` the one line that says what to do."""
 
     def __init__(self, message: str, logged: bool = False) -> None:
-        super().__init__(2)  # EXIT_USAGE of the command-line table (producer.clitools)
+        super().__init__(EXIT_USAGE)
         self.message, self.logged = message, logged
 
     def __str__(self) -> str:

@@ -33,6 +33,7 @@ import redis
 
 from ticketq import codec
 from ticketq.contract import Reason, Ticket, TicketRejected, result_id, validate_ticket
+from ticketq.errors import TicketqError
 from ticketq.schema import DEFAULT_SCHEMA_NAME, TicketFields
 from worker.metrics import Metrics
 from worker.progress import CLASSIFYING
@@ -132,7 +133,7 @@ class Work:
         return [slots[0].request for task_id, slots in self.by_task.items() if task_id not in self.published]
 
 
-class PublishFailed(RuntimeError):
+class PublishFailed(TicketqError, RuntimeError):
     """Publishing a forward batch's results failed (Redis away too long): not an engine error to retry."""
 
 

@@ -80,6 +80,7 @@ from celery import states
 from ticketq import codec
 from ticketq.connections import NOT_ENOUGH_REPLICAS, OUT_OF_MEMORY, confirm_replicas, write_refusal
 from ticketq.epoch import Epoch, Loss, whoami
+from ticketq.errors import TicketqError
 from ticketq.names import (  # noqa: F401 (the delivery records' names, shared: a producer reads them)
     ALIVE_KEY,
     ATTEMPTS_KEY,
@@ -526,7 +527,7 @@ class Outbox:
         return replies[0], int(replies[-1])
 
 
-class Unconfirmed(redis.ConnectionError):
+class Unconfirmed(TicketqError, redis.ConnectionError):
     """A publish call that Redis did not answer within worst_batch_s: it may still have run (a
     command sent into a partition arrives when it heals). `Outbox.landed` finds out."""
 

@@ -12,16 +12,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from producer.clitools import (
-    CONTEXT_SETTINGS,
-    EXIT_FAILED,
-    EXIT_USAGE,
-    command,
-    error,
-    exit_status,
-    report,
-)
 from producer.tickets import OutputError, PartialResults, TicketFileError, TicketReader, check_output
+from ticketq.cli import CONTEXT_SETTINGS, command, error, report
+from ticketq.exits import EXIT_FAILED, EXIT_USAGE, exit_status
 
 cli = typer.Typer(
     help="ticketq — route support tickets with a small LLM: Redis + Celery micro-batches, length-sorted, "

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from producer.clitools import MAX_SHOWN
 from producer.tickets import PartialResults, Row, RowError, TicketReader, TicketRow
+from ticketq.cli import MAX_SHOWN
 from ticketq.schema import TicketFields
 from worker.engine.prompt import InvalidTicket
 from worker.results import BatchReport, Prediction
@@ -43,7 +43,7 @@ CHUNK_TEXT_CHARS = 8 << 20  # a chunk of long tickets stops sooner: 8 Mi charact
 class Failures(Sequence[str]):
     """How many rows failed and the first MAX_SHOWN of them as `source: reason: error` lines.
 
-    `producer.clitools.report` takes it as its list: it prints the first MAX_SHOWN lines and
+    `ticketq.cli.report` takes it as its list: it prints the first MAX_SHOWN lines and
     counts the rest, so the other lines are never needed (they are all in the results file).
     """
 
@@ -113,7 +113,7 @@ class Summary:
             self.pad_tokens += report.pad_tokens
 
     def line(self) -> str:
-        """`read N rows: X ok, Y failed (count reason, ...)`, as `producer.clitools.summary_line` words it."""
+        """`read N rows: X ok, Y failed (count reason, ...)`, as `ticketq.cli.summary_line` words it."""
         detail = ", ".join(f"{count} {reason}" for reason, count in self.reasons.most_common())
         return f"read {self.rows} rows: {self.ok} ok, {self.failed} failed" + (f" ({detail})" if detail else "")
 

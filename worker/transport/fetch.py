@@ -46,6 +46,7 @@ from kombu.utils.json import dumps
 
 from ticketq import codec, connections
 from ticketq.contract import Reason
+from ticketq.errors import TicketqError
 from ticketq.names import DEAD_LETTER_STREAM
 from worker import store
 from worker.transport.guards import REDIS_MIN, IncompatibleLibrary
@@ -59,7 +60,7 @@ FETCH_MORE = script("fetch_more")
 REFUSED_PAUSE_S = 1.0  # after a refused write, fetching waits this long before it tries again
 
 
-class WritesRefused(redis.ConnectionError):
+class WritesRefused(TicketqError, redis.ConnectionError):
     """A channel opened on a Redis that refuses writes (full, too few replicas, a read-only replica):
     raised as a connection error, so Celery retries connecting, as for a broker that is down."""
 

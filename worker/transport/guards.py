@@ -26,6 +26,8 @@ from celery.worker.consumer import Consumer
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
+from ticketq.errors import TicketqError
+
 log = logging.getLogger(__name__)
 
 # Library -> (lowest, first untested) versions the shims were written and tested against.
@@ -83,7 +85,7 @@ ASSIGNED: dict[tuple[Any, str], tuple[str, ...]] = {
 REDIS_MIN = (6, 2)  # BLMOVE
 
 
-class IncompatibleLibrary(RuntimeError):
+class IncompatibleLibrary(TicketqError, RuntimeError):
     """A library changed under a shim of `worker.transport`."""
 
 
