@@ -25,7 +25,7 @@ import pytest
 from test_cli import engine_env, run
 
 from producer.synthetic import generate_tickets
-from producer.tickets import read_tickets
+from producer.ticketfile import read_tickets
 from ticketq.cli import summary_line
 from ticketq.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 

@@ -2,7 +2,7 @@
 refused, and the per-ticket result shapes that come back.
 
 Every path that takes tickets in applies `validate_ticket`: the Python API (`producer.api`),
-ticket files (`producer.tickets`, so also `ticketq classify`) and the worker (each ticket of a
+ticket files (`producer.ticketrows`, so also `ticketq classify`) and the worker (each ticket of a
 message). The rule, in full:
 
 - `id`: optional (absent or null: the receiver names the ticket). Otherwise a string or an
@@ -64,7 +64,7 @@ class Reason(str, Enum):
     UNKNOWN_TASK = "unknown_task"
     INVALID_TASK = "invalid_task"
     UNREADABLE_MESSAGE = "unreadable_message"
-    # a ticket file's row (producer.tickets) or a ticket the producer sent
+    # a ticket file's row (producer.ticketrows) or a ticket the producer sent
     MALFORMED_ROW = "malformed_row"
     INVALID_JSON = "invalid_json"
     MALFORMED_CSV = "malformed_csv"

@@ -6,7 +6,7 @@ Every input row ends as exactly one result row, in file order, with its `source`
 refused or classified here as it would be there.
 
 The file is streamed: rows are read, tokenised and classified a chunk at a time, and each chunk's
-result rows are appended to the partial results file (`producer.tickets.PartialResults`) before
+result rows are appended to the partial results file (`producer.resultfile.PartialResults`) before
 the next chunk is read, so memory holds one chunk however large the file. Chunks start at
 FIRST_CHUNK rows, so the first result row comes after one forward pass of one ticket even from
 the full-size model on a slow CPU (16 rows would take several: the planner cuts them by
@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from producer.tickets import PartialResults, Row, RowError, TicketReader, TicketRow
+from producer.resultfile import PartialResults
+from producer.ticketfile import TicketReader
+from producer.ticketrows import Row, RowError, TicketRow
 from ticketq.cli import MAX_SHOWN
 from ticketq.schema import TicketFields
 from worker.engine.prompt import InvalidTicket
