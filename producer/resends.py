@@ -5,8 +5,8 @@ A message without a result is re-sent only when it is plausibly lost: not in the
 worker's fetching list, not in kombu's unacked record (fetched by a worker: if that worker dies,
 its lease's recovery puts the message back in the queue). `Whereabouts.read` takes those in one
 MULTI, so a message moving along that path at that instant is seen in one place or the next, and
-its result is read again after it (`Producer._resend_lost`), so one answered meanwhile is not
-taken for lost. An attempts key alone is not taken as a delivery: it outlives a message lost
+its result is read again after it (`producer.waiting`), so one answered meanwhile is not taken
+for lost. An attempts key alone is not taken as a delivery: it outlives a message lost
 with a failover's unreplicated writes.
 
 "Not in the queue" without reading the whole queue: a Redis list is FIFO (producers LPUSH,

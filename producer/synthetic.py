@@ -6,11 +6,11 @@ ordering) and shaped like a real support inbox:
 - **Labels**: each ticket's `expected` label is drawn uniformly from `labels`. The built-in labels
   (`billing`, `technical`, `account`) have their own vocabulary and phrase templates, so a
   classifier can learn them; any other label gets generic sentences that name it.
-- **Length** in words (`len(text.split())`) has a long tail like a real inbox: median ~30;
-  ~84% of tickets have 10-60 words, ~13% 60-200, ~3.5% 200-520 (measured over seeds 0-2, n=5000).
-  A target is drawn from a lognormal mixture (`_LENGTH_MIX`), sentences are added until it is
-  reached, then greeting, sign-off and pasted blocks come on top. Long tickets always carry a
-  pasted block: logs, stack traces or invoice lines.
+- **Length** in words (`len(text.split())`) has a long tail like a real inbox (its spread over a
+  few seeds: docs/performance.md, "The synthetic tickets"). A target is drawn from a lognormal
+  mixture (`_LENGTH_MIX`), sentences are added until it is reached, then greeting, sign-off and
+  pasted blocks come on top. Long tickets always carry a pasted block: logs, stack traces or
+  invoice lines.
 - **Variety**, drawn independently per ticket: ~8% emoji; ~10% an accented Latin name; ~3% a
   CJK, Korean, Cyrillic or French sentence; ~15% of tickets (and every long one) in several
   paragraphs separated by blank lines; a pasted block - code, a stack trace, a log or invoice

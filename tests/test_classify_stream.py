@@ -24,9 +24,10 @@ import psutil
 import pytest
 from test_cli import engine_env, run
 
-from producer.clitools import EXIT_FAILED, EXIT_OK, EXIT_USAGE, summary_line
 from producer.synthetic import generate_tickets
-from producer.tickets import read_tickets
+from producer.ticketfile import read_tickets
+from ticketq.cli import summary_line
+from ticketq.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 EXIT_INTERRUPTED = 130
 PROB_TOL = 1e-4  # a ticket's probabilities in another batch (other padding, other rows), float32

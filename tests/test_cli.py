@@ -24,7 +24,8 @@ from typer.testing import CliRunner
 from workers import ROOT, null_classifier_service
 
 from producer.cli import app as produce_app
-from producer.clitools import EXIT_FAILED, EXIT_NOTHING, EXIT_USAGE, command
+from ticketq.cli import command
+from ticketq.exits import EXIT_FAILED, EXIT_NOTHING, EXIT_USAGE
 from worker.settings import Settings
 from worker.tools.cli import cli as ticketq_app
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer.api import BrokerUnavailable, Producer
-from producer.tickets import read_tickets
+from producer.api import Producer
+from producer.errors import BrokerUnavailable
+from producer.ticketfile import read_tickets
 from ticketq import contract
 from ticketq.config import ClientSettings, SettingsError, mask_url
 from ticketq.connections import RedisUnavailable, connect
@@ -51,7 +52,7 @@ def reason_of(raw: object, max_bytes: int = LIMIT) -> str | None:
 
 def test_producer_imports_nothing_from_worker_and_no_torch():
     code = (
-        "import sys, producer.api, producer.cli, producer.tickets, producer.synthetic\n"
+        "import sys, producer.api, producer.cli, producer.ticketfile, producer.resultfile, producer.synthetic\n"
         "loaded = sorted(m for m in sys.modules if m == 'worker' or m.startswith('worker.'))\n"
         "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
         "assert not loaded, f'producer loaded worker modules: {loaded}'\n"

@@ -13,18 +13,10 @@ import threading
 
 import pytest
 
-from producer import tickets
-from producer.tickets import (
-    OutputError,
-    PartialResults,
-    RowError,
-    TicketFileError,
-    TicketReader,
-    TicketRow,
-    check_output,
-    read_tickets,
-    write_results,
-)
+from producer import csvrows
+from producer.resultfile import OutputError, PartialResults, check_output, write_results
+from producer.ticketfile import TicketReader, read_tickets
+from producer.ticketrows import RowError, TicketFileError, TicketRow
 
 
 def csv_rows(n: int) -> list[str]:
@@ -200,7 +192,7 @@ def test_a_pipe_is_read_too(tmp_path):
 
 def test_a_broken_quote_holds_at_most_the_look_back_limit(tmp_path, monkeypatch):
     """The lines a broken record swallowed are read again from a bounded buffer, not the whole file."""
-    monkeypatch.setattr(tickets, "_look_back", lambda max_bytes: 1000)
+    monkeypatch.setattr(csvrows, "look_back", lambda max_bytes: 1000)
     rows = csv_rows(200)
     rows[1] = 'T-1,"a quote that is never closed, and ""escaped"" quotes after'
     path = tmp_path / "t.csv"

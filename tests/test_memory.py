@@ -34,7 +34,8 @@ from kombu import Connection, Consumer, Queue
 from servers import require_redis_server
 from workers import ROOT, RedisServer, Worker, free_port, running_worker, wait_for, worker_env
 
-from producer.api import BrokerUnavailable, Producer
+from producer.api import Producer
+from producer.errors import BrokerUnavailable
 from ticketq import connections, names
 from ticketq.config import ClientSettings
 from ticketq.names import ATTEMPTS_KEY

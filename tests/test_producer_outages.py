@@ -21,7 +21,9 @@ from pathlib import Path
 import pytest
 from workers import ROOT, RedisServer, Worker, free_port, wait_for, worker_env
 
-from producer.api import PUBLISH_BATCH, Producer, idempotent_task_id
+from producer.api import Producer
+from producer.messages import idempotent_task_id
+from producer.sending import PUBLISH_BATCH
 from ticketq import names
 from ticketq.config import ClientSettings
 

@@ -147,7 +147,7 @@ def test_a_backlog_is_resent_nothing_and_redis_never_holds_much_more_than_what_i
             samples.append((in_redis(probe), outstanding))
             done.wait(0.02)
 
-    caplog.set_level(logging.WARNING, logger="producer.api")
+    caplog.set_level(logging.WARNING, logger="producer.waiting")
     try:
         sent = producer.submit_many([{"id": f"B-{i}", "text": f"backlog ticket {i}"} for i in range(n)])
         sampler = threading.Thread(target=sample)
@@ -185,7 +185,7 @@ def test_a_lost_message_is_resent_within_the_bound(tmp_path, redis_server, caplo
     n, resend_after = 300, 0.5
     client = redis_server.client()
     producer = Producer(ClientSettings(broker_url=redis_server.url, queue=QUEUE))
-    caplog.set_level(logging.WARNING, logger="producer.api")
+    caplog.set_level(logging.WARNING, logger="producer.waiting")
     worker = None
     try:
         sent = producer.submit_many([{"id": f"L-{i}", "text": f"ticket {i}"} for i in range(n)])
@@ -271,7 +271,7 @@ def test_a_producer_waiting_when_redis_loses_its_data_says_so_once_and_resends_e
     n, resend_after = 200, 30.0  # a backoff far longer than the test: only the loss makes them due
     client = redis_server.client()
     producer = Producer(ClientSettings(broker_url=redis_server.url, queue=QUEUE))
-    caplog.set_level(logging.WARNING, logger="producer.api")
+    caplog.set_level(logging.WARNING, logger="producer.waiting")
     box: dict = {}
     worker = None
     try:

@@ -19,10 +19,15 @@ import redis
 from celery import states
 from typer.testing import CliRunner
 
-from producer.api import POLL_WINDOW, BrokerUnavailable, Producer, idempotent_task_id, ticket_results
+from producer.api import Producer
+from producer.backend import POLL_WINDOW
 from producer.cli import app as cli_app
+from producer.errors import BrokerUnavailable
+from producer.messages import idempotent_task_id, ticket_results
+from producer.resultfile import write_results
 from producer.synthetic import awkward_texts, generate_tickets
-from producer.tickets import TicketFileError, read_tickets, write_results
+from producer.ticketfile import read_tickets
+from producer.ticketrows import TicketFileError
 from ticketq.config import ClientSettings, mask_url
 from ticketq.names import RESULTS_STREAM, TASK_CLASSIFY
 

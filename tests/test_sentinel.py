@@ -27,7 +27,9 @@ import redis
 from servers import MASTER_NAME, SentinelSet, require_redis_server, sentinel_set
 from workers import RedisServer, running_worker, wait_for, worker_env
 
-from producer.api import BrokerUnavailable, NotReplicated, Producer, TicketResult
+from producer.api import Producer
+from producer.errors import BrokerUnavailable, NotReplicated
+from producer.messages import TicketResult
 from ticketq import connections, names
 from ticketq.config import ClientSettings, SettingsError, mask_url
 from ticketq.names import ALIVE_KEY, ATTEMPTS_KEY, CONSUMERS_KEY, FETCHING_KEY

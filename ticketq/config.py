@@ -21,6 +21,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from ticketq.contract import MAX_TICKET_BYTES
+from ticketq.errors import TicketqError
 from ticketq.names import DEFAULT_LABELS, QUEUE
 
 BROKER_SCHEMES = ("redis", "rediss", "sentinel")
@@ -29,7 +30,7 @@ SENTINEL_SCHEME = "sentinel"  # kombu's and Celery's spelling: sentinel://h1:263
 S = TypeVar("S", bound="ClientSettings")
 
 
-class SettingsError(ValueError):
+class SettingsError(TicketqError, ValueError):
     """Invalid settings; `str()` has one line per problem: `TICKETQ_X=value: what is allowed`."""
 
 

@@ -27,6 +27,7 @@ from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
 
 from ticketq.config import is_sentinel_url, mask_url
+from ticketq.errors import TicketqError
 
 CONNECT_TIMEOUT_S = 3.0  # a Redis that does not accept a connection in this long is down for us
 SOCKET_TIMEOUT_S = 10.0  # one command; blocking reads must stay well inside it
@@ -45,7 +46,7 @@ WRITE_PROBE_KEY = "ticketq:write-probe"
 REPLICATION_MARK = "ticketq:replication-mark"
 
 
-class RedisUnavailable(ConnectionError):
+class RedisUnavailable(TicketqError, ConnectionError):
     """Redis cannot be used: it refused the credentials, refused the write, or is not reachable.
 
     `str()` is one line: what failed, the URL (password masked) and what to do. `fix` names the

@@ -2,7 +2,7 @@
 refused, and the per-ticket result shapes that come back.
 
 Every path that takes tickets in applies `validate_ticket`: the Python API (`producer.api`),
-ticket files (`producer.tickets`, so also `ticketq classify`) and the worker (each ticket of a
+ticket files (`producer.ticketrows`, so also `ticketq classify`) and the worker (each ticket of a
 message). The rule, in full:
 
 - `id`: optional (absent or null: the receiver names the ticket). Otherwise a string or an
@@ -31,6 +31,8 @@ import re
 from collections.abc import Mapping
 from enum import Enum
 from typing import Literal, NamedTuple, TypedDict
+
+from ticketq.errors import TicketqError
 
 MAX_TICKET_BYTES = 65536  # default of TICKETQ_MAX_TICKET_BYTES
 SCHEMA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # how a schema is named (files, tickets, results)
@@ -62,7 +64,7 @@ class Reason(str, Enum):
     UNKNOWN_TASK = "unknown_task"
     INVALID_TASK = "invalid_task"
     UNREADABLE_MESSAGE = "unreadable_message"
-    # a ticket file's row (producer.tickets) or a ticket the producer sent
+    # a ticket file's row (producer.ticketrows) or a ticket the producer sent
     MALFORMED_ROW = "malformed_row"
     INVALID_JSON = "invalid_json"
     MALFORMED_CSV = "malformed_csv"
@@ -82,7 +84,7 @@ DEAD_LETTER_REASONS: tuple[Reason, ...] = (
 )  # fmt: skip
 
 
-class TicketRejected(ValueError):
+class TicketRejected(TicketqError, ValueError):
     """A ticket or message that cannot be classified; `reason` is a `Reason` value (a plain str).
 
     `str()` is `"<reason>: <detail>"`, which is all Celery stores of an exception: a client

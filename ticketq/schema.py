@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from ticketq.contract import SCHEMA_NAME
+from ticketq.errors import TicketqError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -83,7 +84,7 @@ _SCHEMA_KEYS = ("name", "system", "truncation", "layout", "fields")
 _FIELD_KEYS = ("instruction", "labels", "multi", "threshold", "select")
 
 
-class SchemaError(ValueError):
+class SchemaError(TicketqError, ValueError):
     """A schema that cannot be used: `problems` holds one line per problem, all of them at once."""
 
     def __init__(self, problems: Sequence[str]) -> None:

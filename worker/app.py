@@ -29,6 +29,8 @@ from ticketq.config import is_redis_url, is_sentinel_url, mask_url
 from ticketq.connections import RedisUnavailable, connect, redis_client
 from ticketq.contract import DEAD_LETTER_REASONS, Reason, TicketRejected
 from ticketq.dead_letters import raw_entry
+from ticketq.errors import TicketqError
+from ticketq.exits import EXIT_USAGE
 from ticketq.names import TASK_CLASSIFY
 from worker.health import refusals
 from worker.health.progress import CLASSIFYING
@@ -49,7 +51,7 @@ log = logging.getLogger(__name__)
 ClassifierFactory = Callable[[Settings], Classifier]
 
 
-class ModelNotReady(RuntimeError):
+class ModelNotReady(TicketqError, RuntimeError):
     """The engine could not be built (model missing, bad settings)."""
 
 
@@ -59,7 +61,7 @@ class CannotStart(SystemExit):
     with `str()` the one line that says what to do."""
 
     def __init__(self, message: str, logged: bool = False) -> None:
-        super().__init__(2)  # EXIT_USAGE of the command-line table (producer.clitools)
+        super().__init__(EXIT_USAGE)
         self.message, self.logged = message, logged
 
     def __str__(self) -> str:

@@ -42,6 +42,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from ticketq.errors import TicketqError
 from ticketq.names import QUEUE
 from worker import constants as c
 from worker.health.data_loss import DATA_LOST
@@ -57,7 +58,7 @@ Check = Callable[[], "str | None"]  # a readiness check: None when fine, else wh
 M = TypeVar("M")
 
 
-class MetricsPortInUse(OSError):
+class MetricsPortInUse(TicketqError, OSError):
     """The metrics port is taken; the message names the port and TICKETQ_METRICS_PORT."""
 
 

@@ -65,7 +65,8 @@ from servers import MASTER_NAME, SentinelServer, SentinelSet, require_redis_serv
 from test_partition import Namespace  # noqa: E402
 from workers import RedisServer, Worker, wait_for, worker_env  # noqa: E402
 
-from producer.api import Producer, TicketResult  # noqa: E402
+from producer.api import Producer  # noqa: E402
+from producer.messages import TicketResult  # noqa: E402
 from producer.synthetic import generate_tickets  # noqa: E402
 from ticketq.config import ClientSettings  # noqa: E402
 from ticketq.names import DEAD_LETTER_STREAM, RESULTS_STREAM  # noqa: E402
@@ -288,7 +289,8 @@ class Load:
     def _count_resends(self, producer: Producer) -> None:
         """Every message the waiter publishes is a re-send (the sender sends the first copies):
         counted where `wait` publishes it, whatever its log says."""
-        publish = producer._publish
+        sender = producer._sender  # the waiter's re-sends go through its producer's sender
+        publish = sender.publish
 
         def counted(*args, **kwargs):
             result = publish(*args, **kwargs)
@@ -296,7 +298,7 @@ class Load:
                 self.ledger.resent += 1
             return result
 
-        producer._publish = counted
+        sender.publish = counted
 
     def start(self) -> None:
         for thread in self.threads:

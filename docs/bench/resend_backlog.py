@@ -97,7 +97,7 @@ def main() -> int:
     client = redis.Redis.from_url(url)
     wait_for(lambda: pings(client), 10, "redis-server")
     resent = Resent()
-    logging.getLogger("producer.api").addHandler(resent)
+    logging.getLogger("producer.waiting").addHandler(resent)
     producer = Producer(ClientSettings(broker_url=url, queue=QUEUE))
     worker = None
     try:

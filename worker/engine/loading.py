@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from ticketq.errors import TicketqError
 from ticketq.process import paused_gc
 from worker.settings import decoder_only_problem
 
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 STANDIN_MARKER = "ticketq_standin.json"
 
 
-class ModelNotFound(RuntimeError):
+class ModelNotFound(TicketqError, RuntimeError):
     """The model could not be loaded; the message names the stand-in command."""
 
 

@@ -18,6 +18,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from ticketq.errors import TicketqError
 from ticketq.schema import Schema
 from worker.engine.fields import FieldsEngine
 from worker.engine.model import Engine
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 Item = tuple[str, object]  # (schema name, ticket text)
 
 
-class UnknownSchema(KeyError):
+class UnknownSchema(TicketqError, KeyError):
     """A ticket named a schema this worker does not serve; the message names the ones it does."""
 
     def __init__(self, name: str, known: Sequence[str]) -> None:

@@ -17,6 +17,7 @@ import redis
 
 from ticketq import codec
 from ticketq.epoch import Epoch, Loss, whoami
+from ticketq.errors import TicketqError
 from ticketq.lua import script
 from ticketq.names import ATTEMPTS_KEY, DEAD_LETTER_STREAM, EPOCH_KEY, RESULTS_STREAM, REVIEW_STREAM
 from worker.health.data_loss import DATA_LOST
@@ -228,7 +229,7 @@ class Outbox(Writes):
         self.retrying(lambda: self.redis.xadd(DEAD_LETTER_STREAM, entry, maxlen=self.stream_maxlen))
 
 
-class Unconfirmed(redis.ConnectionError):
+class Unconfirmed(TicketqError, redis.ConnectionError):
     """A publish call that Redis did not answer within worst_batch_s: it may still have run (a
     command sent into a partition arrives when it heals). `Outbox.landed` finds out."""
 

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from ticketq.contract import Reason, TicketRejected
+from ticketq.errors import TicketqError
 from ticketq.schema import TicketFields
 from worker.results import Prediction
 from worker.service.answers import raw_ticket
@@ -18,7 +19,7 @@ from worker.service.retry import retry_in_halves
 from worker.service.routing import Routing
 
 
-class PublishFailed(RuntimeError):
+class PublishFailed(TicketqError, RuntimeError):
     """Publishing a forward batch's results failed (Redis away too long): not an engine error to retry."""
 
 

@@ -12,17 +12,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from producer.clitools import (
-    CONTEXT_SETTINGS,
-    EXIT_FAILED,
-    EXIT_NO_WORKER,
-    EXIT_USAGE,
-    command,
-    error,
-    exit_status,
-    report,
-)
-from producer.tickets import OutputError, PartialResults, TicketFileError, TicketReader, check_output
+from producer.resultfile import OutputError, PartialResults, check_output
+from producer.ticketfile import TicketReader
+from producer.ticketrows import TicketFileError
+from ticketq.cli import CONTEXT_SETTINGS, command, error, report
+from ticketq.exits import EXIT_FAILED, EXIT_NO_WORKER, EXIT_USAGE, exit_status
 
 cli = typer.Typer(
     help="ticketq — route support tickets with a small LLM: Redis + Celery micro-batches, length-sorted, "
@@ -462,7 +456,7 @@ cli.add_typer(dead, name="dead")
 @contextmanager
 def _ops():
     """The operator commands' Ops on a broker that answers (else one line naming it), closed after."""
-    from producer.api import BrokerUnavailable
+    from producer.errors import BrokerUnavailable
     from worker.tools.ops import Ops
 
     ops = Ops(_settings())

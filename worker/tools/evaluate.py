@@ -31,7 +31,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from producer.tickets import Row, RowError, TicketRow
+from producer.ticketrows import Row, RowError, TicketRow
 from ticketq.schema import Schema
 
 THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)

@@ -35,8 +35,8 @@ from typing import Annotated
 import typer
 
 from producer.api import Producer
-from producer.clitools import CONTEXT_SETTINGS
 from producer.synthetic import generate_tickets
+from ticketq.cli import CONTEXT_SETTINGS
 from ticketq.names import RESULTS_STREAM
 from worker.settings import Settings
 from worker.tools.procs import free_port, model_info, running_worker, scrape

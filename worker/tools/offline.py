@@ -6,7 +6,7 @@ Every input row ends as exactly one result row, in file order, with its `source`
 refused or classified here as it would be there.
 
 The file is streamed: rows are read, tokenised and classified a chunk at a time, and each chunk's
-result rows are appended to the partial results file (`producer.tickets.PartialResults`) before
+result rows are appended to the partial results file (`producer.resultfile.PartialResults`) before
 the next chunk is read, so memory holds one chunk however large the file. Chunks start at
 FIRST_CHUNK rows, so the first result row comes after one forward pass of one ticket even from
 the full-size model on a slow CPU (16 rows would take several: the planner cuts them by
@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from producer.clitools import MAX_SHOWN
-from producer.tickets import PartialResults, Row, RowError, TicketReader, TicketRow
+from producer.resultfile import PartialResults
+from producer.ticketfile import TicketReader
+from producer.ticketrows import Row, RowError, TicketRow
+from ticketq.cli import MAX_SHOWN
 from ticketq.schema import TicketFields
 from worker.engine.prompt import InvalidTicket
 from worker.results import BatchReport, Prediction
@@ -43,7 +45,7 @@ CHUNK_TEXT_CHARS = 8 << 20  # a chunk of long tickets stops sooner: 8 Mi charact
 class Failures(Sequence[str]):
     """How many rows failed and the first MAX_SHOWN of them as `source: reason: error` lines.
 
-    `producer.clitools.report` takes it as its list: it prints the first MAX_SHOWN lines and
+    `ticketq.cli.report` takes it as its list: it prints the first MAX_SHOWN lines and
     counts the rest, so the other lines are never needed (they are all in the results file).
     """
 
@@ -113,7 +115,7 @@ class Summary:
             self.pad_tokens += report.pad_tokens
 
     def line(self) -> str:
-        """`read N rows: X ok, Y failed (count reason, ...)`, as `producer.clitools.summary_line` words it."""
+        """`read N rows: X ok, Y failed (count reason, ...)`, as `ticketq.cli.summary_line` words it."""
         detail = ", ".join(f"{count} {reason}" for reason, count in self.reasons.most_common())
         return f"read {self.rows} rows: {self.ok} ok, {self.failed} failed" + (f" ({detail})" if detail else "")
 

@@ -23,6 +23,7 @@ from producer.api import Producer
 from ticketq import connections, epoch, names
 from ticketq.config import mask_url
 from ticketq.contract import Reason, TicketRejected, validate_ticket
+from ticketq.errors import TicketqError
 from worker.redis import requeue
 from worker.settings import Settings
 
@@ -301,7 +302,7 @@ def _when(unix: object) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(unix))
 
 
-class NotRequeueable(ValueError):
+class NotRequeueable(TicketqError, ValueError):
     """A dead letter that cannot be re-sent: its bytes are not a ticketq task's JSON arguments, or
     were cut, or its task id belongs to another message."""
 

@@ -46,6 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ticketq.errors import TicketqError
 from worker.engine import batching
 from worker.engine.prompt import EncodedTicket, LabelTrie, PromptTemplate
 from worker.results import BatchReport, Prediction
@@ -93,7 +94,7 @@ convert_hf_to_gguf.main()
 CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 
 
-class PeerUnavailable(RuntimeError):
+class PeerUnavailable(TicketqError, RuntimeError):
     """The peer cannot run here; the message is the one-line reason the bench prints."""
 
 

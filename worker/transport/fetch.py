@@ -48,6 +48,7 @@ from kombu.utils.json import dumps
 from ticketq import codec, connections
 from ticketq.contract import Reason
 from ticketq.dead_letters import raw_entry
+from ticketq.errors import TicketqError
 from ticketq.lua import script
 from ticketq.names import DEAD_LETTER_STREAM, FETCHING_KEY, OWNED_KEY
 from worker.health import refusals
@@ -61,7 +62,7 @@ FETCH_MORE = script(__package__, "fetch_more")  # beside this module: fetch_more
 REFUSED_PAUSE_S = 1.0  # after a refused write, fetching waits this long before it tries again
 
 
-class WritesRefused(redis.ConnectionError):
+class WritesRefused(TicketqError, redis.ConnectionError):
     """A channel opened on a Redis that refuses writes (full, too few replicas, a read-only replica):
     raised as a connection error, so Celery retries connecting, as for a broker that is down."""
 

@@ -27,6 +27,8 @@ from celery.worker.consumer.heart import Heart
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
+from ticketq.errors import TicketqError
+
 log = logging.getLogger(__name__)
 
 # Library -> (lowest, first untested) versions the shims were written and tested against.
@@ -87,7 +89,7 @@ REDIS_MIN = (6, 2)  # BLMOVE
 HEART_STEP = f"{Heart.__module__}:{Heart.__name__}"
 
 
-class IncompatibleLibrary(RuntimeError):
+class IncompatibleLibrary(TicketqError, RuntimeError):
     """A library changed under a shim of `worker.transport`."""
 
 

@@ -18,7 +18,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from producer.clitools import CONTEXT_SETTINGS, EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from ticketq.cli import CONTEXT_SETTINGS
+from ticketq.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from worker.tools.bench.records import DEFAULT_MODES, DEFAULTS, FIELD_MODES, MODES, QUICK, SCHEMA_MODES, Options
 from worker.tools.bench.report import make_header, print_report, strict_failure, summarise, write_outputs
 from worker.tools.bench.runner import load_tickets, run_modes, setup

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ticketq.errors import TicketqError
 from worker.engine.prompt import EncodedTicket
 from worker.results import BatchReport
 from worker.tools.bench.memory import peak_rss_mb, reset_peak_rss
@@ -44,11 +45,11 @@ CRASH_ENV = "TICKETQ_TEST_PEER_CRASH"
 POLL_S = 0.2  # how often the parent looks whether a silent child is still alive
 
 
-class PeerCrashed(RuntimeError):
+class PeerCrashed(TicketqError, RuntimeError):
     """The peer's process died; the message says how ("crashed: signal 11 (SIGSEGV)")."""
 
 
-class PeerFailed(RuntimeError):
+class PeerFailed(TicketqError, RuntimeError):
     """The peer raised in its process; the message is its error."""
 
 

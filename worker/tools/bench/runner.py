@@ -67,7 +67,8 @@ def load_tickets(options: Options, console: Console) -> list[dict] | None:
         from producer.synthetic import generate_tickets
 
         return generate_tickets(options.tickets, seed=options.seed)
-    from producer.tickets import TicketFileError, read_tickets
+    from producer.ticketfile import read_tickets
+    from producer.ticketrows import TicketFileError
 
     try:
         source = read_tickets(options.tickets_file)
@@ -407,7 +408,8 @@ class QueueRun(ModeRun):
     producer = None
 
     def start(self) -> None:
-        from producer.api import BrokerUnavailable, Producer
+        from producer.api import Producer
+        from producer.errors import BrokerUnavailable
 
         bench = self.context.bench
         self.result.rss_of = "worker process"

@@ -1,5 +1,6 @@
-"""Conventions both command-line programs (`ticketq`, `ticketq-produce`) share: exit statuses,
-`-h`/`--version` on every command, the list of failed rows, and the summary line of a file run.
+"""Conventions both command-line programs (`ticketq`, `ticketq-produce`) share: `-h`/`--version`
+on every command, the list of failed rows, and the summary line of a file run. The exit statuses
+are `ticketq.exits`'.
 
 No torch, no worker internals: `ticketq-produce` imports it.
 """
@@ -18,20 +19,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-EXIT_OK = 0  # every row or ticket classified
-EXIT_FAILED = 1  # some rows or tickets failed (each one is reported)
-EXIT_USAGE = 2  # bad settings or options, unreadable input, Redis unreachable: nothing was done
-EXIT_NOTHING = 3  # the input was read, but not one ticket was classified
-EXIT_NO_WORKER = 4  # `ticketq status`: Redis answered, no worker did (or none could be asked)
-
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"]}
 MAX_SHOWN = 20
-
-
-def exit_status(ok: int, failed: int) -> int:
-    if failed == 0 and ok:
-        return EXIT_OK
-    return EXIT_FAILED if ok else EXIT_NOTHING
 
 
 def version_line(prog: str) -> str:

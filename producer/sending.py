@@ -1,0 +1,140 @@
+"""Publishing messages: one at a time, or in Redis pipelines of PUBLISH_BATCH that ride out an
+outage and say exactly what Redis took when a bulk send stops part way.
+
+Cost of an outage: each pipeline that failed on a lost connection is sent again whole once Redis
+answers (`producer.outage`), under the same task ids; worst case, a message of it reaches Redis
+twice, and the worker publishes its answer once.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+
+from tqdm import tqdm
+
+from producer.backend import BulkRedisBackend, finished
+from producer.broker import Broker
+from producer.errors import BATCH_ERRORS, CONNECTION_ERRORS, SendInterrupted, SendStopped
+from producer.messages import Checked, TicketResult, argsrepr, payload
+from producer.outage import Outage
+from producer.resends import next_send
+from ticketq.names import TASK_CLASSIFY
+
+PUBLISH_BATCH = 500  # messages per Redis pipeline in submit_many (kombu >= 5.7's Producer.batch)
+
+
+class Sender:
+    """Sends messages to the classify task on `settings.queue` through `broker`."""
+
+    def __init__(self, broker: Broker, retry_for_s: float) -> None:
+        self.broker, self.retry_for_s = broker, retry_for_s
+        self.result_cls = broker.app.subclass_with_self(TicketResult)
+
+    def send_chunks(self, chunks: list, task_ids: list, packed: bool, progress: bool) -> list[TicketResult]:
+        """Publish `chunks` one message each, PUBLISH_BATCH per Redis pipeline.
+
+        A pipeline per block of PUBLISH_BATCH, each flushed before the next starts, so what Redis
+        took is known exactly when the run stops part way: Ctrl-C (`SendInterrupted`), or Redis
+        lost for longer than `retry_for_s` or refusing the writes (`SendStopped`). A block whose
+        pipeline failed on a lost connection is sent again whole once Redis answers, under the
+        same task ids (fixed here, before the first try): at worst a duplicate, published once.
+        """
+        task_ids = [task_id or str(uuid.uuid4()) for task_id in task_ids]
+        results: list[TicketResult] = []
+        with tqdm(total=sum(map(len, chunks)), unit="ticket", desc="enqueue", disable=not progress) as bar:
+            for first in range(0, len(chunks), PUBLISH_BATCH):
+                block = range(first, min(first + PUBLISH_BATCH, len(chunks)))
+                results += self._send_block([chunks[i] for i in block], [task_ids[i] for i in block], packed, results)
+                bar.update(sum(len(chunks[index]) for index in block))
+        return results
+
+    def _send_block(self, chunks: list, task_ids: list[str], packed: bool, before: list[TicketResult]
+                    ) -> list[TicketResult]:  # fmt: skip
+        """One pipeline of messages, tried again through an outage (`Outage`, up to `retry_for_s`);
+        `before`: what the run sent so far, for the exceptions that say so."""
+        outage = Outage("sending", None, self.retry_for_s, refusals=False)
+        maybe: list[TicketResult] = []  # the most of the block any try handed to Redis
+        try:
+            while True:
+                attempted: list[TicketResult] = []
+                try:
+                    with self.broker.acquire_producer() as kombu_producer, publish_batch(kombu_producer):
+                        for chunk, task_id in zip(chunks, task_ids, strict=True):
+                            attempted.append(self.send(chunk, packed, kombu_producer, task_id))
+                            maybe = max(maybe, attempted, key=len)
+                    outage.over()
+                    return attempted
+                except (*CONNECTION_ERRORS, *BATCH_ERRORS) as exc:  # a pipeline flushed at the end of the block
+                    self.broker.checked = False
+                    if len(attempted) < len(chunks):  # the message whose publish met the error flushed the pipeline
+                        at = len(attempted)
+                        maybe = max(maybe, [*attempted, self.result_of(task_ids[at], chunks[at], packed)], key=len)
+                    error = self.broker.unreachable(exc, sent=len(before))
+                    if not outage.ride_out(error, raises=False):
+                        raise SendStopped(error, before, maybe) from None
+        except KeyboardInterrupt:
+            raise SendInterrupted(before, maybe) from None
+
+    def send(self, tickets: Sequence[Checked], packed: bool, producer: object = None,
+             task_id: str | None = None) -> TicketResult:  # fmt: skip
+        """Publish one message. `submitted_at` (the send time, for the queue-wait figures) is left
+        out of the worker's comparison of an idempotent message (`task_id` given) sent again: the
+        same tickets under the same id are one message, other tickets under it another message
+        reusing the id (answered `duplicate_task_id`)."""
+        self.broker.ensure_checked()
+        now = time.time()
+        rows = [{**payload(ticket), "submitted_at": now} for ticket in tickets]
+        ticket_ids = tuple(ticket_id for ticket_id, *_ in tickets)
+        args = (rows if packed else rows[0],)
+        return self.publish(task_id or str(uuid.uuid4()), args, ticket_ids, packed, producer)
+
+    def publish(self, task_id: str, args: tuple, ticket_ids: tuple[str, ...], packed: bool,
+                producer: object = None) -> TicketResult:  # fmt: skip
+        try:
+            result = self.broker.app.send_task(
+                TASK_CLASSIFY,
+                args=list(args),
+                queue=self.broker.settings.queue,
+                task_id=task_id,
+                result_cls=self.result_cls,
+                # Celery copies repr(args) into the message headers, where logs and Flower show it;
+                # tickets carry customer text, so the headers name the ticket ids only.
+                argsrepr=argsrepr(list(ticket_ids), packed),
+                producer=producer,  # None: Celery acquires one from its pool for this message
+            )
+        except (*CONNECTION_ERRORS, RuntimeError) as exc:
+            self.broker.checked = False
+            raise self.broker.unreachable(exc) from None
+        result.ticket_ids, result.packed, result.message_args = ticket_ids, packed, args
+        result.sent_seq = next_send()
+        return result
+
+    def result_of(self, task_id: str, chunk: Sequence[Checked], packed: bool) -> TicketResult:
+        """The result of a message sent before (under `task_id`), as if this producer had just sent it."""
+        result = self.result_cls(task_id)
+        rows = [payload(ticket) for ticket in chunk]
+        result.ticket_ids, result.packed = tuple(ticket_id for ticket_id, *_ in chunk), packed
+        result.message_args = (rows if packed else rows[0],)
+        result.sent_before = True
+        return result
+
+    def answered(self, task_ids: Sequence[str]) -> set[str]:
+        """The task ids among `task_ids` that have a finished result in the Redis result backend."""
+        backend = self.broker.app.backend
+        if not isinstance(backend, BulkRedisBackend) or not task_ids:
+            return set()
+        try:
+            return {task_id for task_id, _, _ in finished(backend, task_ids)}
+        except CONNECTION_ERRORS as exc:
+            raise self.broker.unreachable(exc) from None
+
+
+def publish_batch(producer: object) -> AbstractContextManager:
+    """kombu >= 5.7 buffers a `batch()` block's publishes in Redis pipelines, flushed every
+    `max_size` messages and at the block's end (a block that raises discards what is not flushed
+    yet). Older kombu, or a transport that cannot batch, publishes each message at once."""
+    batch = getattr(producer, "batch", None)
+    return batch(max_size=PUBLISH_BATCH) if batch is not None else nullcontext()
