@@ -20,6 +20,7 @@ from pathlib import Path
 import click.testing
 import pytest
 import redis
+from commands import engine_env, run
 from typer.testing import CliRunner
 from workers import ROOT, null_classifier_service
 
@@ -31,26 +32,11 @@ from worker.tools.cli import cli as ticketq_app
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 
-def run(args: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT, timeout: float = 300):
-    """One CLI call in a fresh process; TICKETQ_* comes only from `env`."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
-    clean.update({"PYTHONUNBUFFERED": "1", "COLUMNS": "80", **(env or {})})
-    program, *rest = args
-    module = {"ticketq": "worker.tools.cli", "ticketq-produce": "producer.cli"}[program]
-    return subprocess.run([sys.executable, "-m", module, *rest], env=clean, cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
-
-
 def csv_with_broken_quote(path: Path, n: int = 100, broken: int = 50) -> Path:
     rows = ["id,text"] + [f"T-{i},ticket {i}: my invoice shows a charge I do not recognise" for i in range(1, n + 1)]
     rows[broken] = f'T-{broken},"unterminated quote in this ticket'
     path.write_text("\n".join(rows) + "\n", encoding="utf-8")
     return path
-
-
-def engine_env(model_dir: Path) -> dict[str, str]:
-    return {"TICKETQ_MODEL": str(model_dir), "TICKETQ_DEVICE": "cpu", "TICKETQ_DTYPE": "float32",
-            "TICKETQ_THREADS": "1"}  # fmt: skip
 
 
 # --- -h and --version on every command (in-process: the same click commands main() runs) ---

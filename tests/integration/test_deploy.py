@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = DEPLOY / "Dockerfile"

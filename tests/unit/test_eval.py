@@ -6,7 +6,7 @@ import json
 import re
 
 import pytest
-from test_cli import run
+from commands import run
 
 from ticketq.schema import Schema, load_schema
 from worker.tools.evaluate import Scores, SetScores, parse_expected

@@ -1,6 +1,6 @@
 """Fault injection for the reliability tests: a ticketq worker whose classifier fails on purpose.
 
-    python tests/faults.py      # environment as for `ticketq worker`, plus the variables below
+    python tests/support/faults.py      # environment as for `ticketq worker`, plus the variables below
 
 The null classifier, except that a batch holding a text that contains the marker (POISON_MARKER_ENV)
 raises `EngineFault` (an engine exception), a text containing `<marker>:exit` ends the process with

@@ -33,7 +33,7 @@ from ticketq.contract import (
     validate_ticket,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LIMIT = 64  # TICKETQ_MAX_TICKET_BYTES for these tests (its lowest allowed value)
 DEAD_URL = "redis://:s3cret@127.0.0.1:1/0"  # nothing listens on port 1
 

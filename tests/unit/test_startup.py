@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_cli import engine_env
+from commands import engine_env
 
 from ticketq.process import paused_gc
 from worker.engine.kernels import PackedLinear

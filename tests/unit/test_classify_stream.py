@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_cli import engine_env, run
+from commands import engine_env, run
 
 from producer.clitools import EXIT_FAILED, EXIT_OK, EXIT_USAGE, summary_line
 from producer.synthetic import generate_tickets

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_cli import run
+from commands import run
 from workers import RedisServer, free_port
 
 DEAD = "redis://127.0.0.1:1/0"  # nothing listens on port 1

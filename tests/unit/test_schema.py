@@ -21,7 +21,7 @@ from ticketq.schema import (
     parse_schema,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 GOOD = """
 name = "support"
