@@ -28,6 +28,8 @@ from worker.nullclassifier import NullClassifier
 from worker.service import TicketService
 from worker.settings import Settings
 
+pytestmark = pytest.mark.integration
+
 LABELS = ("billing", "technical", "account")
 
 

@@ -26,6 +26,8 @@ from worker.tools.bench.records import Answer
 from worker.tools.bench.report import compare
 from worker.tools.procs import ROOT
 
+pytestmark = pytest.mark.integration
+
 PROB_TOL = 1e-4
 IN_PROCESS = ["sequential", "naive", "naive-global", "sorted", "ticketq"]
 ROW_KEYS = {

@@ -29,6 +29,8 @@ from producer.clitools import EXIT_FAILED, EXIT_NOTHING, EXIT_USAGE, command
 from worker.settings import Settings
 from worker.tools.cli import cli as ticketq_app
 
+pytestmark = pytest.mark.integration
+
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 

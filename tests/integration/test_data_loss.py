@@ -26,6 +26,8 @@ from worker import store
 from worker.metrics import Metrics
 from worker.tools.ops import redis_data_line
 
+pytestmark = pytest.mark.integration
+
 LOST = "Redis lost its data"
 
 
@@ -86,7 +88,6 @@ def ticketq(args: list[str], url: str, queue: str) -> subprocess.CompletedProces
                           text=True, timeout=60)  # fmt: skip
 
 
-@pytest.mark.integration
 def test_a_redis_restarted_without_its_data_is_reported_in_the_log_metrics_and_status(server, tmp_path):
     queue = f"loss-{uuid.uuid4().hex[:8]}"
     env = worker_env(None, server.url, queue, TICKETQ_NULL_CLASSIFIER="1", TICKETQ_LEASE_S="4")

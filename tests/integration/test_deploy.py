@@ -37,6 +37,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 COMPOSE = ROOT / "docker-compose.yml"
@@ -990,7 +992,6 @@ def prometheus(prometheus_bins, tmp_path_factory) -> Iterator:
         prom.close()
 
 
-@pytest.mark.integration
 def test_live_dashboard_expressions(prometheus, metrics_target, exporter_target, deploy_queue):
     exporter, depths = exporter_target
     prom = prometheus([metrics_target, exporter])
@@ -1045,7 +1046,6 @@ def alert_scenarios(prometheus, request) -> dict[str, tuple[_Prometheus, int]]:
     return out
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("scenario", ["degraded", "healthy", "no-worker"])
 def test_live_alert_expressions(alert_scenarios, scenario):
     _, expected = _scenario_expectations()[scenario]

@@ -16,6 +16,8 @@ import pytest
 from commands import run
 from workers import RedisServer, free_port
 
+pytestmark = pytest.mark.integration
+
 DEAD = "redis://127.0.0.1:1/0"  # nothing listens on port 1
 NULL = {"TICKETQ_NULL_CLASSIFIER": "1", "TICKETQ_METRICS_PORT": "0"}
 
@@ -65,7 +67,6 @@ def test_exit_status_and_message(case, tmp_path):
     assert "Traceback" not in output, output[-3000:]
 
 
-@pytest.mark.integration
 def test_worker_with_a_wrong_password_or_a_directory_that_is_no_model_exits_2(tmp_path):
     workdir = tmp_path / "redis"
     workdir.mkdir()

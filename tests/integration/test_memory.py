@@ -41,6 +41,8 @@ from worker import store
 from worker.settings import Settings
 from worker.tools.ops import Ops
 
+pytestmark = pytest.mark.integration
+
 QUEUE = "memory"
 FULL = "Redis is full (maxmemory)"
 OOM = redis.exceptions.OutOfMemoryError("command not allowed when used memory > 'maxmemory'.")
@@ -105,7 +107,6 @@ def test_a_server_at_the_edge_of_its_limit_makes_one_episode(caplog):
 # real servers
 
 
-@pytest.mark.integration
 def test_status_on_a_full_redis_says_the_workers_could_not_be_asked(tmp_path):
     """Celery's ping writes (its reply queue), which a full Redis refuses: one line, not a traceback."""
     server = start_redis(tmp_path, "--maxmemory-policy", "noeviction")
@@ -153,7 +154,6 @@ def readyz(worker: Worker) -> tuple[int, str]:
         return 0, ""
 
 
-@pytest.mark.integration
 def test_an_evicting_policy_stops_the_worker_with_the_fix(tmp_path):
     # CONFIG renamed away, as managed Redis does: the policy is read from INFO memory instead.
     server = start_redis(tmp_path, "--maxmemory", "20mb", "--maxmemory-policy", "allkeys-lru",
@@ -179,7 +179,6 @@ def test_an_evicting_policy_stops_the_worker_with_the_fix(tmp_path):
         server.kill()
 
 
-@pytest.mark.integration
 def test_acks_go_through_on_a_full_redis(tmp_path):
     """The unacked record of delivered messages can be removed while Redis refuses every new write."""
     from worker.transport import fetch
@@ -203,7 +202,6 @@ def test_acks_go_through_on_a_full_redis(tmp_path):
         server.kill()
 
 
-@pytest.mark.integration
 def test_a_full_redis_stops_nothing_and_everything_resumes(tmp_path):
     server = start_redis(tmp_path, "--maxmemory-policy", "noeviction")
     client = server.client()

@@ -17,6 +17,8 @@ from worker.metrics import Metrics, health_app
 from worker.results import Prediction
 from worker.shadow import ShadowChecker
 
+pytestmark = pytest.mark.integration
+
 REDIS_URL = "redis://127.0.0.1:6379/9"
 
 
@@ -133,7 +135,6 @@ def client():
     client.close()
 
 
-@pytest.mark.integration
 def test_the_exporter_reports_each_queue_s_backlog_with_no_worker(client):
     from ticketq.names import queue_lists
     from worker import store

@@ -17,6 +17,8 @@ from workers import ROOT, free_port, null_classifier_service, skip_or_fail, wait
 
 from ticketq import names
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
@@ -140,7 +142,6 @@ def run(command: list[str], url: str, **extra: str) -> subprocess.CompletedProce
                           timeout=90)  # fmt: skip
 
 
-@pytest.mark.integration
 def test_a_bare_rediss_url_uses_the_system_store_or_says_what_to_give(tls_redis):
     url, ca = tls_redis
     commands = {

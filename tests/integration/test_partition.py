@@ -37,6 +37,8 @@ from ticketq import names
 from ticketq.config import ClientSettings
 from worker import store
 
+pytestmark = pytest.mark.integration
+
 QUEUE = "partition"
 LEASE_S = 3
 WORST_BATCH_S = 5
@@ -88,7 +90,6 @@ def namespace_or_skip() -> Namespace:
         raise
 
 
-@pytest.mark.integration
 def test_a_partitioned_worker_leaves_what_was_taken_over(tmp_path):
     ns = namespace_or_skip()
     server = RedisServer(tmp_path, aof=False, args=["--bind", f"127.0.0.1 {ns.host_ip}", "--protected-mode", "no"])

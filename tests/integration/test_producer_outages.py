@@ -1,7 +1,7 @@
 """The producer under interruption and outage: a Redis restart while it waits, results behind a
 head that never comes, Ctrl-C while it waits or sends, and a file sent again.
 
-Each test starts its own redis-server (tests/workers.py RedisServer) and real null-classifier
+Each test starts its own redis-server (tests/support/workers.py RedisServer) and real null-classifier
 workers (TICKETQ_NULL_CLASSIFIER=1), runs `ticketq-produce` as a subprocess where the test
 signals or outlives it, and synchronises on events (queue lengths, output lines, process exits),
 never on sleeps. Figures are printed: `pytest -s`.

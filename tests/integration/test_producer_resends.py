@@ -32,6 +32,8 @@ from ticketq import names
 from ticketq.config import ClientSettings
 from worker.tools.procs import WORKER_COMMAND
 
+pytestmark = pytest.mark.integration
+
 
 def message(task_id: str) -> bytes:
     """A queue item as kombu writes it (only what `task_id_of` reads)."""
@@ -125,7 +127,6 @@ def stream_counts(client: redis.Redis) -> Counter:
                    for _, f in client.xrange(names.RESULTS_STREAM))  # fmt: skip
 
 
-@pytest.mark.integration
 def test_a_backlog_is_resent_nothing_and_redis_never_holds_much_more_than_what_is_outstanding(
     tmp_path, redis_server, caplog
 ):
@@ -174,7 +175,6 @@ def test_a_backlog_is_resent_nothing_and_redis_never_holds_much_more_than_what_i
     assert len(counts) == n and set(counts.values()) == {1}
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("scan", [resends.QUEUE_SCAN, 50], ids=["whole-queue-read", "queue-longer-than-scan"])
 def test_a_lost_message_is_resent_within_the_bound(tmp_path, redis_server, caplog, monkeypatch, scan):
     """No worker yet, 300 queued; one message deleted from the queue list (as a Redis that lost its
@@ -227,7 +227,6 @@ def test_a_lost_message_is_resent_within_the_bound(tmp_path, redis_server, caplo
     assert len(counts) == n and set(counts.values()) == {1}
 
 
-@pytest.mark.integration
 def test_resume_after_redis_lost_its_queue_resends_the_lost_tickets(tmp_path, redis_server):
     """A run times out with 200 pending rows; Redis then loses everything (FLUSHALL, as a restart
     without persistence does). `--resume`, without --resend-after, re-sends them (neither answered,

@@ -66,7 +66,7 @@ def workers(tmp_path) -> Iterator[Callable[..., Worker]]:
 
     def start(env: dict[str, str], name: str, ready: bool = True, faulty: bool = False) -> Worker:
         env = {**env, "TICKETQ_METRICS_PORT": str(free_port())}  # a restarted worker gets a fresh port
-        command = [sys.executable, *FAULTY_WORKER] if faulty else WORKER_COMMAND  # faulty: tests/faults.py
+        command = [sys.executable, *FAULTY_WORKER] if faulty else WORKER_COMMAND  # faulty: tests/support/faults.py
         worker = Worker(env, tmp_path / f"{name}.log", command=command)  # its own log: wait_ready looks for " ready."
         started.append(worker)
         if ready:

@@ -1,4 +1,4 @@
-"""Redis Sentinel, for real: a primary, a replica and three sentinels (tests/servers.py), a real
+"""Redis Sentinel, for real: a primary, a replica and three sentinels (tests/support/servers.py), a real
 worker on the tiny stand-in, tickets flowing, then kill -9 of the primary.
 
 The replica falls behind for the last few sends before the kill (stopped, its replication link
@@ -32,6 +32,8 @@ from ticketq import connections, names
 from ticketq.config import ClientSettings, SettingsError, mask_url
 from worker import store
 from worker.settings import Settings
+
+pytestmark = pytest.mark.integration
 
 QUEUE = "failover"
 TICKETS = 600
@@ -184,7 +186,6 @@ def drained(client: redis.Redis, worker, timeout: float) -> None:
         raise AssertionError(f"{exc}: {in_flight(client)}; worker log:\n{worker.log()[-6000:]}") from None
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("replica_acks", [0, 1], ids=["no-replica-acks", "replica-acks-1"])
 def test_failover_loses_nothing_acknowledged_and_the_worker_follows(tmp_path, tiny_model_dir, replica_acks):
     with sentinel_set(tmp_path / "redis") as servers:
@@ -263,7 +264,6 @@ def run_failover(servers: SentinelSet, tmp_path, tiny_model_dir, replica_acks: i
             assert sends.unconfirmed, "the sends while the replica lagged were reported as not replicated"
 
 
-@pytest.mark.integration
 def test_a_master_demoted_under_a_plain_url_does_not_stop_the_worker(tmp_path):
     """redis:// straight at a master that becomes a replica (what a failover does to an old master
     that comes back): its blocked fetch is cut (UNBLOCKED), its writes answer READONLY. The worker
@@ -298,7 +298,6 @@ def test_a_master_demoted_under_a_plain_url_does_not_stop_the_worker(tmp_path):
     assert "Unrecoverable error" not in demoted_log
 
 
-@pytest.mark.integration
 def test_a_producer_caught_mid_send_by_a_failover_rides_it_out_and_accounts_for_every_ticket(tmp_path):
     """kill -9 of the primary while `ticketq-produce file` is sending (held by SIGSTOP at that
     point, so the kill lands mid-send on any machine): the producer asks again through the

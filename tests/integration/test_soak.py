@@ -25,6 +25,8 @@ from workers import redis_or_skip
 from worker.engine.kernels import ONEDNN_CACHE_VARIABLES, PackedLinear
 from worker.settings import Settings
 
+pytestmark = pytest.mark.integration
+
 ROOT = str(Path(__file__).resolve().parents[2])
 WARM_SHAPES = 30  # batch shapes run before the first reading: the capped caches are full by then
 MEASURED_SHAPES = 100  # new batch shapes between the two readings: +0.2 GB without the caps, +0-10 MB with

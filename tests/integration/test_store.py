@@ -26,6 +26,8 @@ from worker.store import (
     ticket_entry,
 )  # fmt: skip
 
+pytestmark = pytest.mark.integration
+
 REDIS_URL = "redis://127.0.0.1:6379/6"  # a database of its own: its stream entries are not ticket results
 
 

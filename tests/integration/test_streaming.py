@@ -29,6 +29,8 @@ from worker.results import Prediction
 from worker.service import TicketService
 from worker.settings import Settings
 
+pytestmark = pytest.mark.integration
+
 REDIS_URL = "redis://127.0.0.1:6379/3"
 LABELS = ("billing", "technical", "account")
 
@@ -257,7 +259,6 @@ def test_expired_message_is_answered_without_being_computed(client, app):
 # a real worker reads Celery's `expires` from a real message
 
 
-@pytest.mark.integration
 def test_worker_answers_an_expired_message_as_expired(client, tmp_path):
     from workers import running_worker, worker_env
 
@@ -363,7 +364,6 @@ def test_a_running_job_takes_held_requests_and_acks_each_once_its_result_is_out(
     assert sorted(acked) == ["a", "b", "c", "d"], "every request acked exactly once (c and d when their job returned)"
 
 
-@pytest.mark.integration
 def test_flushes_held_while_the_model_is_busy_become_one_job(client, tmp_path):
     """40 single messages reach a worker whose classifier takes 0.5 s a call, window 4.
 

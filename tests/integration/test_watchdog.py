@@ -5,7 +5,7 @@ and in `ticketq_classifying_stalled_seconds`, and renews again once it moves.
 Four tiers: the progress record alone; the service marking it (in process, on the machine's Redis,
 database 3, every check by its own task ids); the lease thread on a real kombu channel over a
 private redis-server, held back by a stalled record; and two real worker processes (the
-fault-injecting worker, tests/faults.py), the first hung in a forward until the test releases it.
+fault-injecting worker, tests/support/faults.py), the first hung in a forward until the test releases it.
 Every wait polls for an event (a key gone, a log line, a result, /readyz) with a generous
 deadline; the one bound on time asserted (the takeover) carries half a minute of slack.
 """
@@ -50,6 +50,8 @@ from worker.results import BatchReport
 from worker.service import TicketService
 from worker.settings import Settings
 from worker.transport import fetch
+
+pytestmark = pytest.mark.integration
 
 REDIS_URL = "redis://127.0.0.1:6379/3"
 LABELS = ("billing", "technical", "account")
@@ -200,7 +202,6 @@ HELD, LATE = 40, 40
 SLACK_S = 30  # a loaded 2-core machine: start-up and scheduling, never the mechanism itself
 
 
-@pytest.mark.integration
 def test_a_hung_forward_is_taken_over_and_every_ticket_answered_once(redis_server, workers, tmp_path):  # noqa: F811
     client, release, marker = redis_server.client(), tmp_path / "release", f"hang-{uuid.uuid4().hex[:8]}"
     # An hour's visibility timeout: only the lease can bring the hung worker's messages back in time.

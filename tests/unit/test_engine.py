@@ -593,7 +593,7 @@ def test_bfloat16_packed_for_onednn_gives_torchs_own_bf16_answers(tiny_settings,
         with pytest.raises(ValueError, match="native bf16"):
             Engine.from_settings(tiny_settings.model_copy(update={"dtype": "bfloat16", "matmul": "onednn"}))
         return
-    # transformers' layers on both sides (the fused loop has its own test, tests/test_fused.py)
+    # transformers' layers on both sides (the fused loop has its own test, tests/unit/test_fused.py)
     packed = Engine.from_settings(tiny_settings.model_copy(update={"dtype": "bfloat16", "matmul": "auto",
                                                                    "fuse": False}))  # fmt: skip
     plain = Engine.from_settings(tiny_settings.model_copy(update={"dtype": "bfloat16", "matmul": "torch"}))

@@ -37,7 +37,6 @@ def test_scores_by_hand():
     assert scores.as_dict()["confusion"]["technical"] == {"billing": 1, "technical": 1, "account": 0}
 
 
-@pytest.mark.integration
 def test_eval_on_a_file_matches_the_reference_answers(tmp_path, tiny_model_dir, tiny_engine):
     texts = ["I was charged twice this month", "the app crashes on start", "reset my password please",
              "refund my last invoice " * 8, "export to CSV times out", "delete my account"]  # fmt: skip
@@ -116,7 +115,6 @@ def test_parse_expected_names_what_is_wrong():
     assert parse_expected(only, "account") == {"category": "account"}  # one field: its label alone
 
 
-@pytest.mark.integration
 def test_eval_schema_counts_match_the_fields_engine(tmp_path, tiny_model_dir, tiny_engine):
     """A crafted file: expectations built from the FieldsEngine's own answers, so every count is known."""
     schema = load_schema(ROOT / "examples" / "schema-topics.toml")
@@ -188,7 +186,6 @@ def test_eval_schema_refusals_before_the_model(tmp_path):
     assert result.returncode == 2 and "fields" in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
-@pytest.mark.integration
 def test_eval_without_schema_refuses_an_object_and_says_why(tmp_path, tiny_model_dir):
     path = tmp_path / "labelled.jsonl"
     path.write_text('{"id": "a", "text": "refund please", "expected": "billing"}\n'

@@ -1,6 +1,6 @@
 """Several fields per ticket in one pass (`worker.engine.fields`), on the tiny stand-in (CPU, float32).
 
-The rule of tests/test_engine.py holds per field: every field's label probabilities equal the
+The rule of tests/unit/test_engine.py holds per field: every field's label probabilities equal the
 unbatched reference for that field's full prompt (one ticket, no cache, full-vocabulary logits,
 trie-constrained) within float32 noise, whatever the batch: tickets of very different lengths,
 fields of different label counts, a field whose labels share a first token, a multi-label field.
@@ -20,7 +20,7 @@ from worker.engine.fields import FieldsEngine
 from worker.engine.prompt import FieldsPrompt, system_text, truncate
 from worker.settings import DEFAULT_SYSTEM_PROMPT
 
-PROB_TOL = 1e-4  # batched vs reference, float32 (as tests/test_engine.py)
+PROB_TOL = 1e-4  # batched vs reference, float32 (as tests/unit/test_engine.py)
 
 SCHEMA = {
     "name": "test-fields",

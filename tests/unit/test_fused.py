@@ -23,7 +23,7 @@ from worker.settings import DEFAULT_SYSTEM_PROMPT
 
 pytestmark = pytest.mark.skipif(not PackedLinear.available(), reason="this torch has no oneDNN linear ops")
 
-PROB_TOL = 1e-4  # batched vs reference, float32 (as tests/test_engine.py)
+PROB_TOL = 1e-4  # batched vs reference, float32 (as tests/unit/test_engine.py)
 PATH_TOL = 1e-5  # fused vs transformers' layers, the same batches
 
 NESTED = ("account", "account security", "account security review", "technical")  # two trie levels
@@ -70,7 +70,7 @@ def test_bfloat16_batches_run_fused_without_post_ops_and_agree(tiny_settings, ti
     labels as transformers' bf16 layers give them off near-ties, probabilities within bf16 noise."""
     from worker.engine.kernels import cpu_has_native_bf16
 
-    if not cpu_has_native_bf16():  # bf16 weights stay plain here (tests/test_engine.py): nothing to fuse
+    if not cpu_has_native_bf16():  # bf16 weights stay plain here (tests/unit/test_engine.py): nothing to fuse
         plain = Engine.from_settings(tiny_settings.model_copy(update={"dtype": "bfloat16", "matmul": "auto"}))
         assert not plain.info.fused and FusedDecoder.build(plain.decoder) is None
         return

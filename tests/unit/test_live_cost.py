@@ -113,7 +113,6 @@ def test_an_unsound_cache_file_is_ignored(tmp_path):
     assert load_cached(engine) is None
 
 
-@pytest.mark.integration
 def test_the_engine_plans_with_what_it_learnt_from_its_own_forwards(tiny_engine):
     """The real engine's forward reports, fed as the service feeds them: their shapes span enough
     for a fit, and the next plan is costed by it. (The tiny model's own times are a few ms, mostly

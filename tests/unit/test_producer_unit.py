@@ -266,7 +266,7 @@ def test_ticket_results_single_packed_and_failed():
     assert odd[0]["status"] == "failed" and "unexpected result" in odd[0]["error"]
 
 
-# --- the CLI without Redis (import hygiene: tests/test_contract.py) ---
+# --- the CLI without Redis (import hygiene: tests/unit/test_contract.py) ---
 
 
 def test_cli_reports_unusable_input_and_dead_broker(tmp_path):

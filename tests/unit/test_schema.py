@@ -1,5 +1,5 @@
 """Schemas (`ticketq.schema`): the TOML format, every problem reported at once, the default schema,
-and the answer shapes. Plain Python: no model here (the engine side is tests/test_fields.py)."""
+and the answer shapes. Plain Python: no model here (the engine side is tests/unit/test_fields.py)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from worker.engine.schemas import SchemaSet, UnknownSchema
 from worker.results import Prediction
 from worker.tools.procs import ROOT
 
-PROB_TOL = 1e-4  # batched vs reference, float32 (as tests/test_engine.py)
+PROB_TOL = 1e-4  # batched vs reference, float32 (as tests/unit/test_engine.py)
 SUPPORT = load_schema(ROOT / "examples" / "schema.toml")
 TOPICS = load_schema(ROOT / "examples" / "schema-topics.toml")
 
