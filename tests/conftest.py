@@ -1,4 +1,8 @@
-"""Shared fixtures: the tiny stand-in model (built once per test run) and an engine on it."""
+"""Shared fixtures: the tiny stand-in model (built once per test run) and an engine on it.
+
+Both tiers use them: tests/unit (no Redis, no worker process) and tests/integration (marked
+`integration`); tests/support holds the helpers, imported by name (pyproject's pytest `pythonpath`).
+"""
 
 from __future__ import annotations
 

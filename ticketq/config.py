@@ -36,7 +36,7 @@ class SettingsError(TicketqError, ValueError):
 
 # The settings only a worker reads (`worker.settings.Settings` adds them): named here so that a
 # producer or an operator command, which never loads them, does not take them for misspellings.
-# tests/test_config.py checks that this is exactly what the worker adds.
+# tests/integration/test_exit_codes.py checks that this is exactly what the worker adds.
 WORKER_SETTINGS = frozenset({
     "allow_eviction", "autotune", "autotune_s", "batch_window", "cost_fixed_ms", "cost_quad_ms", "cost_token_ms",
     "device", "dtype", "fetch", "fuse", "lease_s", "live_cost", "matmul", "max_batch_size", "max_batch_tokens",

@@ -1,6 +1,6 @@
 """The worker's Prometheus metric names: what dashboards and alert rules (deploy/) refer to.
 
-Keep them in one place so a rename cannot leave a panel or an alert behind (tests/test_deploy.py
+Keep them in one place so a rename cannot leave a panel or an alert behind (tests/integration/test_deploy.py
 checks every name deploy/ uses against this file). Names clients share (task, queue, streams)
 are in ticketq.names; the Redis keys workers write, in worker.redis.keys.
 """

@@ -34,7 +34,7 @@ step() {  # step NAME SECONDS COMMAND...
 [ -f "$MODEL/config.json" ] || step standin 120 "$PY" -m worker.tools.cli standin --out "$MODEL"
 export TICKETQ_MODEL="$MODEL" TICKETQ_DEVICE=cuda
 step engine-tests 120 env TICKETQ_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider \
-  tests/test_engine.py tests/test_labels.py -m "not integration"
+  tests/unit/test_engine.py tests/unit/test_labels.py -m "not integration"
 step bench-float32 150 "$PY" -m worker.tools.cli bench --dtype float32 --tickets 600 \
   --modes sequential,sorted,ticketq --json "$OUT/bench-float32.json" --markdown "$OUT/bench-float32.md"
 step bench-bfloat16 120 "$PY" -m worker.tools.cli bench --dtype bfloat16 --tickets 600 \

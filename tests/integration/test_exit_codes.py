@@ -1,0 +1,107 @@
+"""The README's exit-status table, command by command and error class by error class.
+
+    0 every ticket or row classified         1 some failed (each reported)
+    2 bad settings, options or input, or Redis unreachable or refusing us: nothing was done
+    3 the input was read, but not one ticket was classified
+
+Each case runs the real command in a fresh process and checks its status and that its message
+names only options the command has (and the port actually used).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from commands import run
+from workers import RedisServer, free_port
+
+pytestmark = pytest.mark.integration
+
+DEAD = "redis://127.0.0.1:1/0"  # nothing listens on port 1
+NULL = {"TICKETQ_NULL_CLASSIFIER": "1", "TICKETQ_METRICS_PORT": "0"}
+
+
+def _files(tmp_path: Path) -> dict[str, Path]:
+    (tmp_path / "t.jsonl").write_text('{"id": "a", "text": "my invoice is wrong"}\n')
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "empty.csv").write_text("id,text\n")
+    (tmp_path / "notamodel").mkdir()
+    (tmp_path / "notamodel" / "config.json").write_text("{}")
+    return {name: tmp_path / name for name in ("t.jsonl", "empty.jsonl", "empty.csv", "notamodel")}
+
+
+# (command, env, expected status, text the one-line message must hold, text it must not)
+CASES = {
+    "worker, Redis unreachable": (["ticketq", "worker"], {"TICKETQ_BROKER_URL": "redis://127.0.0.1:6599/0", **NULL},
+                                  2, "redis-server --port 6599", "--broker-url"),
+    "worker, invalid setting": (["ticketq", "worker"], {"TICKETQ_BATCH_WINDOW": "many", **NULL}, 2,
+                                "TICKETQ_BATCH_WINDOW=many", None),
+    "status, Redis unreachable": (["ticketq", "status"], {"TICKETQ_BROKER_URL": DEAD}, 2, "TICKETQ_BROKER_URL",
+                                  "--broker-url"),
+    "exporter, Redis unreachable": (["ticketq", "exporter", "--port", "0"], {"TICKETQ_BROKER_URL": DEAD}, 2,
+                                    "redis-server --port 1", "--broker-url"),
+    "config, invalid setting": (["ticketq", "config"], {"TICKETQ_LEASE_S": "-1"}, 2, "INVALID", None),
+    "produce, Redis unreachable": (["ticketq-produce", "synthetic", "3"], {"TICKETQ_BROKER_URL": DEAD}, 2,
+                                   "--broker-url", None),
+    "produce, empty JSONL": (["ticketq-produce", "file", "{empty_jsonl}"], {"TICKETQ_BROKER_URL": DEAD}, 3, "", None),
+    "produce, missing file": (["ticketq-produce", "file", "{missing}"], {}, 2, "cannot read", None),
+    "classify, missing file": (["ticketq", "classify", "{missing}", "-o", "{out}"], {}, 2, "cannot read", None),
+    "classify, empty JSONL": (["ticketq", "classify", "{empty_jsonl}", "-o", "{out}"], {}, 3, "", None),
+    "classify, empty CSV": (["ticketq", "classify", "{empty_csv}", "-o", "{out}"], {}, 3, "", None),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_exit_status_and_message(case, tmp_path):
+    args, env, status, says, never = CASES[case]
+    names = {**{key.replace(".", "_"): str(path) for key, path in _files(tmp_path).items()},
+             "missing": str(tmp_path / "nope.jsonl"),
+             "out": str(tmp_path / "r.jsonl")}  # fmt: skip
+    result = run([arg.format(**names) for arg in args], env, cwd=tmp_path, timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode == status, f"{case}: exit {result.returncode}\n{output[-2000:]}"
+    assert says in output, output[-2000:]
+    if never:
+        assert never not in output, output[-2000:]
+    assert "Traceback" not in output, output[-3000:]
+
+
+def test_worker_with_a_wrong_password_or_a_directory_that_is_no_model_exits_2(tmp_path):
+    workdir = tmp_path / "redis"
+    workdir.mkdir()
+    server = RedisServer(workdir, password="right", aof=False).start()
+    try:
+        wrong = server.url.replace(":right@", ":wrong@")
+        refused = run(["ticketq", "worker"], {"TICKETQ_BROKER_URL": wrong, **NULL}, cwd=tmp_path, timeout=120)
+        assert refused.returncode == 2 and "refused the credentials" in refused.stderr, refused.stderr[-2000:]
+        model = _files(tmp_path)["notamodel"]
+        env = {"TICKETQ_BROKER_URL": server.url, "TICKETQ_MODEL": str(model), "TICKETQ_METRICS_PORT": str(free_port()),
+               "TICKETQ_DEVICE": "cpu", "TICKETQ_DTYPE": "float32"}  # fmt: skip
+        no_model = run(["ticketq", "worker"], env, cwd=tmp_path, timeout=180)
+        output = no_model.stdout + no_model.stderr
+        assert no_model.returncode == 2, output[-3000:]
+        assert "holds no loadable model" in output and "ticketq standin" not in output, output[-3000:]
+    finally:
+        server.kill()
+
+
+def test_a_misspelt_setting_is_named_with_the_closest_one(tmp_path):
+    result = run(["ticketq", "config"], {"TICKETQ_MODLE": "models/x"}, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "TICKETQ_MODLE is not a ticketq setting and is ignored; did you mean TICKETQ_MODEL?" in result.stderr
+
+
+def test_a_producer_names_a_misspelt_setting_but_not_a_worker_setting(tmp_path):
+    env = {"TICKETQ_QEUE": "billing", "TICKETQ_MODEL": "models/x", "TICKETQ_BROKER_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    result = run(["ticketq-produce", "synthetic", "3"], env, cwd=tmp_path, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr  # nothing listens there
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == ["warning: TICKETQ_QEUE is not a ticketq setting and is ignored; did you mean TICKETQ_QUEUE?"]
+
+
+def test_the_contract_names_exactly_the_settings_a_worker_adds():
+    from ticketq.config import WORKER_SETTINGS, ClientSettings
+    from worker.settings import Settings
+
+    assert set(Settings.model_fields) - set(ClientSettings.model_fields) == WORKER_SETTINGS
