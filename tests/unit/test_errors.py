@@ -16,7 +16,7 @@ import pytest
 from ticketq.errors import TicketqError
 from ticketq.exits import EXIT_USAGE
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NOT_ERRORS = {"producer.errors.SendInterrupted", "worker.app.CannotStart"}  # a Ctrl-C and an exit
 
 
