@@ -20,19 +20,17 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
+from workers import ROOT, RedisServer, free_port, null_classifier_service, wait_for
 
-httpx = pytest.importorskip("httpx")
-pytest.importorskip("fastapi")
-
-from gateway import webhooks  # noqa: E402
-from gateway.auth import TokenBuckets, caller, token_digest  # noqa: E402
-from gateway.intake import Refused, check_tickets, parse_body  # noqa: E402
-from gateway.settings import GatewaySettings  # noqa: E402
-from ticketq import codec  # noqa: E402
-from ticketq.names import RESULTS_STREAM, queue_lists  # noqa: E402
-from workers import ROOT, RedisServer, free_port, null_classifier_service, wait_for  # noqa: E402
+from gateway import webhooks
+from gateway.auth import TokenBuckets, caller, token_digest
+from gateway.intake import Refused, check_tickets, parse_body
+from gateway.settings import GatewaySettings
+from ticketq import codec
+from ticketq.names import RESULTS_STREAM, queue_lists
 
 TOKEN = "test-token-" + uuid.uuid4().hex
 SECRETS = {"zendesk": "zd-secret", "intercom": "ic-secret"}
@@ -108,7 +106,7 @@ def test_mapping_file_and_ticket_of(tmp_path):
     ticket = webhooks.ticket_of(source, {"t": {"key": 7, "title": "Refund", "lines": ["charged twice"]}})
     assert ticket == {"id": "desk:7", "text": "Refund\n\ncharged twice", "schema": "triage",
                       "metadata": {"source": "desk", "source_id": "7"}}  # fmt: skip
-    with pytest.raises(webhooks.Unmapped, match="t.lines.0"):
+    with pytest.raises(webhooks.Unmapped, match=r"t\.lines\.0"):
         webhooks.ticket_of(source, {"t": {"key": 7}})
 
 
@@ -307,18 +305,18 @@ def test_bad_input_is_refused_with_a_reason_and_nothing_enqueued(service, idle_g
 @pytest.mark.integration
 def test_rate_limit_answers_429_with_retry_after(idle_gateway):
     gateway, _ = idle_gateway
-    statuses = [gateway.client.get("/v1/tickets/none").status_code for _ in range(60)]  # burst 40, 2/s
-    assert statuses.count(429) >= 1 and statuses[0] == 404
-    limited = gateway.client.get("/v1/tickets/none")
-    if limited.status_code == 429:
-        assert int(limited.headers["Retry-After"]) >= 1
+    responses = [gateway.client.get("/v1/tickets/none") for _ in range(60)]  # burst 40, 2/s
+    limited = [response for response in responses if response.status_code == 429]
+    assert responses[0].status_code == 404 and len(limited) >= 10
+    assert all(int(response.headers["Retry-After"]) >= 1 for response in limited)
+    assert limited[0].json()["error"] == "rate_limited"
 
 
 @pytest.mark.integration
 def test_signed_webhooks_become_tickets_and_replays_are_no_ops(service):
     _, _, gateway = service
-    zendesk = json.dumps({"type": "zen:event-type:ticket.created",
-                          "detail": {"id": 4711, "subject": "Refund", "description": "charged twice"}}).encode()  # fmt: skip
+    detail = {"id": 4711, "subject": "Refund", "description": "charged twice"}
+    zendesk = json.dumps({"type": "zen:event-type:ticket.created", "detail": detail}).encode()
     headers = zendesk_headers(SECRETS["zendesk"], zendesk)
     first = httpx.post(gateway.url + "/v1/webhooks/zendesk", content=zendesk, headers=headers)
     assert first.status_code == 202, first.text
