@@ -67,12 +67,38 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None)
     app = FastAPI(title="ticketq gateway", version="1", lifespan=lifespan, description=__doc__)
     app.state.gateway = state
     app.exception_handler(Refused)(state.refused)
-    app.middleware("http")(state.measure)
+    app.add_middleware(_Measured, metrics=state.metrics)
     _ticket_routes(app, state)
     _ops_routes(app, state)
     app.openapi_schema = None
     _register_models(app)
     return app
+
+
+class _Measured:
+    """Counts and times each HTTP request by route template and status (a plain ASGI middleware:
+    Starlette's BaseHTTPMiddleware costs a task and a stream per request)."""
+
+    def __init__(self, app: Any, metrics: GatewayMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started, status = time.perf_counter(), [500]
+
+        async def sending(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            route = getattr(scope.get("route"), "path", "other")
+            self.metrics.requests.labels(route, str(status[0])).inc()
+            self.metrics.latency.labels(route).observe(time.perf_counter() - started)
 
 
 class _State:
@@ -90,14 +116,6 @@ class _State:
         self.metrics.rejects.labels(exc.reason).inc()
         headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
         return JSONResponse(exc.body(), exc.status, headers=headers)
-
-    async def measure(self, request: Request, call_next: Callable) -> Response:
-        started = time.perf_counter()
-        response = await call_next(request)
-        route = getattr(request.scope.get("route"), "path", "other")
-        self.metrics.requests.labels(route, str(response.status_code)).inc()
-        self.metrics.latency.labels(route).observe(time.perf_counter() - started)
-        return response
 
     def authorize(self, request: Request) -> str:
         """The caller's token name (rate-limited), or `Refused` 401/429."""
