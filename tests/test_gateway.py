@@ -367,3 +367,30 @@ def test_full_redis_answers_503_and_every_202_is_kept(tmp_path):
             assert set(accepted) <= set(_queued_ids(server.url, queue))
     finally:
         server.kill()
+
+
+@pytest.mark.integration
+def test_redis_killed_mid_load_answers_503_and_keeps_every_202(redis_server, tmp_path):
+    """Redis (AOF, fsync always) killed -9 between POSTs, then restarted: every answer is a 202 or a
+    503 with Retry-After, and every 202'd ticket is in the queue after the restart."""
+    queue = f"killed-{uuid.uuid4().hex[:8]}"
+    statuses: list[int] = []
+    accepted: list[str] = []
+    with running_gateway(tmp_path, redis_server.url, queue, TICKETQ_GATEWAY_SEND_RETRY_S="0.5") as gateway:
+        for n in range(45):
+            if n == 15:
+                redis_server.kill()
+            if n == 30:
+                redis_server.start()
+            batch = [{"id": f"k{n}-{i}", "text": f"ticket {n} {i}"} for i in range(5)]
+            response = gateway.client.post("/v1/tickets", json=batch)
+            statuses.append(response.status_code)
+            if response.status_code == 202:
+                accepted += [ticket["id"] for ticket in batch]
+            else:
+                assert response.status_code == 503, response.text
+                assert response.json()["error"] == "redis_unavailable"
+                assert int(response.headers["Retry-After"]) >= 1
+    assert set(statuses[:15]) == {202} and set(statuses[15:30]) == {503}
+    assert 202 in statuses[30:]  # the gateway found Redis again
+    assert len(accepted) >= 75 and set(accepted) <= set(_queued_ids(redis_server.url, queue))
