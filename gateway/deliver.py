@@ -103,7 +103,8 @@ class Dispatcher:
                 now = time.monotonic()
                 batch: list[Entry] = []
                 if now - last_claim >= self.settings.deliver_claim_idle_s / 2:
-                    batch, last_claim = self.claim(), now
+                    batch = self.claim()
+                    last_claim = 0.0 if batch else now  # a page re-claimed: look for more at once
                 self.deliver(batch or self.read())
             except (redis.exceptions.RedisError, OSError) as exc:
                 log.warning("Redis error, asking again in %.0f s: %s", REDIS_PAUSE_S, str(exc).splitlines()[0])
