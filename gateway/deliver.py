@@ -18,9 +18,11 @@ TICKETQ_DELIVER_MAX_ATTEMPTS POSTs; then it is dead-lettered. Worst case per res
 POSTs, each up to TICKETQ_DELIVER_TIMEOUT_S, plus the pauses (with the defaults: 8 POSTs over about
 a minute and a half of pauses), and again per dispatcher crash, whose count starts over. Before
 each retry the entry is claimed again by its own consumer (one XCLAIM), so its idle time restarts
-and no other dispatcher takes a result that is merely backing off. A batch of results is POSTed
-TICKETQ_DELIVER_CONCURRENCY at once, and the next batch waits for the slowest: a receiver that is
-down holds the stream back, and gets the backlog, in order of batches, once it is back.
+and no other dispatcher takes a result that is merely backing off: an entry in work is never idle
+longer than one POST and one pause, which is why TICKETQ_DELIVER_CLAIM_IDLE_S must exceed
+TICKETQ_DELIVER_TIMEOUT_S + TICKETQ_DELIVER_BACKOFF_MAX_S (checked at start). A batch is
+TICKETQ_DELIVER_CONCURRENCY results, each POSTed by its own thread at once, and the next batch waits
+for the slowest: a receiver that is down holds the stream back, and gets the backlog once it is back.
 """
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ class Dispatcher:
     def read(self) -> list[Entry]:
         """This consumer's own pending entries first (once), then new ones (blocking READ_BLOCK_MS)."""
         start = ">" if self._own_done else "0"
-        count = self.settings.deliver_concurrency * 4
+        count = self.settings.deliver_concurrency  # one thread each: none waits untouched in the pool
         reply = self.redis.xreadgroup(self.group, self.consumer, {RESULTS_STREAM: start}, count=count,
                                       block=None if start == "0" else READ_BLOCK_MS)  # fmt: skip
         entries = _entries(reply[0][1]) if reply else []
@@ -139,7 +141,7 @@ class Dispatcher:
         """Entries pending in the group for longer than TICKETQ_DELIVER_CLAIM_IDLE_S, now ours."""
         reply = self.redis.xautoclaim(RESULTS_STREAM, self.group, self.consumer,
                                       int(self.settings.deliver_claim_idle_s * 1000), start_id="0-0",
-                                      count=self.settings.deliver_concurrency * 4)  # fmt: skip
+                                      count=self.settings.deliver_concurrency)  # fmt: skip
         entries = _entries(reply[1])
         if entries:
             log.info("re-claimed %d result(s) left pending by a dispatcher that stopped", len(entries))

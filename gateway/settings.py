@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from ticketq.config import ClientSettings
@@ -117,3 +117,13 @@ class GatewaySettings(ClientSettings):
         if bad:
             raise ValueError(f"token(s) {', '.join(bad)} are not sha256 hex digests (printf %s TOKEN | sha256sum)")
         return {name: digest.lower() for name, digest in value.items()}
+
+    @model_validator(mode="after")
+    def _check_claim_idle(self) -> GatewaySettings:
+        # An entry in work is touched before each retry; it must not look abandoned in between.
+        least = self.deliver_timeout_s + self.deliver_backoff_max_s
+        if self.deliver_claim_idle_s <= least:
+            raise ValueError(f"TICKETQ_DELIVER_CLAIM_IDLE_S={self.deliver_claim_idle_s:g} must exceed "
+                             f"TICKETQ_DELIVER_TIMEOUT_S + TICKETQ_DELIVER_BACKOFF_MAX_S = {least:g}: otherwise a "
+                             "result still being retried is re-claimed and POSTed twice at once")  # fmt: skip
+        return self

@@ -111,7 +111,7 @@ class Dispatcher:
         self.env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", TICKETQ_BROKER_URL=broker_url,
                         TICKETQ_DELIVER_URL=receiver_url, TICKETQ_DELIVER_SECRET=SECRET, TICKETQ_DELIVER_GROUP=group,
                         TICKETQ_DELIVER_BACKOFF_S="0.05", TICKETQ_DELIVER_BACKOFF_MAX_S="0.2",
-                        TICKETQ_DELIVER_CLAIM_IDLE_S="1")  # fmt: skip
+                        TICKETQ_DELIVER_CLAIM_IDLE_S="1", TICKETQ_DELIVER_TIMEOUT_S="0.7")  # fmt: skip
         self.env["TICKETQ_DELIVER_METRICS_PORT"] = str(self.metrics_port)
         self.env.update(extra)
         self.log = workdir / f"deliver-{group}.log"

@@ -190,10 +190,11 @@ def service(tmp_path_factory):
 
 @pytest.fixture
 def idle_gateway(service, tmp_path):
-    """A gateway on a queue no worker consumes (what was enqueued stays to be counted), rate 2/s."""
+    """A gateway on a queue no worker consumes (what was enqueued stays to be counted), and a bucket
+    of 40 requests that refills once per 20 s."""
     url, _, _ = service
     queue = f"idle-{uuid.uuid4().hex[:8]}"
-    with running_gateway(tmp_path, url, queue, TICKETQ_GATEWAY_RATE="2", TICKETQ_GATEWAY_BURST="40") as gateway:
+    with running_gateway(tmp_path, url, queue, TICKETQ_GATEWAY_RATE="0.05", TICKETQ_GATEWAY_BURST="40") as gateway:
         yield gateway, queue
 
 
@@ -305,7 +306,7 @@ def test_bad_input_is_refused_with_a_reason_and_nothing_enqueued(service, idle_g
 @pytest.mark.integration
 def test_rate_limit_answers_429_with_retry_after(idle_gateway):
     gateway, _ = idle_gateway
-    responses = [gateway.client.get("/v1/tickets/none") for _ in range(60)]  # burst 40, 2/s
+    responses = [gateway.client.get("/v1/tickets/none") for _ in range(60)]  # a burst of 40, then 1 per 20 s
     limited = [response for response in responses if response.status_code == 429]
     assert responses[0].status_code == 404 and len(limited) >= 10
     assert all(int(response.headers["Retry-After"]) >= 1 for response in limited)
