@@ -44,6 +44,9 @@ WORKER_SETTINGS = frozenset({
     "prefetch_multiplier", "schema_cache", "schemas", "shadow_rate", "system_prompt", "threads", "truncation",
     "worst_batch_s",
 })  # fmt: skip
+# The settings only the HTTP gateway and the results dispatcher read (`gateway.settings`): the
+# same reason, the same check (tests/integration/test_exit_codes.py).
+GATEWAY_PREFIXES = ("gateway_", "deliver_")
 
 
 class ClientSettings(BaseSettings):
@@ -105,11 +108,13 @@ class ClientSettings(BaseSettings):
     def unknown_names(cls, environ: Mapping[str, str]) -> list[str]:
         """One line per TICKETQ_* variable in `environ` that is no ticketq setting (neither this
         class's nor a worker's), with the closest setting's name: a misspelt setting would
-        otherwise be ignored in silence. TICKETQ_TEST_* belong to the test suite."""
+        otherwise be ignored in silence. TICKETQ_TEST_* belong to the test suite, TICKETQ_GATEWAY_* and
+        TICKETQ_DELIVER_* to the gateway."""
         known = {f"TICKETQ_{name.upper()}" for name in (*cls.model_fields, *WORKER_SETTINGS)}
         lines = []
         for name in sorted(environ):
-            if name.startswith("TICKETQ_") and name not in known and not name.startswith("TICKETQ_TEST_"):
+            others = name.startswith("TICKETQ_TEST_") or name[8:].lower().startswith(GATEWAY_PREFIXES)
+            if name.startswith("TICKETQ_") and name not in known and not others:
                 close = difflib.get_close_matches(name, known, n=1, cutoff=0.7)
                 hint = f"did you mean {close[0]}?" if close else "see `ticketq config` for every setting"
                 lines.append(f"{name} is not a ticketq setting and is ignored; {hint}")

@@ -105,3 +105,15 @@ def test_the_contract_names_exactly_the_settings_a_worker_adds():
     from worker.settings import Settings
 
     assert set(Settings.model_fields) - set(ClientSettings.model_fields) == WORKER_SETTINGS
+
+
+def test_the_gateways_settings_are_no_misspellings_for_a_producer():
+    """Every setting the gateway adds carries one of GATEWAY_PREFIXES, so a producer or worker that
+    sees the gateway's environment names none of them as unknown."""
+    from gateway.settings import GatewaySettings
+    from ticketq.config import GATEWAY_PREFIXES, ClientSettings
+
+    added = set(GatewaySettings.model_fields) - set(ClientSettings.model_fields)
+    assert added and all(name.startswith(GATEWAY_PREFIXES) for name in added)
+    environ = {f"TICKETQ_{name.upper()}": "x" for name in added}
+    assert ClientSettings.unknown_names({**environ, "TICKETQ_GATEWAY_PROT": "1"}) == []

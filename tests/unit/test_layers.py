@@ -31,12 +31,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("ticketq", "producer", "worker")
+PACKAGES = ("ticketq", "producer", "gateway", "worker")
 
 # Layer -> the layers (or single modules) it may import besides its own modules; bottom first.
 MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "ticketq": (),
     "producer": ("ticketq",),
+    "gateway": ("ticketq", "producer"),
     "worker.health": ("ticketq",),
     "worker.transport": ("ticketq", "worker.health"),
     "worker.redis": ("ticketq", "worker.health", "worker.transport"),

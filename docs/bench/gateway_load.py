@@ -1,0 +1,243 @@
+"""The HTTP gateway under load, beside `Producer.submit_many`, on a null-classifier worker.
+
+Starts a private redis-server, one null-classifier worker (`ticketq worker`) and the gateway
+(`python -m gateway`), then measures, in this order:
+
+1. `Producer.submit_many(idempotent=True)`, one message per ticket: tickets/s enqueued.
+2. gateway capacity, closed loop: `--clients` concurrent clients POSTing one ticket per request
+   (and, separately, `--batch` tickets per request) as fast as answers come, for `--seconds`.
+3. open loop at 50% and 90% of that single-ticket capacity: Poisson arrivals, each a POST of one
+   ticket; requests/s achieved, p50 and p99 latency, non-202 answers.
+Last, every ticket sent is waited for in the results stream (none lost).
+
+The load generator runs in this process (asyncio + httpx) on the same machine: its CPU is taken
+from the gateway's, so the figures are a floor. Usage:
+
+    python docs/bench/gateway_load.py --seconds 10 --out docs/bench/gateway-load.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import psutil
+import redis
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from producer.api import Producer  # noqa: E402
+from ticketq.config import ClientSettings  # noqa: E402
+from ticketq.names import RESULTS_STREAM  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+class Stack:
+    """redis-server + a null-classifier worker + the gateway, all private, in a temp dir."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir, self.procs = workdir, []
+        self.redis_port, self.gateway_port, metrics_port = free_port(), free_port(), free_port()
+        self.broker = f"redis://127.0.0.1:{self.redis_port}/0"
+        self.queue = f"bench-{uuid.uuid4().hex[:8]}"
+        self.gateway = f"http://127.0.0.1:{self.gateway_port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
+        env.update(PYTHONPATH=str(ROOT), TICKETQ_BROKER_URL=self.broker, TICKETQ_QUEUE=self.queue)
+        self._start(["redis-server", "--port", str(self.redis_port), "--save", "", "--appendonly", "no"], env)
+        wait_until(lambda: self._pings(), 10, "redis-server")
+        worker = shutil.which("ticketq", path=str(Path(sys.executable).parent)) or "ticketq"
+        self._start([worker, "worker"], {**env, "TICKETQ_NULL_CLASSIFIER": "1", "TICKETQ_DEVICE": "cpu",
+                                         "TICKETQ_METRICS_PORT": str(metrics_port)}, "worker.log")  # fmt: skip
+        wait_until(lambda: _answers(f"http://127.0.0.1:{metrics_port}/readyz"), 120, "the worker")
+        self._start([sys.executable, "-m", "gateway", "--port", str(self.gateway_port)],
+                    {**env, "TICKETQ_GATEWAY_ANONYMOUS": "1", "TICKETQ_GATEWAY_RATE": "1000000",
+                     "TICKETQ_GATEWAY_BURST": "1000000"}, "gateway.log")  # fmt: skip
+        wait_until(lambda: _answers(self.gateway + "/readyz"), 60, "the gateway")
+
+    def cpu_s(self) -> dict[str, float]:
+        """CPU seconds used so far by the worker and by the gateway."""
+        times = [psutil.Process(proc.pid).cpu_times() for proc in self.procs[1:3]]
+        return {name: t.user + t.system for name, t in zip(("worker", "gateway"), times, strict=True)}
+
+    def _start(self, command: list[str], env: dict, log: str | None = None) -> None:
+        out = (self.workdir / log).open("wb") if log else subprocess.DEVNULL
+        self.procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT))
+
+    def _pings(self) -> bool:
+        try:
+            return bool(redis.Redis(port=self.redis_port).ping())
+        except redis.RedisError:
+            return False
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def producer_rate(stack: Stack, count: int) -> dict:
+    tickets = [{"id": f"p-{uuid.uuid4().hex}", "text": f"my invoice {n} is wrong"} for n in range(count)]
+    with Producer(ClientSettings(broker_url=stack.broker, queue=stack.queue)) as producer:
+        producer.check_connection()
+        started = time.perf_counter()
+        producer.submit_many(tickets, idempotent=True)
+        elapsed = time.perf_counter() - started
+    return {"tickets": count, "tickets_per_s": count / elapsed, "ids": [t["id"] for t in tickets]}
+
+
+async def closed_loop(url: str, clients: int, seconds: float, batch: int, ids: list[str]) -> dict:
+    latencies: list[float] = []
+    failures = 0
+    deadline = time.monotonic() + seconds
+
+    async def client(http: httpx.AsyncClient) -> None:
+        nonlocal failures
+        while time.monotonic() < deadline:
+            tickets = [{"id": uuid.uuid4().hex, "text": "the app crashes on upload"} for _ in range(batch)]
+            started = time.perf_counter()
+            response = await http.post(url + "/v1/tickets", json=tickets if batch > 1 else tickets[0])
+            latencies.append(time.perf_counter() - started)
+            if response.status_code == 202:
+                ids.extend(t["id"] for t in tickets)
+            else:
+                failures += 1
+
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(limits=limits, timeout=60) as http:
+        started = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(clients)))
+        elapsed = time.perf_counter() - started
+    return {"clients": clients, "batch": batch, "requests_per_s": len(latencies) / elapsed,
+            "tickets_per_s": len(latencies) * batch / elapsed, "non_202": failures, **_percentiles(latencies)}
+
+
+async def open_loop(url: str, rate: float, seconds: float, ids: list[str]) -> dict:
+    """Poisson arrivals at `rate`/s for `seconds`; each arrival one POST of one ticket."""
+    rng, latencies, failures, tasks = random.Random(0), [], 0, []
+
+    async def one(http: httpx.AsyncClient) -> None:
+        nonlocal failures
+        ticket = {"id": uuid.uuid4().hex, "text": "please reset my password"}
+        started = time.perf_counter()
+        response = await http.post(url + "/v1/tickets", json=ticket)
+        latencies.append(time.perf_counter() - started)
+        if response.status_code == 202:
+            ids.append(ticket["id"])
+        else:
+            failures += 1
+
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    async with httpx.AsyncClient(limits=limits, timeout=60) as http:
+        started = time.perf_counter()
+        at = started
+        while at - started < seconds:
+            at += rng.expovariate(rate)
+            await asyncio.sleep(max(0.0, at - time.perf_counter()))
+            tasks.append(asyncio.create_task(one(http)))
+        await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - started
+    return {"target_per_s": rate, "requests_per_s": len(latencies) / elapsed, "non_202": failures,
+            **_percentiles(latencies)}
+
+
+def measured(stack: Stack, phase) -> dict:
+    """Run a load phase; add each process's CPU milliseconds per request to its figures."""
+    before = stack.cpu_s()
+    figures = asyncio.run(phase)
+    after = stack.cpu_s()
+    for name in before:
+        figures[f"{name}_cpu_ms_per_request"] = 1000 * (after[name] - before[name]) / figures["requests"]
+    return figures
+
+
+def _percentiles(latencies: list[float]) -> dict:
+    cuts = statistics.quantiles(latencies, n=100)
+    return {"requests": len(latencies), "p50_ms": 1000 * cuts[49], "p99_ms": 1000 * cuts[98]}
+
+
+def all_answered(stack: Stack, ids: list[str], timeout: float) -> int:
+    """How many of `ids` are in the results stream, waiting up to `timeout` for all."""
+    from ticketq import codec
+
+    client, wanted = redis.Redis(port=stack.redis_port), set(ids)
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = {codec.loads(fields[b"data"])["id"] for _, fields in client.xrange(RESULTS_STREAM)}
+        if wanted <= seen or time.monotonic() > deadline:
+            return len(wanted & seen)
+        time.sleep(0.5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=10.0, help="length of each load phase")
+    parser.add_argument("--clients", type=int, default=32, help="closed-loop concurrent clients")
+    parser.add_argument("--batch", type=int, default=10, help="tickets per request in the batched phase")
+    parser.add_argument("--producer-tickets", type=int, default=5000)
+    parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        stack = Stack(Path(tmp))
+        try:
+            baseline = producer_rate(stack, args.producer_tickets)
+            ids = list(baseline.pop("ids"))
+            single = measured(stack, closed_loop(stack.gateway, args.clients, args.seconds, 1, ids))
+            batched = measured(stack, closed_loop(stack.gateway, args.clients, args.seconds, args.batch, ids))
+            capacity = single["requests_per_s"]
+            loads = [asyncio.run(open_loop(stack.gateway, share * capacity, args.seconds, ids)) for share in (0.5, 0.9)]
+            answered = all_answered(stack, ids, 300)
+        finally:
+            stack.close()
+    report = {"cpu": _cpu(), "producer_submit_many": baseline, "closed_loop_single": single,
+              "closed_loop_batched": batched, "open_loop": loads, "sent": len(ids), "answered": answered}  # fmt: skip
+    print(json.dumps(report, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    except OSError:
+        pass
+    return "unknown"
+
+
+if __name__ == "__main__":
+    main()

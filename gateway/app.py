@@ -1,0 +1,252 @@
+"""The gateway's HTTP API (FastAPI on uvicorn): tickets in, their results out, helpdesk webhooks,
+health, readiness and metrics. The rules live in `gateway.intake` (tickets, idempotency,
+backpressure), `gateway.auth` (tokens, rate) and `gateway.webhooks` (signatures, mappings); this
+module maps them onto routes and statuses.
+
+Statuses: 202 accepted (every ticket is in Redis) · 200 a result, or an Idempotency-Key answered
+again · 400 not JSON, or not a ticket or a list · 401 no or wrong token, bad webhook signature ·
+404 unknown ticket or source · 413 body above TICKETQ_GATEWAY_MAX_BODY_BYTES, or too many
+tickets · 422 a ticket breaks the contract (each bad field named) · 429 rate limit or queue
+deeper than TICKETQ_GATEWAY_MAX_QUEUE_DEPTH · 503 Redis unreachable or refusing writes. Every
+refusal is JSON `{"error": reason, "message": one line}`; 429 and 503 carry Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, Field
+
+from gateway import intake, webhooks
+from gateway.auth import TokenBuckets, caller
+from gateway.intake import Intake, Refused
+from gateway.keys import IDEMPOTENCY_HEADER
+from gateway.metrics import GatewayMetrics
+from gateway.settings import GatewaySettings
+from ticketq import connections
+
+log = logging.getLogger(__name__)
+MAX_WAIT_S = 30.0  # the longest long-poll of GET /v1/tickets/{id}?wait=
+POLL_PAUSE_S = (0.02, 0.5)  # a long-poll's pause between reads: the first, the longest (doubling)
+THREADS = 16  # Redis calls run in worker threads, this many at once (one Producer each)
+
+
+class TicketIn(BaseModel):
+    """One ticket, as `ticketq.contract` defines it (checked by its rule, not by this model)."""
+
+    id: str | int | None = Field(None, description="Your ticket id; a retried POST of the same id is a no-op.")
+    text: str = Field(..., description="The ticket's text (UTF-8, at most TICKETQ_MAX_TICKET_BYTES bytes).")
+    schema_: str | None = Field(None, alias="schema", description="The schema (fields) to answer it with.")
+    metadata: dict[str, Any] | None = Field(None, description="Kept with the ticket; delivered with its result.")
+
+
+_TICKETS_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+    "anyOf": [{"$ref": "#/components/schemas/TicketIn"},
+              {"type": "array", "items": {"$ref": "#/components/schemas/TicketIn"}}]}}}}}  # fmt: skip
+
+
+def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None) -> FastAPI:
+    """The ASGI app; `settings` as `GatewaySettings.from_env()` reads them."""
+    state = _State(settings, metrics or GatewayMetrics.build())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        state.intake.close()
+
+    app = FastAPI(title="ticketq gateway", version="1", lifespan=lifespan, description=__doc__)
+    app.state.gateway = state
+    app.exception_handler(Refused)(state.refused)
+    app.add_middleware(_Measured, metrics=state.metrics)
+    _ticket_routes(app, state)
+    _ops_routes(app, state)
+    app.openapi_schema = None
+    _register_models(app)
+    return app
+
+
+class _Measured:
+    """Counts and times each HTTP request by route template and status (a plain ASGI middleware:
+    Starlette's BaseHTTPMiddleware costs a task and a stream per request)."""
+
+    def __init__(self, app: Any, metrics: GatewayMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started, status = time.perf_counter(), [500]
+
+        async def sending(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            route = getattr(scope.get("route"), "path", "other")
+            self.metrics.requests.labels(route, str(status[0])).inc()
+            self.metrics.latency.labels(route).observe(time.perf_counter() - started)
+
+
+class _State:
+    def __init__(self, settings: GatewaySettings, metrics: GatewayMetrics) -> None:
+        self.settings, self.metrics = settings, metrics
+        self.intake = Intake(settings)
+        self.buckets = TokenBuckets(settings.gateway_rate, settings.gateway_burst)
+        self.sources = webhooks.load_sources(settings.gateway_webhook_mapping)
+        self.limiter = anyio.CapacityLimiter(THREADS)
+
+    async def run(self, call: Callable[..., Any], *args: Any) -> Any:
+        return await anyio.to_thread.run_sync(call, *args, limiter=self.limiter)
+
+    async def refused(self, request: Request, exc: Refused) -> JSONResponse:
+        self.metrics.rejects.labels(exc.reason).inc()
+        headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
+        return JSONResponse(exc.body(), exc.status, headers=headers)
+
+    def authorize(self, request: Request) -> str:
+        """The caller's token name (rate-limited), or `Refused` 401/429."""
+        if self.settings.gateway_anonymous and not self.settings.gateway_tokens:
+            name = "anonymous"
+        else:
+            name = caller(request.headers.get("authorization"), self.settings.gateway_tokens)
+            if name is None:
+                raise Refused(401, "unauthorized", "missing or unknown bearer token (Authorization: Bearer TOKEN)")
+        self.limit(name)
+        return name
+
+    def limit(self, name: str) -> None:
+        wait_s = self.buckets.take(name)
+        if wait_s:
+            raise Refused(429, "rate_limited", f"{name} is above {self.settings.gateway_rate:g} requests/s "
+                          f"(TICKETQ_GATEWAY_RATE)", [], TokenBuckets.retry_after(wait_s))  # fmt: skip
+
+    async def body(self, request: Request) -> bytes:
+        """The request body, or `Refused` 413 as soon as it is known to pass the limit."""
+        limit = self.settings.gateway_max_body_bytes
+        too_big = Refused(413, "body_too_large", f"the body is above TICKETQ_GATEWAY_MAX_BODY_BYTES={limit} bytes")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def take(self, tickets: list[object], token: str, key: str | None, body: bytes) -> JSONResponse:
+        """Check and accept `tickets` (one POST's), answering an Idempotency-Key's retry as the first time."""
+        digest = intake.body_digest(body)
+        if key is not None:
+            stored = await self.run(self.intake.remembered, token, key, digest)
+            if stored is not None:
+                return JSONResponse(stored, 202, headers={"Idempotent-Replayed": "true"})
+        seed = intake.body_digest(f"{token}:{key}".encode())[:24] if key is not None else None
+        checked = intake.check_tickets(tickets, self.settings, seed)
+        rows = await self.run(self.intake.accept, checked, token)
+        for row in rows:
+            self.metrics.tickets.labels(row["status"]).inc()
+        answer = {"tickets": rows}
+        if key is not None:
+            answer = await self.run(self.intake.remember, token, key, digest, answer)
+        return JSONResponse(answer, 202)
+
+
+def _ticket_routes(app: FastAPI, state: _State) -> None:
+    @app.post("/v1/tickets", status_code=202, openapi_extra=_TICKETS_BODY, summary="Send one ticket or a list")
+    async def post_tickets(request: Request) -> JSONResponse:
+        token = state.authorize(request)
+        body = await state.body(request)
+        key = request.headers.get(IDEMPOTENCY_HEADER)
+        return await state.take(intake.parse_body(body), token, key or None, body)
+
+    @app.get("/v1/tickets/{ticket_id}", summary="A ticket's result: 200 done, 202 pending, 404 unknown")
+    async def get_ticket(request: Request, ticket_id: str,
+                         wait: float = Query(0, ge=0, le=MAX_WAIT_S)) -> JSONResponse:  # fmt: skip
+        state.authorize(request)
+        deadline, pause = time.monotonic() + wait, POLL_PAUSE_S[0]
+        while True:
+            status, body = await state.run(state.intake.lookup, ticket_id)
+            remaining = deadline - time.monotonic()
+            if status != 202 or remaining <= 0:
+                return JSONResponse(body, status)
+            await asyncio.sleep(min(pause, remaining))
+            pause = min(pause * 2, POLL_PAUSE_S[1])
+
+    @app.post("/v1/webhooks/{source}", status_code=202, summary="A helpdesk's signed ticket webhook")
+    async def post_webhook(request: Request, source: str) -> JSONResponse:
+        found = state.sources.get(source)
+        if found is None:
+            raise Refused(404, "unknown_source", f"no webhook source {source!r}; configured: "
+                          f"{', '.join(sorted(state.sources)) or 'none'}")  # fmt: skip
+        body = await state.body(request)
+        secret = state.settings.gateway_webhook_secrets.get(source)
+        if secret is None:
+            raise Refused(401, "no_secret", f"source {source!r} has no secret (TICKETQ_GATEWAY_WEBHOOK_SECRETS)")
+        try:
+            webhooks.verify(found, secret.get_secret_value().encode(), request.headers, body,
+                            state.settings.gateway_webhook_window_s)  # fmt: skip
+        except webhooks.BadSignature as exc:
+            raise Refused(401, "bad_signature", str(exc)) from None
+        state.limit(f"webhook:{source}")
+        payload = intake.parse_body(body)[0]
+        try:
+            ticket = webhooks.ticket_of(found, payload)
+        except webhooks.Unmapped as exc:
+            raise Refused(422, "unmapped_payload", str(exc)) from None
+        return await state.take([ticket], f"webhook:{source}", None, body)
+
+
+def _ops_routes(app: FastAPI, state: _State) -> None:
+    @app.get("/healthz", summary="The process answers")
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/readyz", summary="Redis answers and takes writes: 200, else 503")
+    async def readyz() -> JSONResponse:
+        def check() -> str | None:
+            return connections.write_problem(state.intake.producer.redis)
+
+        try:
+            problem = await state.run(check)
+        except Exception as exc:
+            problem = f"Redis is not reachable ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+        if problem:
+            return JSONResponse({"status": "not ready", "reason": problem}, 503,
+                                headers={"Retry-After": str(state.settings.gateway_retry_after_s)})  # fmt: skip
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics", summary="Prometheus metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _register_models(app: FastAPI) -> None:
+    """Put TicketIn in the OpenAPI components (the body is read raw, so no route declares it)."""
+    original = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = original()
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            model = TicketIn.model_json_schema(by_alias=True, ref_template="#/components/schemas/{model}")
+            components["TicketIn"] = json.loads(json.dumps(model))
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi

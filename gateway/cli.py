@@ -1,0 +1,59 @@
+"""`ticketq-gateway` (also `python -m gateway`) and `ticketq-deliver` (`python -m gateway deliver`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from gateway.settings import GatewaySettings
+from ticketq.config import SettingsError
+
+
+def _settings(**overrides: object) -> GatewaySettings:
+    try:
+        return GatewaySettings.from_env(**overrides)
+    except SettingsError as exc:
+        sys.exit(f"ticketq-gateway: invalid settings:\n{exc}")
+
+
+def gateway_main(argv: list[str] | None = None) -> None:
+    """Serve the gateway with uvicorn (TLS is the ingress's)."""
+    import uvicorn
+
+    from gateway.app import create_app
+
+    parser = argparse.ArgumentParser(prog="ticketq-gateway", description="HTTP gateway: tickets in, results out.")
+    parser.add_argument("--host", help="listen address (TICKETQ_GATEWAY_HOST)")
+    parser.add_argument("--port", type=int, help="listen port (TICKETQ_GATEWAY_PORT)")
+    parser.add_argument("--log-level", default="warning", help="uvicorn's log level (default: warning)")
+    args = parser.parse_args(argv)
+    settings = _settings(gateway_host=args.host, gateway_port=args.port)
+    if not settings.gateway_tokens and not settings.gateway_anonymous:
+        sys.exit("ticketq-gateway: no bearer tokens: set TICKETQ_GATEWAY_TOKENS=name:SHA256HEX "
+                 "(printf %s TOKEN | sha256sum), or TICKETQ_GATEWAY_ANONYMOUS=1 behind an authenticating ingress")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(create_app(settings), host=settings.gateway_host, port=settings.gateway_port,
+                log_level=args.log_level, access_log=False)  # fmt: skip
+
+
+def deliver_main(argv: list[str] | None = None) -> None:
+    """Deliver results by webhook until SIGTERM/SIGINT."""
+    from gateway.deliver import Dispatcher
+
+    parser = argparse.ArgumentParser(prog="ticketq-deliver", description="POST each result to a webhook URL.")
+    parser.add_argument("--url", help="receiver URL (TICKETQ_DELIVER_URL)")
+    args = parser.parse_args(argv)
+    settings = _settings(deliver_url=args.url)
+    if not settings.deliver_url and not settings.deliver_urls:
+        sys.exit("ticketq-deliver: no receiver: set TICKETQ_DELIVER_URL (or TICKETQ_DELIVER_URLS=schema=url,...)")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    Dispatcher(settings).run_forever()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["deliver"]:
+        deliver_main(argv[1:])
+    else:
+        gateway_main(argv[1:] if argv[:1] == ["serve"] else argv)

@@ -1,0 +1,225 @@
+"""Results out by webhook: `ticketq-deliver` reads `ticketq:results` through a consumer group and
+POSTs each result, signed, to the configured URL, at least once.
+
+A result is acked (XACK) only after the receiver answered 2xx, or after it went to the dead-letter
+stream (`keys.DELIVER_DEAD_STREAM`, in the same MULTI as its ack). A dispatcher killed at any point
+leaves its unacked results pending in the group: on start it re-reads its own (same consumer name),
+and every dispatcher re-claims, with XAUTOCLAIM, any pending longer than TICKETQ_DELIVER_CLAIM_IDLE_S
+(a dispatcher that died). So a result may be POSTed more than once, never zero times; the receiver
+deduplicates by `X-Ticketq-Delivery`, the result's stream entry id, the same on every attempt.
+
+Each POST carries `X-Ticketq-Timestamp` (unix seconds) and `X-Ticketq-Signature:
+sha256=<hex HMAC-SHA256(TICKETQ_DELIVER_SECRET, timestamp + "." + body)>`; the body is
+`{"delivery_id", "result", "metadata"}` (the metadata the ticket was POSTed with, if any).
+
+Retries: a POST that fails (no answer, or not 2xx) is tried again after TICKETQ_DELIVER_BACKOFF_S,
+doubling up to TICKETQ_DELIVER_BACKOFF_MAX_S, with jitter (half the pause random), for at most
+TICKETQ_DELIVER_MAX_ATTEMPTS POSTs; then it is dead-lettered. Worst case per result: that many
+POSTs, each up to TICKETQ_DELIVER_TIMEOUT_S, plus the pauses (with the defaults: 8 POSTs over about
+a minute and a half of pauses), and again per dispatcher crash, whose count starts over. Before
+each retry the entry is claimed again by its own consumer (one XCLAIM), so its idle time restarts
+and no other dispatcher takes a result that is merely backing off: an entry in work is never idle
+longer than one POST and one pause, which is why TICKETQ_DELIVER_CLAIM_IDLE_S must exceed
+TICKETQ_DELIVER_TIMEOUT_S + TICKETQ_DELIVER_BACKOFF_MAX_S (checked at start). A batch is
+TICKETQ_DELIVER_CONCURRENCY results, each POSTed by its own thread at once, and the next batch waits
+for the slowest: a receiver that is down holds the stream back, and gets the backlog once it is back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import redis
+
+from gateway.keys import (
+    DELIVER_DEAD_STREAM,
+    DELIVERY_HEADER,
+    SIGNATURE_HEADER,
+    TICKET_KEY,
+    TIMESTAMP_HEADER,
+)  # fmt: skip
+from gateway.metrics import DeliverMetrics
+from gateway.settings import GatewaySettings
+from ticketq import codec, connections
+from ticketq.names import RESULTS_STREAM
+
+log = logging.getLogger(__name__)
+READ_BLOCK_MS = 1000  # how long one XREADGROUP waits for new results
+REDIS_PAUSE_S = 1.0  # pause after a Redis error in the loop before asking again
+
+Entry = tuple[str, dict]
+
+
+def sign(secret: bytes, timestamp: str, body: bytes) -> str:
+    """The X-Ticketq-Signature of `body` sent at `timestamp`: `sha256=<hex>`."""
+    return "sha256=" + hmac.new(secret, timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
+
+
+def backoff_s(attempt: int, base_s: float, cap_s: float, rng: random.Random) -> float:
+    """Pause before POST number `attempt + 1`: base doubling per attempt, capped; half of it random."""
+    pause = min(cap_s, base_s * 2 ** (attempt - 1))
+    return pause / 2 + rng.uniform(0, pause / 2)
+
+
+class Dispatcher:
+    """The consumer-group loop; `run_forever()` until `stop` is set (SIGTERM and SIGINT set it)."""
+
+    def __init__(self, settings: GatewaySettings, metrics: DeliverMetrics | None = None) -> None:
+        self.settings = settings
+        self.metrics = metrics or DeliverMetrics.build()
+        self.group = settings.deliver_group
+        self.consumer = settings.deliver_consumer or f"{socket.gethostname()}:{os.getpid()}"
+        self.redis = connections.redis_client(settings.broker_url, **settings.sentinel, retries=3)
+        self.http = httpx.Client(timeout=settings.deliver_timeout_s)
+        self.secret = settings.deliver_secret.get_secret_value().encode() if settings.deliver_secret else None
+        self.stop = threading.Event()
+        self.rng = random.Random()
+        self.pool = ThreadPoolExecutor(settings.deliver_concurrency, thread_name_prefix="deliver")
+        self._own_done = False  # this consumer's own pending entries (a restart under the same name) re-read
+
+    def run_forever(self) -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: self.stop.set())
+        if self.settings.deliver_metrics_port:
+            from prometheus_client import start_http_server
+
+            start_http_server(self.settings.deliver_metrics_port, registry=self.metrics.registry)
+        log.info("delivering %s (group %s, consumer %s)", RESULTS_STREAM, self.group, self.consumer)
+        last_claim = 0.0
+        while not self.stop.is_set():
+            try:
+                self.ensure_group()
+                now = time.monotonic()
+                batch: list[Entry] = []
+                if now - last_claim >= self.settings.deliver_claim_idle_s / 2:
+                    batch = self.claim()
+                    last_claim = 0.0 if batch else now  # a page re-claimed: look for more at once
+                self.deliver(batch or self.read())
+            except (redis.exceptions.RedisError, OSError) as exc:
+                log.warning("Redis error, asking again in %.0f s: %s", REDIS_PAUSE_S, str(exc).splitlines()[0])
+                self.stop.wait(REDIS_PAUSE_S)
+        self.close()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        self.http.close()
+        connections.close(self.redis)
+
+    def ensure_group(self) -> None:
+        """Create the group at the stream's start (results already there are delivered too) if absent."""
+        try:
+            self.redis.xgroup_create(RESULTS_STREAM, self.group, id="0", mkstream=True)
+        except redis.exceptions.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def read(self) -> list[Entry]:
+        """This consumer's own pending entries first (once), then new ones (blocking READ_BLOCK_MS)."""
+        start = ">" if self._own_done else "0"
+        count = self.settings.deliver_concurrency  # one thread each: none waits untouched in the pool
+        reply = self.redis.xreadgroup(self.group, self.consumer, {RESULTS_STREAM: start}, count=count,
+                                      block=None if start == "0" else READ_BLOCK_MS)  # fmt: skip
+        entries = _entries(reply[0][1]) if reply else []
+        if start == "0" and not entries:
+            self._own_done = True
+        return entries
+
+    def claim(self) -> list[Entry]:
+        """Entries pending in the group for longer than TICKETQ_DELIVER_CLAIM_IDLE_S, now ours."""
+        reply = self.redis.xautoclaim(RESULTS_STREAM, self.group, self.consumer,
+                                      int(self.settings.deliver_claim_idle_s * 1000), start_id="0-0",
+                                      count=self.settings.deliver_concurrency)  # fmt: skip
+        entries = _entries(reply[1])
+        if entries:
+            log.info("re-claimed %d result(s) left pending by a dispatcher that stopped", len(entries))
+        return entries
+
+    def deliver(self, entries: Sequence[Entry]) -> None:
+        """POST each entry (TICKETQ_DELIVER_CONCURRENCY at once); each is acked by its own thread."""
+        for future in [self.pool.submit(self.deliver_one, entry_id, fields) for entry_id, fields in entries]:
+            future.result()
+
+    def deliver_one(self, entry_id: str, fields: dict) -> bool:
+        """POST one result until 2xx (acked: True) or TICKETQ_DELIVER_MAX_ATTEMPTS (dead-lettered: False).
+        Stopping part way leaves it pending: a later run delivers it."""
+        result = codec.loads(fields[b"data"]) if b"data" in fields else None
+        url = self._url_for(result)
+        body = json.dumps({"delivery_id": entry_id, "result": result, "metadata": self._metadata(result)}).encode()
+        error = "no receiver URL for its schema (TICKETQ_DELIVER_URLS)" if url is None else ""
+        for attempt in range(1, self.settings.deliver_max_attempts + 1 if url else 0):
+            if attempt > 1:
+                if self.stop.wait(backoff_s(attempt - 1, self.settings.deliver_backoff_s,
+                                            self.settings.deliver_backoff_max_s, self.rng)):  # fmt: skip
+                    return False
+                self._touch(entry_id)
+            error = self._post(url, entry_id, body)
+            if not error:
+                self.redis.xack(RESULTS_STREAM, self.group, entry_id)
+                self.metrics.deliveries.inc()
+                return True
+        self._dead_letter(entry_id, fields, url, error)
+        return False
+
+    def _post(self, url: str, entry_id: str, body: bytes) -> str:
+        """"" when the receiver answered 2xx, else what went wrong (one line)."""
+        stamp = str(int(time.time()))
+        headers = {"Content-Type": "application/json", DELIVERY_HEADER: entry_id, TIMESTAMP_HEADER: stamp}
+        if self.secret is not None:
+            headers[SIGNATURE_HEADER] = sign(self.secret, stamp, body)
+        started = time.perf_counter()
+        try:
+            response = self.http.post(url, content=body, headers=headers)
+        except httpx.HTTPError as exc:
+            self.metrics.attempts.labels("error").inc()
+            return f"POST {url} failed: {type(exc).__name__}: {exc}"
+        finally:
+            self.metrics.latency.observe(time.perf_counter() - started)
+        self.metrics.attempts.labels("ok" if response.is_success else f"http_{response.status_code}").inc()
+        return "" if response.is_success else f"POST {url} answered {response.status_code}"
+
+    def _touch(self, entry_id: str) -> None:
+        """Claim our own entry again (idle time back to 0), so no other dispatcher re-claims it now."""
+        self.redis.xclaim(RESULTS_STREAM, self.group, self.consumer, 0, [entry_id], justid=True)
+
+    def _dead_letter(self, entry_id: str, fields: dict, url: str | None, error: str) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.xadd(DELIVER_DEAD_STREAM, {"entry_id": entry_id, "data": fields.get(b"data", b""), "url": url or "",
+                                        "error": error, "attempts": self.settings.deliver_max_attempts},
+                  maxlen=self.settings.stream_maxlen, approximate=True)  # fmt: skip
+        pipe.xack(RESULTS_STREAM, self.group, entry_id)
+        pipe.execute()
+        self.metrics.dead.inc()
+        log.warning("result %s dead-lettered to %s: %s", entry_id, DELIVER_DEAD_STREAM, error)
+
+    def _url_for(self, result: Any) -> str | None:
+        schema = result.get("schema") if isinstance(result, dict) else None
+        return self.settings.deliver_urls.get(schema or "", self.settings.deliver_url)
+
+    def _metadata(self, result: Any) -> Any:
+        """The metadata the gateway kept with the ticket (None for tickets sent another way)."""
+        if not isinstance(result, dict) or not isinstance(result.get("id"), str):
+            return None
+        marker = self.redis.get(TICKET_KEY.format(queue=self.settings.queue, ticket_id=result["id"]))
+        return json.loads(marker).get("metadata") if marker else None
+
+
+def _entries(raw: Sequence) -> list[Entry]:
+    """XREADGROUP/XAUTOCLAIM entries as (id, fields); a deleted entry (fields None) is skipped."""
+    out = []
+    for entry_id, fields in raw:
+        if fields:
+            out.append((entry_id.decode() if isinstance(entry_id, bytes) else entry_id, fields))
+    return out

@@ -1,0 +1,290 @@
+"""Taking tickets in: parse and check a request body with the contract's rule, make a retried POST
+a no-op, and send what is new through `Producer` only when Redis can keep it.
+
+Framework-free (the HTTP layer is `gateway.app`): every refusal is a `Refused` with the status,
+a reason and a one-line message.
+
+Idempotency, in two parts, both keyed in Redis (`gateway.keys`):
+- a ticket id: its task id is `idempotent_task_id(queue, [id])`, the same on every POST, and a
+  marker written after the send says it was accepted; a POST of a marked id sends nothing and is
+  answered with the same task id. Two copies racing past the marker are both sent under that id,
+  and the worker publishes the ticket once.
+- an `Idempotency-Key` header: the first answer is stored (SET NX, TICKETQ_GATEWAY_IDEMPOTENCY_TTL_S)
+  with the body's digest; the same key again gets that answer, a different body under it a 422.
+  Tickets without an id get one derived from the key, so a retry names the same tickets.
+
+Cost: one MGET of the markers per POST, one pipelined SET per accepted ticket, and one LLEN
+pipeline per TICKETQ_GATEWAY_DEPTH_EVERY_S at most for the queue-depth bound.
+
+A 202 means `Producer.submit_many` returned: Redis took every message (and TICKETQ_REPLICA_ACKS
+replicas hold them, where set). Anything else is a 503 with Retry-After, and some of the tickets
+may be queued: a retry under the same ids or key is answered once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from gateway.keys import IDEMPOTENCY_KEY, TICKET_KEY
+from gateway.settings import GatewaySettings
+from producer.api import BrokerUnavailable, NotReplicated, Producer, TicketResult, idempotent_task_id
+from ticketq.contract import Reason, TicketRejected, UniqueIds, validate_ticket
+from ticketq.names import queue_lists
+
+FIELDS = ("id", "text", "schema", "metadata")
+DEPTH_EVERY_S = 0.25  # the queue depth is read at most this often per gateway process
+# The field a contract reason is about (WRONG_TYPE names its field in the detail).
+REASON_FIELDS = {Reason.MISSING_FIELD: "text", Reason.EMPTY_ID: "id", Reason.INVALID_UTF8: "text",
+                 Reason.OVERSIZE: "text", Reason.EMPTY_TEXT: "text", Reason.DUPLICATE_ID: "id"}  # fmt: skip
+_REDIS_ERRORS = (redis.exceptions.RedisError, OSError)
+
+
+@dataclass
+class Refused(Exception):
+    """A request the gateway does not take: `status`, `reason` (a word), a one-line `message`;
+    `errors` per bad ticket (`index`, `field`, `reason`, `message`), `retry_after` seconds."""
+
+    status: int
+    reason: str
+    message: str
+    errors: list[dict] = field(default_factory=list)
+    retry_after: int | None = None
+
+    def body(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"error": self.reason, "message": self.message}
+        if self.errors:
+            out["errors"] = self.errors
+        return out
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A ticket that passed the rule; `id` always set (assigned when none was given)."""
+
+    id: str
+    text: str
+    schema: str | None
+    metadata: dict | None
+
+
+def parse_body(body: bytes) -> list[object]:
+    """The tickets of a POST body (one object or a list), or `Refused` 400."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise Refused(400, Reason.INVALID_JSON.value, f"the body is not JSON: {exc}") from None
+    if isinstance(data, dict):
+        return [data]
+    if isinstance(data, list) and data:
+        return data
+    shown = "an empty list" if data == [] else type(data).__name__
+    raise Refused(400, Reason.BAD_PAYLOAD.value, f"the body must be a ticket object or a list of them, got {shown}")
+
+
+def check_tickets(raws: Sequence[object], settings: GatewaySettings, id_seed: str | None = None) -> list[Checked]:
+    """Every ticket checked with the contract's rule, or `Refused` 422 naming each bad field.
+
+    `id_seed` (from an Idempotency-Key): tickets without an id get `<seed>-<index>`, the same on a retry.
+    """
+    if len(raws) > settings.gateway_max_tickets:
+        raise Refused(413, "too_many_tickets", f"{len(raws)} tickets in one request, above "
+                      f"TICKETQ_GATEWAY_MAX_TICKETS={settings.gateway_max_tickets}")  # fmt: skip
+    checked, errors, ids = [], [], UniqueIds()
+    for index, raw in enumerate(raws):
+        try:
+            ticket = _check_one(raw, settings)
+            ticket_id = ticket.id or (f"{id_seed}-{index}" if id_seed else uuid.uuid4().hex)
+            ids.add(ticket_id, f"at #{index}")
+            checked.append(Checked(ticket_id, ticket.text, ticket.schema, ticket.metadata))
+        except TicketRejected as exc:
+            errors.append({"index": index, "field": _field_of(exc), "reason": exc.reason, "message": exc.detail})
+    if errors:
+        first = errors[0]
+        raise Refused(422, "invalid_tickets", f"{len(errors)} of {len(raws)} ticket(s) invalid, none accepted; "
+                      f"#{first['index']} {first['field'] or 'ticket'}: {first['message']}", errors)  # fmt: skip
+    return checked
+
+
+def _check_one(raw: object, settings: GatewaySettings) -> Checked:
+    if isinstance(raw, dict):
+        unknown = sorted(set(raw) - set(FIELDS))
+        if unknown:
+            raise TicketRejected("unknown_field", f"unknown field(s) {', '.join(map(repr, unknown))}; a ticket has "
+                                                  f"{', '.join(FIELDS)}")  # fmt: skip
+        metadata = raw.get("metadata")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise TicketRejected(Reason.WRONG_TYPE, f"'metadata' must be an object, got {type(metadata).__name__}")
+        raw = {name: value for name, value in raw.items() if name != "metadata"}
+    else:
+        metadata = None
+    ticket = validate_ticket(raw, settings.max_ticket_bytes)
+    if ticket.schema is not None and settings.gateway_schemas and ticket.schema not in settings.gateway_schemas:
+        raise TicketRejected(Reason.UNKNOWN_SCHEMA, f"'schema' {ticket.schema!r} is not served; served: "
+                                                    f"{', '.join(settings.gateway_schemas)}")  # fmt: skip
+    return Checked(ticket.id, ticket.text, ticket.schema, metadata)
+
+
+def _field_of(exc: TicketRejected) -> str | None:
+    if exc.reason in REASON_FIELDS:
+        return REASON_FIELDS[Reason(exc.reason)]
+    for name in FIELDS:
+        if exc.detail.startswith(f"'{name}'"):
+            return name
+    return "schema" if exc.reason == Reason.UNKNOWN_SCHEMA else None
+
+
+def body_digest(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
+
+
+class Intake:
+    """Sends checked tickets, once, through a `Producer` per thread (Celery's clients are not
+    shared across threads here); `accept` and `lookup` are blocking, for a worker thread."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self._local = threading.local()
+        self._producers: list[Producer] = []
+        self._lock = threading.Lock()
+        self._depth: tuple[float, int] = (0.0, 0)
+
+    @property
+    def producer(self) -> Producer:
+        producer = getattr(self._local, "producer", None)
+        if producer is None:
+            producer = Producer(self.settings, retry_for_s=self.settings.gateway_send_retry_s)
+            self._local.producer = producer
+            with self._lock:
+                self._producers.append(producer)
+        return producer
+
+    def close(self) -> None:
+        with self._lock:
+            producers, self._producers = self._producers, []
+        for producer in producers:
+            producer.close()
+
+    def ticket_key(self, ticket_id: str) -> str:
+        return TICKET_KEY.format(queue=self.settings.queue, ticket_id=ticket_id)
+
+    def task_id(self, ticket_id: str) -> str:
+        return idempotent_task_id(self.settings.queue, [ticket_id], False)
+
+    # --- POST ---
+
+    def remembered(self, token: str, key: str, digest: str) -> dict | None:
+        """The stored answer of an Idempotency-Key, or None; `Refused` 422 for another body under it."""
+        stored = self._redis_call(lambda r: r.get(self._idempotency_key(token, key)))
+        if stored is None:
+            return None
+        entry = json.loads(stored)
+        if entry["body"] != digest:
+            raise Refused(422, "idempotency_key_reused", f"Idempotency-Key {key[:80]!r} was used with another body; "
+                          "use a new key for new tickets")  # fmt: skip
+        return entry["answer"]
+
+    def remember(self, token: str, key: str, digest: str, answer: dict) -> dict:
+        """Store `answer` under the key unless one is there (SET NX); the stored answer either way."""
+        name = self._idempotency_key(token, key)
+        value = json.dumps({"body": digest, "answer": answer})
+        try:
+            if self.producer.redis.set(name, value, nx=True, ex=self.settings.gateway_idempotency_ttl_s):
+                return answer
+            return json.loads(self.producer.redis.get(name) or value)["answer"]
+        except _REDIS_ERRORS:
+            return answer  # the tickets are in; a retry finds their markers instead
+
+    def _idempotency_key(self, token: str, key: str) -> str:
+        return IDEMPOTENCY_KEY.format(token=token, digest=hashlib.sha256(key.encode()).hexdigest())
+
+    def accept(self, tickets: Sequence[Checked], token: str) -> list[dict]:
+        """Send the tickets not accepted before; one row per ticket: id, task_id, status
+        (`accepted`, or `duplicate` for one accepted by an earlier POST). `Refused` 429/503."""
+        self._check_depth()
+        keys = [self.ticket_key(ticket.id) for ticket in tickets]
+        seen = self._redis_call(lambda r: r.mget(keys))
+        new = [ticket for ticket, marker in zip(tickets, seen, strict=True) if marker is None]
+        if new:
+            self._send(new)
+            self._mark(new, token)
+        fresh = {ticket.id for ticket in new}
+        return [{"id": t.id, "task_id": self.task_id(t.id), "status": "accepted" if t.id in fresh else "duplicate"}
+                for t in tickets]  # fmt: skip
+
+    def _send(self, tickets: Sequence[Checked]) -> None:
+        payload = [{"id": t.id, "text": t.text, **({"schema": t.schema} if t.schema else {})} for t in tickets]
+        try:
+            self.producer.submit_many(payload, idempotent=True)
+        except NotReplicated as exc:
+            raise self._unavailable("not_replicated", str(exc)) from None
+        except BrokerUnavailable as exc:  # SendStopped too: Redis away past the retry, or refusing writes
+            reason = "redis_refused_write" if exc.write_refused else "redis_unavailable"
+            raise self._unavailable(reason, str(exc)) from None
+
+    def _mark(self, tickets: Sequence[Checked], token: str) -> None:
+        """Record each sent ticket (after the send: a marker never stands for a ticket Redis lacks)."""
+        pipe = self.producer.redis.pipeline(transaction=False)
+        for ticket in tickets:
+            value = json.dumps({"task_id": self.task_id(ticket.id), "metadata": ticket.metadata, "token": token})
+            pipe.set(self.ticket_key(ticket.id), value, nx=True, ex=self.settings.result_expires_s)
+        try:
+            pipe.execute()
+        except _REDIS_ERRORS as exc:  # sent, not marked: a retry sends again under the same task ids
+            raise self._unavailable("redis_refused_write", f"the tickets were sent but not recorded ({exc}); "
+                                    "send again: the same ids are answered once") from None  # fmt: skip
+
+    def _check_depth(self) -> None:
+        """`Refused` 429 when more than TICKETQ_GATEWAY_MAX_QUEUE_DEPTH messages wait."""
+        at, depth = self._depth
+        now = time.monotonic()
+        if now - at > DEPTH_EVERY_S:
+            def read(r: redis.Redis) -> int:
+                pipe = r.pipeline(transaction=False)
+                for name in queue_lists(self.settings.queue):
+                    pipe.llen(name)
+                return sum(pipe.execute())
+
+            depth = self._redis_call(read)
+            self._depth = (now, depth)
+        if depth > self.settings.gateway_max_queue_depth:
+            raise Refused(429, "queue_full", f"{depth} messages wait, above TICKETQ_GATEWAY_MAX_QUEUE_DEPTH="
+                          f"{self.settings.gateway_max_queue_depth}; retry later", [],
+                          self.settings.gateway_retry_after_s)  # fmt: skip
+
+    # --- GET ---
+
+    def lookup(self, ticket_id: str) -> tuple[int, dict]:
+        """(200, the result) / (202, pending) / (404, unknown) for a ticket id."""
+        marker = self._redis_call(lambda r: r.get(self.ticket_key(ticket_id)))
+        result = TicketResult(self.task_id(ticket_id), app=self.producer.app)
+        result.ticket_ids = (ticket_id,)
+        rows = self.producer.ready_now([result])
+        if rows:
+            return 200, rows[0]
+        if marker is not None:
+            return 202, {"id": ticket_id, "task_id": result.id, "status": "pending"}
+        return 404, {"error": "unknown_ticket", "message": f"no ticket {ticket_id!r} was accepted (or its result "
+                     "expired: TICKETQ_RESULT_EXPIRES_S)"}  # fmt: skip
+
+    # --- Redis ---
+
+    def _redis_call(self, call: Any) -> Any:
+        try:
+            return call(self.producer.redis)
+        except redis.exceptions.ResponseError as exc:  # OOM, READONLY, NOREPLICAS on a read-modify path
+            raise self._unavailable("redis_refused_write", f"Redis refused: {exc}") from None
+        except _REDIS_ERRORS as exc:
+            raise self._unavailable("redis_unavailable", f"Redis is not reachable: {exc}") from None
+
+    def _unavailable(self, reason: str, message: str) -> Refused:
+        return Refused(503, reason, message.splitlines()[0] if message else reason, [],
+                       self.settings.gateway_retry_after_s)  # fmt: skip

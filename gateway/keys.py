@@ -1,0 +1,29 @@
+"""Every Redis key, stream, header and metric name the gateway and the dispatcher use.
+
+The broker's own names (queue, results stream) are `ticketq.names`; these are the front door's.
+"""
+
+# A ticket the gateway accepted: `{queue}` and ticket id -> JSON {task_id, metadata, token}, kept
+# as long as results are (TICKETQ_RESULT_EXPIRES_S). A retried POST finds it and sends nothing;
+# GET /v1/tickets/{id} tells "pending" from "unknown" by it; the dispatcher adds its metadata.
+TICKET_KEY = "ticketq:gateway:ticket:{queue}:{ticket_id}"
+# An Idempotency-Key seen: per token, sha256 of the key -> JSON {body sha256, answer}.
+IDEMPOTENCY_KEY = "ticketq:gateway:idem:{token}:{digest}"
+# Results the dispatcher gave up on after TICKETQ_DELIVER_MAX_ATTEMPTS POSTs, with the last error.
+DELIVER_DEAD_STREAM = "ticketq:deliver:dead"
+
+# HTTP headers of a delivered result.
+DELIVERY_HEADER = "X-Ticketq-Delivery"  # the same on every retry of one result: the receiver's idempotency key
+SIGNATURE_HEADER = "X-Ticketq-Signature"  # sha256=<hex HMAC-SHA256(secret, timestamp + "." + body)>
+TIMESTAMP_HEADER = "X-Ticketq-Timestamp"  # unix seconds of this attempt
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+
+# Prometheus metric names (prometheus_client adds _total / _bucket suffixes where it should).
+REQUESTS = "ticketq_gateway_requests"
+REQUEST_SECONDS = "ticketq_gateway_request_seconds"
+REJECTS = "ticketq_gateway_rejects"
+TICKETS = "ticketq_gateway_tickets"
+DELIVERIES = "ticketq_deliver_deliveries"
+DELIVER_ATTEMPTS = "ticketq_deliver_attempts"
+DELIVER_DEAD = "ticketq_deliver_dead_letters"
+DELIVER_SECONDS = "ticketq_deliver_post_seconds"

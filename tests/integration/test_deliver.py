@@ -1,0 +1,232 @@
+"""ticketq-deliver: results of a real null-classifier worker, read from the results stream by the
+real dispatcher process (`python -m gateway deliver`) and POSTed to a real HTTP receiver here,
+which checks each signature and deduplicates by delivery id. The dispatcher is kill -9'd mid-stream,
+the receiver fails for a while, or for good."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from test_gateway import running_gateway
+from workers import ROOT, free_port, null_classifier_service, wait_for
+
+from gateway.deliver import backoff_s, sign
+from gateway.keys import DELIVER_DEAD_STREAM
+from producer.api import Producer
+from ticketq.config import ClientSettings
+from ticketq.names import RESULTS_STREAM
+
+pytestmark = pytest.mark.integration
+
+SECRET = "deliver-secret"
+
+
+def test_signature_and_backoff_rules():
+    body = b'{"a": 1}'
+    expected = "sha256=" + hmac.new(b"k", b"17." + body, hashlib.sha256).hexdigest()
+    assert sign(b"k", "17", body) == expected
+    rng = random.Random(0)
+    pauses = [backoff_s(attempt, 0.5, 4.0, rng) for attempt in range(1, 7)]
+    for attempt, pause in enumerate(pauses, start=1):
+        full = min(4.0, 0.5 * 2 ** (attempt - 1))
+        assert full / 2 <= pause <= full
+
+
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 128  # the listen backlog: 5 by default, below the dispatcher's concurrency
+    daemon_threads = True
+
+
+class Receiver:
+    """An HTTP receiver: verifies each POST's signature, records its delivery id, answers 500 for
+    the first `fail_first` POSTs (all of them when `fail_first` is None), 200 after."""
+
+    def __init__(self, fail_first: int | None = 0, delay_s: float = 0.0) -> None:
+        self.fail_first, self.delay_s = fail_first, delay_s
+        self.posts = 0
+        self.seen: Counter = Counter()
+        self.bodies: dict[str, dict] = {}  # delivery id -> the body delivered
+        self.bad_signatures = 0
+        self.lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                receiver.handle(self, body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = _Server(("127.0.0.1", free_port()), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/hook"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def handle(self, request: BaseHTTPRequestHandler, body: bytes) -> None:
+        time.sleep(self.delay_s)
+        stamp = request.headers["X-Ticketq-Timestamp"]
+        ok = hmac.compare_digest(sign(SECRET.encode(), stamp, body), request.headers["X-Ticketq-Signature"])
+        delivery = request.headers["X-Ticketq-Delivery"]
+        with self.lock:
+            self.posts += 1
+            failing = self.fail_first is None or self.posts <= self.fail_first
+            if not ok:
+                self.bad_signatures += 1
+            elif not failing:
+                self.bodies[delivery] = json.loads(body)
+                self.seen[delivery] += 1
+        request.send_response(500 if failing or not ok else 200)
+        request.send_header("Content-Length", "0")
+        request.end_headers()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@contextmanager
+def receiving(**kwargs: object):
+    receiver = Receiver(**kwargs)
+    try:
+        yield receiver
+    finally:
+        receiver.close()
+
+
+class Dispatcher:
+    """`python -m gateway deliver` with its own consumer group, fast retries."""
+
+    def __init__(self, workdir: Path, broker_url: str, queue: str, receiver_url: str, group: str, **extra: str) -> None:
+        self.metrics_port = free_port()
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
+        self.env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", TICKETQ_BROKER_URL=broker_url, TICKETQ_QUEUE=queue,
+                        TICKETQ_DELIVER_URL=receiver_url, TICKETQ_DELIVER_SECRET=SECRET, TICKETQ_DELIVER_GROUP=group,
+                        TICKETQ_DELIVER_BACKOFF_S="0.05", TICKETQ_DELIVER_BACKOFF_MAX_S="0.2",
+                        TICKETQ_DELIVER_CLAIM_IDLE_S="1", TICKETQ_DELIVER_TIMEOUT_S="0.7")  # fmt: skip
+        self.env["TICKETQ_DELIVER_METRICS_PORT"] = str(self.metrics_port)
+        self.env.update(extra)
+        self.log = workdir / f"deliver-{group}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Dispatcher:
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "gateway", "deliver"], cwd=ROOT, env=self.env,
+                                         stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        return self
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+
+    def metric(self, name: str) -> float:
+        for line in httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        return 0.0
+
+
+@contextmanager
+def dispatching(*args: object, **kwargs: str):
+    dispatcher = Dispatcher(*args, **kwargs).start()
+    try:
+        yield dispatcher
+    finally:
+        dispatcher.stop()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """A private Redis whose results stream holds the answers of 300 tickets from a real worker, and
+    of one ticket POSTed with metadata to a real gateway; (broker url, every entry id, workdir)."""
+    workdir = tmp_path_factory.mktemp("deliver")
+    with null_classifier_service(workdir, "deliver") as (url, queue):
+        with Producer(ClientSettings(broker_url=url, queue=queue)) as producer:
+            sent = producer.submit_many([{"id": f"r{n}", "text": f"ticket {n}"} for n in range(300)], pack=10)
+            rows = producer.wait(sent, timeout=120)
+        assert all(row["status"] == "ok" for row in rows)
+        with running_gateway(workdir, url, queue) as gateway:
+            ticket = {"id": "via-gateway", "text": "refund please", "metadata": {"helpdesk": "T-9"}}
+            assert gateway.client.post("/v1/tickets", json=ticket).status_code == 202
+            assert gateway.client.get("/v1/tickets/via-gateway", params={"wait": 20}).status_code == 200
+        entries = [entry_id.decode() for entry_id, _ in redis.Redis.from_url(url).xrange(RESULTS_STREAM)]
+        assert len(entries) == 301
+        yield url, entries, workdir, queue
+
+
+def _group() -> str:
+    return f"test-{uuid.uuid4().hex[:8]}"
+
+
+def test_kill_9_mid_stream_loses_nothing(results):
+    """Killed with results in flight and restarted (a new consumer: its pending entries are
+    re-claimed): every result delivered at least once; deduplicated, each exactly once."""
+    url, entries, workdir, queue = results
+    group = _group()
+    with receiving(delay_s=0.01) as receiver:
+        first = Dispatcher(workdir, url, queue, receiver.url, group, TICKETQ_DELIVER_CONCURRENCY="2").start()
+        wait_for(lambda: sum(receiver.seen.values()) >= 60, 60, "the first deliveries")
+        first.kill()
+        assert len(receiver.seen) < len(entries), "killed too late to be mid-stream"
+        with dispatching(workdir, url, queue, receiver.url, group, TICKETQ_DELIVER_CONCURRENCY="2"):
+            wait_for(lambda: set(receiver.seen) >= set(entries), 60, "every result delivered")
+        assert set(receiver.seen) == set(entries) and receiver.bad_signatures == 0
+    bodies = {body["result"]["id"]: body for body in receiver.bodies.values()}
+    assert all(body["delivery_id"] in entries for body in bodies.values())
+    assert bodies["via-gateway"]["metadata"] == {"helpdesk": "T-9"}  # kept by the gateway, delivered with it
+    assert bodies["r0"]["metadata"] is None and bodies["r0"]["result"]["status"] == "ok"
+    pending = redis.Redis.from_url(url).xpending(RESULTS_STREAM, group)["pending"]
+    assert pending == 0
+
+
+def test_a_receiver_failing_for_a_while_gets_the_backlog(results):
+    url, entries, workdir, queue = results
+    group, env = _group(), {"TICKETQ_DELIVER_MAX_ATTEMPTS": "30"}
+    with receiving(fail_first=100) as receiver, dispatching(workdir, url, queue, receiver.url, group,
+                                                            **env) as dispatcher:
+        wait_for(lambda: set(receiver.seen) >= set(entries), 60, "the backlog delivered")
+        assert receiver.posts >= len(entries) + 100
+        assert dispatcher.metric("ticketq_deliver_dead_letters_total") == 0
+        assert dispatcher.metric('ticketq_deliver_attempts_total{outcome="http_500"}') >= 100
+
+
+def test_a_receiver_failing_for_good_ends_in_the_dead_letter_stream(results):
+    url, entries, workdir, queue = results
+    group = _group()
+    client = redis.Redis.from_url(url)
+    before = client.xlen(DELIVER_DEAD_STREAM)
+    twice = {"TICKETQ_DELIVER_MAX_ATTEMPTS": "2"}
+    with receiving(fail_first=None) as receiver, dispatching(workdir, url, queue, receiver.url, group,
+                                                             **twice) as dispatcher:
+        wait_for(lambda: client.xlen(DELIVER_DEAD_STREAM) - before >= len(entries), 60, "every result dead-lettered")
+        wait_for(lambda: dispatcher.metric("ticketq_deliver_dead_letters_total") >= len(entries), 10, "the metric")
+        attempts = sum(dispatcher.metric(f'ticketq_deliver_attempts_total{{outcome="{outcome}"}}')
+                       for outcome in ("http_500", "error"))  # fmt: skip
+        assert attempts == 2 * len(entries) and receiver.posts <= attempts and not receiver.seen
+    dead = client.xrange(DELIVER_DEAD_STREAM)[before:]
+    assert sorted(fields[b"entry_id"].decode() for _, fields in dead) == sorted(entries)
+    assert all(b"answered 500" in fields[b"error"] for _, fields in dead)
+    assert client.xpending(RESULTS_STREAM, group)["pending"] == 0
