@@ -17,14 +17,14 @@ import redis
 import typer
 
 from producer.synthetic import generate_tickets
+from ticketq_bench.baselines import GENERATE_NEW_TOKENS, parse_label
+from ticketq_bench.cli import main, parse_args
+from ticketq_bench.procs import ROOT
+from ticketq_bench.records import Answer
+from ticketq_bench.report import compare
 from worker.engine import Engine, batching
 from worker.engine.prompt import system_text
 from worker.settings import DEFAULT_SYSTEM_PROMPT
-from worker.tools.bench.baselines import GENERATE_NEW_TOKENS, parse_label
-from worker.tools.bench.cli import main, parse_args
-from worker.tools.bench.records import Answer
-from worker.tools.bench.report import compare
-from worker.tools.procs import ROOT
 
 PROB_TOL = 1e-4
 IN_PROCESS = ["sequential", "naive", "naive-global", "sorted", "ticketq"]
@@ -274,7 +274,7 @@ def test_llama_cpp_modes_run_or_say_why(peer_run):
 @pytest.mark.skipif(not llama_cpp_installed(), reason="llama-cpp-python not installed (pip install 'ticketq[peers]')")
 def test_llama_cpp_scores_shared_label_prefixes_like_the_reference(tiny_engine, tiny_model_dir):
     """Labels sharing a first token: the continuation branch runs after the ticket's cached tokens."""
-    from worker.tools.peers import LlamaCppScorer, gguf_model
+    from ticketq_bench.peers import LlamaCppScorer, gguf_model
 
     labels = ("account", "account security", "billing")
     engine = Engine(

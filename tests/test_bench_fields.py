@@ -15,12 +15,12 @@ import pytest
 import typer
 
 from ticketq.schema import Field, FieldResult, TicketFields
+from ticketq_bench import multifield
+from ticketq_bench.cli import DEFAULT_SCHEMA, main, parse_args
+from ticketq_bench.procs import ROOT
+from ticketq_bench.records import Answer, ModeResult
+from ticketq_bench.report import schema_lines, strict_failure, summarise
 from worker.results import BatchReport
-from worker.tools.bench import multifield
-from worker.tools.bench.cli import DEFAULT_SCHEMA, main, parse_args
-from worker.tools.bench.records import Answer, ModeResult
-from worker.tools.bench.report import schema_lines, strict_failure, summarise
-from worker.tools.procs import ROOT
 
 PROB_TOL = 1e-4
 SCHEMA_MODES = ["one-field", "fields", "full-prompts", "one-schema", "schemas"]

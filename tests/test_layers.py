@@ -2,10 +2,11 @@
 
     ticketq/            the contract: names, ticket rules, client settings, codec (no worker, no producer)
     producer/           the client side: imports the contract only
-    worker/engine/      tensors: imports no Celery glue, no transport, no tools
-    worker/transport/   private names of Celery, kombu, celery-batches, redis-py: no engine, no tools
+    worker/engine/      tensors: imports no Celery glue, no transport, no tooling
+    worker/transport/   private names of Celery, kombu, celery-batches, redis-py: no engine, no tooling
     worker/*.py         the service core (Celery glue, service, store, metrics, settings)
-    worker/tools/       CLI, demo, bench, load test, ops, stand-in: above everything, imported by nothing below
+    ticketq_bench/      the benchmark, its peers, the load test, the worker-process harness: no CLI
+    ticketq_cli/        the `ticketq` command and the operator's tools: above everything, imported by nothing
 
 Checked in a fresh interpreter per layer, so nothing imported by another test hides a violation.
 """
@@ -32,14 +33,16 @@ def _modules(folder: str, *, recursive: bool = True) -> list[str]:
     return names
 
 
+TOOLING = ("ticketq_cli", "ticketq_bench")
 LAYERS = {
-    "ticketq": (_modules("ticketq"), ("worker", "producer")),
-    "producer": (_modules("producer"), ("worker",)),
-    "worker/engine": (_modules("worker/engine"), ("worker.transport", "worker.tools", "worker.app", "worker.service",
-                                                   "worker.store", "producer", "celery", "kombu")),
-    "worker/transport": (_modules("worker/transport"), ("worker.engine", "worker.tools", "worker.app",
-                                                         "worker.service", "producer", "torch")),
-    "worker (core)": (_modules("worker", recursive=False), ("worker.tools", "producer")),
+    "ticketq": (_modules("ticketq"), ("worker", "producer", *TOOLING)),
+    "producer": (_modules("producer"), ("worker", *TOOLING)),
+    "worker/engine": (_modules("worker/engine"), ("worker.transport", "worker.app", "worker.service",
+                                                   "worker.store", "producer", "celery", "kombu", *TOOLING)),
+    "worker/transport": (_modules("worker/transport"), ("worker.engine", "worker.app",
+                                                         "worker.service", "producer", "torch", *TOOLING)),
+    "worker (core)": (_modules("worker", recursive=False), ("producer", *TOOLING)),
+    "ticketq_bench": ([m for m in _modules("ticketq_bench") if not m.endswith(".__main__")], ("ticketq_cli",)),
 }  # fmt: skip
 
 
@@ -62,9 +65,10 @@ def test_each_layer_imports_only_the_layers_below_it(layer):
 
 
 def test_every_worker_module_sits_in_a_layer_folder():
-    """The service core is worker/*.py; everything else lives in engine/, transport/ or tools/."""
+    """The service core is worker/*.py; everything else lives in engine/ or transport/ (the tooling
+    lives outside the worker package, in ticketq_cli/ and ticketq_bench/)."""
     folders = {path.name for path in (ROOT / "worker").iterdir() if path.is_dir() and path.name != "__pycache__"}
-    assert folders == {"engine", "transport", "tools"}, folders
+    assert folders == {"engine", "transport"}, folders
 
 
 def test_importing_worker_app_builds_nothing():

@@ -37,9 +37,9 @@ from workers import ROOT, RedisServer, Worker, free_port, running_worker, wait_f
 from producer.api import BrokerUnavailable, Producer
 from ticketq import connections, names
 from ticketq.config import ClientSettings
+from ticketq_cli.ops import Ops
 from worker import store
 from worker.settings import Settings
-from worker.tools.ops import Ops
 
 QUEUE = "memory"
 FULL = "Redis is full (maxmemory)"
@@ -112,7 +112,7 @@ def test_status_on_a_full_redis_says_the_workers_could_not_be_asked(tmp_path):
     try:
         fill(server.client())
         env = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
-        done = subprocess.run([sys.executable, "-m", "worker.tools.cli", "status"], cwd=ROOT, capture_output=True,
+        done = subprocess.run([sys.executable, "-m", "ticketq_cli.cli", "status"], cwd=ROOT, capture_output=True,
                               text=True, timeout=60, env={**env, "TICKETQ_BROKER_URL": server.url})  # fmt: skip
     finally:
         server.kill()
@@ -161,7 +161,7 @@ def test_an_evicting_policy_stops_the_worker_with_the_fix(tmp_path):
     try:
         env = worker_env(None, server.url, QUEUE, TICKETQ_NULL_CLASSIFIER="1")
         started = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "worker.tools.cli", "worker"], env=env, cwd=ROOT,
+        done = subprocess.run([sys.executable, "-m", "ticketq_cli.cli", "worker"], env=env, cwd=ROOT,
                               capture_output=True, text=True, timeout=60)  # fmt: skip
         elapsed = time.monotonic() - started
         output = done.stdout + done.stderr

@@ -136,8 +136,8 @@ def client():
 @pytest.mark.integration
 def test_the_exporter_reports_each_queue_s_backlog_with_no_worker(client):
     from ticketq.names import queue_lists
+    from ticketq_cli.exporter import BacklogCollector
     from worker import store
-    from worker.tools.exporter import BacklogCollector
 
     queue, other, empty = (f"exporter-{uuid.uuid4().hex[:8]}" for _ in range(3))
     main, high = queue_lists(queue)[:2]
@@ -160,7 +160,7 @@ def test_the_exporter_reports_each_queue_s_backlog_with_no_worker(client):
 
 
 def test_the_exporter_takes_a_list_of_queues_not_a_name():
-    from worker.tools.exporter import BacklogCollector
+    from ticketq_cli.exporter import BacklogCollector
 
     for queues in ("ticketq", []):
         with pytest.raises(ValueError, match="non-empty list"):

@@ -239,7 +239,7 @@ def single_sequence(engines: dict[str, Engine], model: str) -> None:
 
 def llama_cpp_rate(engine: Engine, width: int, model: str) -> float | None:
     try:
-        from worker.tools.peers import LlamaCppScorer, PeerUnavailable, gguf_model
+        from ticketq_bench.peers import LlamaCppScorer, PeerUnavailable, gguf_model
     except ImportError:
         return None
     try:

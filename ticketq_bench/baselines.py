@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 
 from tqdm import tqdm
 
+from ticketq_bench.records import Answer
 from worker.engine import batching
 from worker.results import BatchReport
-from worker.tools.bench.records import Answer
 
 Planner = Callable[[Sequence[int], int], batching.Plan]
 FULL_PROMPT_PLANNERS: dict[str, Planner] = {

@@ -24,10 +24,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from worker.tools.bench.records import FIELD_MODES, REFERENCE, SCHEMA_MODES, Answer, ModeResult, Options, baseline_of
+from ticketq_bench.records import FIELD_MODES, REFERENCE, SCHEMA_MODES, Answer, ModeResult, Options, baseline_of
 
 if TYPE_CHECKING:  # the runner imports this module; its types are only read here
-    from worker.tools.bench.runner import Bench
+    from ticketq_bench.runner import Bench
 
 # Per-mode figures in the JSON rows (None where a mode was skipped).
 FIGURES = (
@@ -420,8 +420,8 @@ def markdown_table(header: dict, rows: list[dict]) -> str:
 
 
 def ceiling_lines(rows: list[dict]) -> list[str]:
-    """A line per mode timed against its linear-layer ceiling (`worker.tools.bench.ceiling`)."""
-    from worker.tools.bench.ceiling import ceiling_note
+    """A line per mode timed against its linear-layer ceiling (`ticketq_bench.ceiling`)."""
+    from ticketq_bench.ceiling import ceiling_note
 
     return [ceiling_note(row["mode"], row["linear_ceiling"]["rows"], row["linear_ceiling"]["share"])
             for row in rows if (row.get("linear_ceiling") or {}).get("share")]  # fmt: skip

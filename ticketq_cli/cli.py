@@ -91,7 +91,7 @@ def standin(
     seed: Annotated[int, typer.Option(help="Weight seed: same seed, same bytes.")] = 0,
 ) -> None:
     """Build a Qwen2.5-0.5B-Instruct stand-in: real tokenizer and architecture, random weights (labels meaningless)."""
-    from worker.tools.standin import STANDIN_NOTE, build
+    from ticketq_cli.standin import STANDIN_NOTE, build
 
     if size not in ("full", "tiny"):
         raise typer.BadParameter("size must be 'full' or 'tiny'")
@@ -136,7 +136,7 @@ def classify(
         _fail(str(exc))
     with reader:
         _check_model(settings)
-        from worker.tools.offline import Summary
+        from ticketq_cli.offline import Summary
 
         summary = Summary()
         try:
@@ -164,7 +164,7 @@ def _classify(settings, reader: TicketReader, partial: PartialResults, summary, 
     However it stops (Ctrl-C, a crash, a model that cannot load), the rows done stay in the
     partial file and one line says how many and how to go on; with no row done, no file is left.
     """
-    from worker.tools.offline import classify_rows
+    from ticketq_cli.offline import classify_rows
 
     try:
         load = (lambda: _load_engine(settings)) if schema is None else (lambda: _load_engine(settings).fields(schema))
@@ -263,8 +263,8 @@ def evaluate(
         engine = _load_engine(settings)
         from tqdm import tqdm
 
-        from worker.tools.evaluate import evaluate as run_eval
-        from worker.tools.evaluate import evaluate_fields
+        from ticketq_cli.evaluate import evaluate as run_eval
+        from ticketq_cli.evaluate import evaluate_fields
 
         with tqdm(desc="scoring", unit="row", disable=not progress, file=None) as bar:
             if schema is None:
@@ -289,7 +289,7 @@ def _schema_option(path: Path | None):
 
 
 def _report_evaluation(evaluation, cuts: list[float], standin: bool, json_out: Path | None) -> None:
-    from worker.tools.evaluate import FieldsEvaluation, print_fields, print_scores
+    from ticketq_cli.evaluate import FieldsEvaluation, print_fields, print_scores
 
     out = Console()
     report(console, evaluation.refused, f"{len(evaluation.refused)} rows refused (not scored):")
@@ -319,7 +319,7 @@ def demo(
     seed: Annotated[int, typer.Option(help="Synthetic ticket seed.")] = 0,
 ) -> None:
     """End to end: model (or the full stand-in), a worker on local Redis, N tickets, figures."""
-    from worker.tools.demo import run_demo
+    from ticketq_cli.demo import run_demo
 
     _logging()
     raise typer.Exit(run_demo(tickets, seed, console))
@@ -334,7 +334,7 @@ def config(
     """Show every TICKETQ_* setting: its effective value, default and meaning (passwords masked).
     Invalid ones are marked, with what is allowed, and the exit status is then 2."""
     if markdown:
-        from worker.tools.docgen import settings_table
+        from ticketq_cli.docgen import settings_table
 
         print(settings_table())
         return
@@ -411,7 +411,7 @@ def _settings_marking_invalid():
 )
 def bench(ctx: typer.Context) -> None:
     """The benchmark table: every mode side by side on the same tickets (`ticketq bench --help`)."""
-    from worker.tools.bench.cli import main as bench_main  # its own typer command: options and help live there
+    from ticketq_bench.cli import main as bench_main  # its own typer command: options and help live there
 
     raise typer.Exit(bench_main(ctx.args))
 
@@ -421,7 +421,7 @@ def bench(ctx: typer.Context) -> None:
 )
 def loadtest(ctx: typer.Context) -> None:
     """Open-loop load test: Poisson arrivals at fractions of capacity, latency vs load (`ticketq loadtest --help`)."""
-    from worker.tools.loadtest import main as loadtest_main
+    from ticketq_bench.loadtest import main as loadtest_main
 
     raise typer.Exit(loadtest_main(ctx.args))
 
@@ -462,7 +462,7 @@ cli.add_typer(dead, name="dead")
 def _ops():
     """The operator commands' Ops on a broker that answers (else one line naming it), closed after."""
     from producer.api import BrokerUnavailable
-    from worker.tools.ops import Ops
+    from ticketq_cli.ops import Ops
 
     ops = Ops(_settings())
     try:
@@ -489,8 +489,8 @@ def exporter(
     lengths and the live consumers from Redis alone, for Prometheus: the backlog stays visible with
     every worker down."""
     from ticketq.connections import RedisUnavailable, connect
+    from ticketq_cli.exporter import exporter_server
     from worker.metrics import MetricsPortInUse
-    from worker.tools.exporter import exporter_server
 
     settings = _settings()
     try:
@@ -513,7 +513,7 @@ def status(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] 
     stream, Redis's memory and whether it kept its data. Exit status 1 when no worker answered the
     ping (or none could be asked: a full Redis refuses the ping's writes), 2 when Redis is
     unreachable; with --json, 0 whenever Redis answered."""
-    from worker.tools.ops import redis_data_line
+    from ticketq_cli.ops import redis_data_line
 
     with _ops() as ops:
         state = ops.status()
@@ -569,7 +569,7 @@ def dead_requeue(
     it). Nothing is sent for a ticket that already has a result, for a payload cut when it was
     dead-lettered, nor for a ticket that can never succeed (empty text, a wrong type); each says so
     (exit status 1, or 3 when nothing was re-sent, also when nothing matched)."""
-    from worker.tools.ops import NotRequeueable
+    from ticketq_cli.ops import NotRequeueable
 
     if not keys and not reason:
         _fail("name dead letters to requeue (entry or task ids) or pass --reason")

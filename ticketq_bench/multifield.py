@@ -23,7 +23,7 @@ confidence below `--tie-tolerance`) and on the rest. `schemas` reports `prefixes
 must equal the number of schemas however many batches ran.
 
     ticketq bench --schema examples/schema.toml --modes one-field,fields,full-prompts --tickets 200
-    python -m worker.tools.bench.multifield --tickets 200    # the same three modes, examples/schema.toml
+    python -m ticketq_bench.multifield --tickets 200    # the same three modes, examples/schema.toml
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from dataclasses import replace
 from tqdm import tqdm
 
 from ticketq.schema import Schema, TicketFields
+from ticketq_bench.records import SCHEMA_MODES, Answer
+from ticketq_bench.runner import InProcessRun, Load
 from worker.results import BatchReport
-from worker.tools.bench.records import SCHEMA_MODES, Answer
-from worker.tools.bench.runner import InProcessRun, Load
 
 SCHEMAS = 3  # how many schemas the `schemas` mode serves at once
 
@@ -180,7 +180,7 @@ class FieldsRun(InProcessRun):
 def main(argv: Sequence[str] | None = None) -> int:
     """`ticketq bench --modes one-field,fields,full-prompts ARGV` (the schema: examples/schema.toml
     unless ARGV names one)."""
-    from worker.tools.bench.cli import main as bench_main
+    from ticketq_bench.cli import main as bench_main
 
     argv = list(sys.argv[1:] if argv is None else argv)
     preset = [] if any(arg.startswith("--modes") for arg in argv) else ["--modes", "one-field,fields,full-prompts"]

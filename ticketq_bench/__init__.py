@@ -16,14 +16,14 @@ once); the peers run in processes of their own:
 - `ticketq-queue` the same end to end: Redis, a real worker process, the producer API.
 - `llama-cpp`     the CPU peer: llama.cpp (llama-cpp-python) on the same model in GGUF f32,
                   prompt cache, one ticket at a time, label from the answer-position logits.
-- `llama-cpp-q8`  the same in GGUF q8_0 (llama.cpp's 8-bit weights). Both opt-in, `worker.tools.peers`.
+- `llama-cpp-q8`  the same in GGUF q8_0 (llama.cpp's 8-bit weights). Both opt-in, `ticketq_bench.peers`.
 - `openvino`      the CPU peer OpenVINO on the same model (converted to its IR once), the prefix's KV
                   computed once, length-sorted batches, label from the answer-position logits, float32.
 - `openvino-bf16` the same with `INFERENCE_PRECISION_HINT` bf16.
 - `openvino-int8` the same in float32 with int8 weights (NNCF `compress_weights`). All three opt-in.
 - `one-field`, `fields`, `full-prompts`, `one-schema`, `schemas`: a schema's fields (`--schema`): its
                   first field alone, every field in one pass, a full prompt per field; a worker
-                  serving the schema alone, and three at once (`worker.tools.bench.multifield`). Opt-in.
+                  serving the schema alone, and three at once (`ticketq_bench.multifield`). Opt-in.
 
 Per mode: the median items/s over the rounds and their range (min–max), speedup over its baseline
 (the ratio of the medians: `sequential`, or for the schema modes `one-field` and `one-schema`),
@@ -40,7 +40,7 @@ Modules, each one job:
 - `cli`        the typer command: options and help, `Options` built, the exit status.
 - `records`    plain records shared by the others: mode names, `Options`, `Answer`, `ModeResult`.
 - `runner`     set-up (tickets, settings, engine, autotune) and how each mode runs and is timed
-               round after round, the queue mode's worker process included (`worker.tools.procs`).
+               round after round, the queue mode's worker process included (`ticketq_bench.procs`).
 - `peer_process` a peer mode in a spawned process of its own, and how its death is told.
 - `memory`     peak RSS per mode.
 - `baselines`  sequential, full-prompt batches and generate: calls into the engine's scoring

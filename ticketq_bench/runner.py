@@ -4,11 +4,11 @@
 `run_modes` runs the modes interleaved, round after round (A B C A B C …), each after a warm-up
 on the shortest tickets, timing it and reading its peak RSS, and calls back after every mode so
 that the outputs on disk always hold what has finished. The modes: the baselines
-(`worker.tools.bench.baselines`), the engine as served (`ticketq`, `ticketq-int8`), the peers
-(llama.cpp, OpenVINO: `worker.tools.peers`), each in a process of its own
-(`worker.tools.bench.peer_process`) so that a crash there is that mode's row, and
+(`ticketq_bench.baselines`), the engine as served (`ticketq`, `ticketq-int8`), the peers
+(llama.cpp, OpenVINO: `ticketq_bench.peers`), each in a process of its own
+(`ticketq_bench.peer_process`) so that a crash there is that mode's row, and
 `ticketq-queue`, which sends the tickets through Redis to a real worker process
-(`worker.tools.procs`) started once with the bench's own model, precision, threads and cost model.
+(`ticketq_bench.procs`) started once with the bench's own model, precision, threads and cost model.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from rich.console import Console
 from rich.markup import escape
 from tqdm import tqdm
 
+from ticketq_bench import baselines
+from ticketq_bench.ceiling import linear_ceiling
+from ticketq_bench.memory import peak_rss_mb, reset_peak_rss
+from ticketq_bench.procs import ROOT, free_port, running_worker
+from ticketq_bench.records import FIELD_MODES, PEER_MODES, SCHEMA_MODES, Answer, ModeResult, Options
+from ticketq_bench.report import describe_cost, load_average
 from worker.results import BatchReport
-from worker.tools.bench import baselines
-from worker.tools.bench.ceiling import linear_ceiling
-from worker.tools.bench.memory import peak_rss_mb, reset_peak_rss
-from worker.tools.bench.records import FIELD_MODES, PEER_MODES, SCHEMA_MODES, Answer, ModeResult, Options
-from worker.tools.bench.report import describe_cost, load_average
-from worker.tools.procs import ROOT, free_port, running_worker
 
 Load = tuple[float, float, float] | None  # os.getloadavg() where the platform has it
 
@@ -242,7 +242,7 @@ def _mode_run(context: RunContext, mode: str) -> ModeRun:
     if mode in PEER_MODES:
         return PeerRun(context, mode)
     if mode in FIELD_MODES or mode in SCHEMA_MODES:
-        from worker.tools.bench.multifield import FieldsRun  # it builds on InProcessRun, below
+        from ticketq_bench.multifield import FieldsRun  # it builds on InProcessRun, below
 
         return FieldsRun(context, mode)
     return InProcessRun(context, mode)
@@ -352,8 +352,8 @@ class PeerRun(ModeRun):
     def start(self) -> None:
         import torch
 
-        from worker.tools.bench.peer_process import PeerCrashed, PeerFailed, PeerJob, PeerProcess
-        from worker.tools.peers import PeerPrompt, PeerUnavailable
+        from ticketq_bench.peer_process import PeerCrashed, PeerFailed, PeerJob, PeerProcess
+        from ticketq_bench.peers import PeerPrompt, PeerUnavailable
 
         bench, context, mode = self.context.bench, self.context, self.result.mode
         self.result.rss_of = "peer process"
@@ -379,7 +379,7 @@ class PeerRun(ModeRun):
             self.crash(str(exc), 0)
 
     def round(self, number: int, load: Load) -> None:
-        from worker.tools.bench.peer_process import PeerCrashed, PeerFailed
+        from ticketq_bench.peer_process import PeerCrashed, PeerFailed
 
         result = self.result
         with tqdm(total=len(self.context.texts), desc=result.mode, unit="ticket") as bar:
