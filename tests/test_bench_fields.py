@@ -81,10 +81,10 @@ def test_every_schema_mode_runs_with_its_baseline_and_matches_its_reference(tiny
     assert any("one-schema ran although not listed: it is the baseline of schemas" in n for n in header["notes"])
 
 
-def test_the_multifield_module_runs_the_three_field_modes_on_a_multi_label_schema(tiny_model_dir, tmp_path,
-                                                                                   clean_env):  # fmt: skip
+def test_the_three_field_modes_run_on_a_multi_label_schema(tiny_model_dir, tmp_path, clean_env):
     topics = ROOT / "examples" / "schema-topics.toml"
-    assert multifield.main(bench_argv(tiny_model_dir, tmp_path, "--schema", str(topics), "--rounds", "1")) == 0
+    modes = ["--modes", "one-field,fields,full-prompts"]
+    assert main([*modes, *bench_argv(tiny_model_dir, tmp_path, "--schema", str(topics), "--rounds", "1")]) == 0
     header, *rows = json.loads((tmp_path / "bench.json").read_text())
     by_mode = {row["mode"]: row for row in rows}
     assert list(by_mode) == ["one-field", "fields", "full-prompts"] and header["schema"]["name"] == "support-topics"

@@ -5,11 +5,11 @@ rounds (A B C A B C …, `--rounds`, 3 by default; a warm-up first each time, to
 once); the peers run in processes of their own:
 
 - `generate`      what a newcomer writes: chat template + `model.generate` (4 new tokens, greedy)
-                  per ticket, the label parsed from the decoded text. Off by default (slowest).
+                  per ticket, the label parsed from the decoded text. Off by default.
 - `sequential`    the article's baseline and everyone's reference: one ticket at a time, full
                   prompt, constrained label scoring (`Engine.reference`).
 - `naive`         fixed-size batches in arrival order, padded to the batch's longest, full prompt.
-- `naive-global`  the same, every batch padded to the longest ticket of all (the article's 70%).
+- `naive-global`  the same, every batch padded to the longest ticket of all.
 - `sorted`        the article's method: length-sorted fixed-size batches, full prompt.
 - `ticketq`       the engine: autotuned cost model, DP plan, prefix KV cache, label-only head.
 - `ticketq-int8`  the same with the decoder's linear layers in dynamic int8 (inexact; opt-in).
@@ -38,9 +38,10 @@ what finished), `--chart`. A peer whose process dies is a row with the reason ("
 Modules, each one job:
 
 - `cli`        the typer command: options and help, `Options` built, the exit status.
-- `records`    plain records shared by the others: mode names, `Options`, `Answer`, `ModeResult`.
-- `runner`     set-up (tickets, settings, engine, autotune) and how each mode runs and is timed
-               round after round, the queue mode's worker process included (`ticketq_bench.procs`).
+- `records`    plain records shared by the others: mode names, `Options`, `Answer`, `ModeResult`, `Bench`.
+- `runner`     set-up (tickets, settings, engine, autotune) and the modes run round after round.
+- `modes`      how each mode runs and is timed: in this process, a peer beside it, or through the
+               queue to a worker process (`procs`).
 - `peer_process` a peer mode in a spawned process of its own, and how its death is told.
 - `memory`     peak RSS per mode.
 - `baselines`  sequential, full-prompt batches and generate: calls into the engine's scoring
@@ -48,4 +49,12 @@ Modules, each one job:
 - `multifield` the schema modes: their FieldsEngines or SchemaSet, each checked against the
                per-field reference (`FieldsEngine.reference`).
 - `report`     statistics per mode, the run's header, the table, Markdown, JSON and the chart.
+- `ceiling`    the linear layers' ceiling at a batch's size, beside the engine's tokens/s.
+- `peers`      the llama.cpp and OpenVINO runners the peer modes drive.
+
+Beside the bench, in this package because they measure the same way:
+
+- `loadtest`   `ticketq loadtest`: open-loop Poisson arrivals through Redis and a real worker.
+- `procs`      a `ticketq worker` subprocess started, waited for and stopped; free ports; `/metrics`
+               scraping (the bench's queue mode, the load test, the demo, the tests).
 """

@@ -1,4 +1,5 @@
-"""The benchmark's plain records: its modes, the options of one run, and what each mode answered (no torch)."""
+"""The benchmark's plain records: its modes, the options of one run, what each mode answered, and
+`Bench`, what every mode reads (the loaded engine, its settings, the options; no torch)."""
 
 from __future__ import annotations
 
@@ -134,3 +135,22 @@ class ModeResult:
         self.round_seconds.append(seconds)
         self.round_loads.append(load)
         self.seconds = statistics.median(self.round_seconds)
+
+
+Load = tuple[float, float, float] | None  # os.getloadavg() where the platform has it
+
+
+@dataclass
+class Bench:
+    """What every mode shares: the loaded engine, its settings, the options."""
+
+    engine: object  # worker.engine.Engine (imported lazily: `--help` must not import torch)
+    settings: object  # worker.settings.Settings
+    options: Options
+    tuning: object | None = None  # worker.engine.autotune.Tuning
+    int8_engine: object | None = None  # built on first use by ticketq-int8, sharing the model
+    schema: object | None = None  # ticketq.schema.Schema of the multi-field and schemas modes (--schema)
+    int8_tuning: object | None = None
+    load_before: Load = None  # os.getloadavg() when the modes start
+    round_loads: list[Load] = field(default_factory=list)  # os.getloadavg() at the start of each round
+    ticket_lengths: list[int] = field(default_factory=list)  # ticket tokens per ticket, for the header

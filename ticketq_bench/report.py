@@ -27,7 +27,7 @@ from rich.table import Table
 from ticketq_bench.records import FIELD_MODES, REFERENCE, SCHEMA_MODES, Answer, ModeResult, Options, baseline_of
 
 if TYPE_CHECKING:  # the runner imports this module; its types are only read here
-    from ticketq_bench.runner import Bench
+    from ticketq_bench.records import Bench
 
 # Per-mode figures in the JSON rows (None where a mode was skipped).
 FIGURES = (

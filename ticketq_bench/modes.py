@@ -1,0 +1,343 @@
+"""The bench's mode runs: each mode across the rounds, in this process or beside it.
+
+`ModeRun` is one mode: `start` on its first round, `round` each round, `close` at the end.
+`InProcessRun` times the baselines (`ticketq_bench.baselines`) and the engine as served (`ticketq`,
+`ticketq-int8`) in this process; `PeerRun` runs a peer (llama.cpp, OpenVINO: `ticketq_bench.peers`)
+in a process of its own (`ticketq_bench.peer_process`) so that a crash there is that mode's row;
+`QueueRun` sends the tickets through Redis to a real worker process (`ticketq_bench.procs`) started
+once with the bench's own model, precision, threads and cost model. The schema modes build on
+`InProcessRun` in `ticketq_bench.multifield`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from rich.console import Console
+from tqdm import tqdm
+
+from ticketq_bench import baselines
+from ticketq_bench.ceiling import linear_ceiling
+from ticketq_bench.memory import peak_rss_mb, reset_peak_rss
+from ticketq_bench.procs import ROOT, free_port, running_worker
+from ticketq_bench.records import Answer, Bench, Load, ModeResult
+from worker.results import BatchReport
+
+# (bench, texts, progress bar or None) -> (answers in ticket order, one report per forward)
+Runner = Callable[[Bench, list[str], tqdm | None], tuple[list[Answer], list[BatchReport]]]
+
+
+@dataclass
+class RunContext:
+    """What every mode's run reads: the bench, the tickets (texts and the engine's token ids), the warm-up."""
+
+    bench: Bench
+    tickets: list[dict]
+    texts: list[str]
+    encoded: list  # EncodedTicket per ticket
+    warm: list[int]  # indices of the warm-up tickets
+    console: Console
+
+    @property
+    def warm_texts(self) -> list[str]:
+        return [self.texts[i] for i in self.warm]
+
+
+class ModeRun(ABC):
+    """One mode across the rounds: `start` on its first round, `run_round` each round, `close` at the end."""
+
+    def __init__(self, context: RunContext, mode: str) -> None:
+        self.context = context
+        self.result = ModeResult(mode)
+        self.started = False
+
+    def run_round(self, number: int, load: Load) -> None:
+        if not self.started:
+            self.started = True
+            self.start()
+            if self.result.skipped or self.result.crashed:
+                return
+        self.round(number, load)
+
+    def start(self) -> None:
+        """Set up what the rounds share; set `result.skipped` (or `crashed`) where the mode cannot run."""
+        return  # a hook: nothing to do unless a mode needs it
+
+    @abstractmethod
+    def round(self, number: int, load: Load) -> None:
+        """Time one round of the mode into `result` (each subclass runs its own kind of mode)."""
+
+    def close(self) -> None:
+        """Release what `start` set up."""
+        return  # a hook: nothing to do unless a mode needs it
+
+    def crash(self, reason: str, number: int) -> None:
+        """The mode died in round `number`: the reason is its row's, the rounds before it are kept."""
+        self.result.crashed = reason
+        done = len(self.result.round_seconds)
+        where = f"in round {number}" if number else "while starting"
+        kept = f"figures from the {done} round{'s' * (done != 1)} before" if done else "no round finished"
+        self.result.notes.append(f"{self.result.mode} {reason} {where} ({kept})")
+
+
+class InProcessRun(ModeRun):
+    """A mode in this process: a warm-up, then every ticket timed under a progress bar, then peak RSS."""
+
+    def start(self) -> None:
+        if self.result.mode == "ticketq-int8" and (reason := prepare_int8(self.context.bench, self.context.console)):
+            self.result.skipped = reason
+
+    def round(self, number: int, load: Load) -> None:
+        bench, result = self.context.bench, self.result
+        runner = RUNNERS[result.mode]
+        (answers, reports), seconds = self.timed(lambda texts, bar: runner(bench, texts, bar))
+        if number == 1:
+            result.reports = reports
+            if result.mode == "generate":
+                result.notes += baselines.generate_notes(answers, bench.engine.info.standin)
+        result.add_round(answers, seconds, load)
+        if result.mode in ("ticketq", "ticketq-int8") and reports:
+            self.ceiling(bench.int8_engine if result.mode == "ticketq-int8" else bench.engine, reports, seconds)
+
+    def ceiling(self, engine, reports: list[BatchReport], seconds: float) -> None:
+        """The round's tokens/s against its linear layers' ceiling at its mean forward (see `ceiling`)."""
+        computed = sum(r.rows * r.width for r in reports)
+        entry = self.result.figures.setdefault(
+            "linear_ceiling", {"rows": max(1, round(computed / len(reports))), "tokens_per_s": [], "share": []}
+        )
+        tokens_per_s = linear_ceiling(engine, entry["rows"])
+        if tokens_per_s is None:
+            return
+        entry["tokens_per_s"].append(tokens_per_s)
+        entry["share"].append(computed / seconds / tokens_per_s)  # the report's notes read it from the row
+
+    def timed(self, runner: Callable[[list[str], tqdm | None], object]) -> tuple[object, float]:
+        """`runner(texts, bar)` on the warm-up tickets, then timed on every ticket (peak RSS read):
+        what it returned, and the seconds it took."""
+        texts, result = self.context.texts, self.result
+        if self.context.warm:
+            runner(self.context.warm_texts, None)
+        fresh_peak = reset_peak_rss()
+        with tqdm(total=len(texts), desc=result.mode, unit="ticket") as bar:
+            start = time.perf_counter()
+            done = runner(texts, bar)
+            seconds = time.perf_counter() - start
+        result.peak_rss_mb = _max(result.peak_rss_mb, peak_rss_mb("self"))
+        if not fresh_peak:
+            result.rss_of = "bench process, peak so far"
+        return done, seconds
+
+
+def _max(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def _classify(engine, texts: list[str], bar: tqdm | None) -> tuple[list[Answer], list[BatchReport]]:
+    """The engine as served: encode, DP plan under the (autotuned) cost model, cached label-only forwards."""
+    predictions, reports = engine.classify(texts, on_batch=(lambda r: bar.update(r.rows)) if bar else None)
+    return [Answer.of(p) for p in predictions], reports
+
+
+def _full_prompt(bench: Bench, texts: list[str], bar: tqdm | None, *, planner: baselines.Planner):
+    return baselines.full_prompt(bench.engine, texts, planner, bench.options.batch_size, bar)
+
+
+RUNNERS: dict[str, Runner] = {
+    "generate": lambda bench, texts, bar: baselines.generate(bench.engine, texts, bar),
+    "sequential": lambda bench, texts, bar: baselines.sequential(bench.engine, texts, bar),
+    **{mode: partial(_full_prompt, planner=planner) for mode, planner in baselines.FULL_PROMPT_PLANNERS.items()},
+    "ticketq": lambda bench, texts, bar: _classify(bench.engine, texts, bar),
+    # the same plan procedure with int8 decoder linears and its own (autotuned) cost model
+    "ticketq-int8": lambda bench, texts, bar: _classify(bench.int8_engine, texts, bar),
+}
+
+
+def prepare_int8(bench: Bench, console: Console) -> str | None:
+    """Build (once) the int8 engine on the loaded model and tune it like `ticketq`; a skip reason or None."""
+    if bench.int8_engine is not None:
+        return None
+    engine = bench.engine
+    if engine.int8:
+        bench.int8_engine, bench.int8_tuning = engine, bench.tuning
+        return None
+    try:
+        bench.int8_engine = engine.with_int8()
+    except (ValueError, RuntimeError) as exc:
+        return f"ticketq-int8 skipped: {exc}"
+    if bench.tuning is not None:  # int8 changes the cost per token: plan with its own measurements
+        from worker.engine.autotune import autotune
+
+        with console.status(f"autotuning the int8 cost model ({bench.options.autotune_s:.0f} s budget)…"):
+            bench.int8_tuning = autotune(bench.int8_engine, budget_s=bench.options.autotune_s)
+        console.print(f"autotune on {engine.info.device}/int8: {bench.int8_tuning.describe()}")
+    return None
+
+
+# ----- the peers, each in its own process ---------------------------------------------------
+
+
+class PeerRun(ModeRun):
+    """A peer (llama.cpp, OpenVINO) in a child process: the same tickets as the engine's token ids."""
+
+    process = None
+
+    def start(self) -> None:
+        import torch
+
+        from ticketq_bench.peer_process import PeerCrashed, PeerFailed, PeerJob, PeerProcess
+        from ticketq_bench.peers import PeerPrompt, PeerUnavailable
+
+        bench, context, mode = self.context.bench, self.context, self.result.mode
+        self.result.rss_of = "peer process"
+        job = PeerJob(
+            mode=mode,
+            model_dir=str(bench.settings.model),
+            cache_dir=str(ROOT / "out"),
+            threads=torch.get_num_threads(),
+            prompt=PeerPrompt.of(bench.engine.prompt),
+            tickets=tuple(context.encoded),
+            warm=tuple(context.encoded[i] for i in context.warm),
+            batch_size=bench.options.batch_size,
+            llama_cpp_src=str(bench.options.llama_cpp_src) if bench.options.llama_cpp_src else None,
+        )
+        self.process = PeerProcess(job)
+        try:
+            with context.console.status(f"starting {mode} in its own process (a model not yet converted is "
+                                        "converted once, cached under out/)…"):  # fmt: skip
+                self.result.notes += self.process.ready()
+        except PeerUnavailable as exc:
+            self.result.skipped = str(exc)
+        except (PeerCrashed, PeerFailed) as exc:
+            self.crash(str(exc), 0)
+
+    def round(self, number: int, load: Load) -> None:
+        from ticketq_bench.peer_process import PeerCrashed, PeerFailed
+
+        result = self.result
+        with tqdm(total=len(self.context.texts), desc=result.mode, unit="ticket") as bar:
+            try:
+                done = self.process.run_round(bar.update)
+            except (PeerCrashed, PeerFailed) as exc:
+                self.crash(str(exc), number)
+                return
+        if number == 1:
+            result.reports = done.reports
+        result.peak_rss_mb = _max(result.peak_rss_mb, done.peak_rss_mb)
+        result.add_round(done.answers, done.seconds, load)
+
+    def close(self) -> None:
+        if self.process is not None:
+            self.process.close()
+
+
+# ----- the queue mode -----------------------------------------------------------------------
+
+
+class QueueRun(ModeRun):
+    """All tickets through Redis and a real `ticketq worker` process (started once), timed first send to last result."""
+
+    producer = None
+
+    def start(self) -> None:
+        from producer.api import BrokerUnavailable, Producer
+
+        bench = self.context.bench
+        self.result.rss_of = "worker process"
+        queue = f"ticketq-bench-{os.getpid()}"
+        self.producer = Producer(bench.settings.model_copy(update={"queue": queue}))
+        try:
+            self.producer.check_connection()
+        except BrokerUnavailable as exc:
+            self.result.skipped = f"Redis unreachable, mode skipped: {exc}"
+            return
+        self.log_path = Path(tempfile.gettempdir(), f"ticketq-bench-worker-{os.getpid()}.log")
+        self.stack = contextlib.ExitStack()
+        try:
+            env = _worker_env(bench, queue, free_port())
+            self.worker = self.stack.enter_context(running_worker(env, self.log_path))
+        except (RuntimeError, OSError) as exc:  # the worker died or never got ready
+            self.result.skipped = f"ticketq-queue failed: {exc} (worker log: {self.log_path})"
+
+    def round(self, number: int, load: Load) -> None:
+        try:
+            answers, seconds = _drive_queue(self.producer, self.worker, self.context, self.result, number)
+        except (RuntimeError, OSError) as exc:  # the worker died, Redis went away
+            self.crash(f"failed: {exc} (worker log: {self.log_path})", number)
+            return
+        self.result.add_round(answers, seconds, load)
+
+    def close(self) -> None:
+        if self.producer is None:
+            return
+        if hasattr(self, "stack"):
+            self.stack.close()
+        self.producer.close()
+
+
+def _drive_queue(producer, worker, context: RunContext, result: ModeResult, number: int) -> tuple[list[Answer], float]:
+    """One round through the queue; ticket ids carry the round (each round's results are its own)."""
+    warm = context.warm_texts or ["hello"]
+    # A warm-up round trip: kernels warmed, and proof that the consumer takes messages.
+    warm_sent = producer.submit_many([{"id": f"warmup-{number}-{i}", "text": t} for i, t in enumerate(warm)])
+    producer.wait(warm_sent, timeout=600)
+    tickets = [{"id": f"r{number}-{t['id']}", "text": t["text"]} for t in context.tickets]
+    before = worker.metrics()
+    start = time.perf_counter()
+    sent = producer.submit_many(tickets, progress=True)
+    replies = producer.wait(sent, timeout=max(600.0, 10.0 * len(tickets)), progress=True)
+    seconds = time.perf_counter() - start
+    after = worker.metrics()
+    by_id = {r["id"]: r for r in replies}
+    answers = []
+    for ticket in tickets:
+        reply = by_id.get(ticket["id"], {"status": "missing"})
+        ok = reply.get("status") == "ok"
+        answers.append(Answer(reply["label"], reply["probs"]) if ok else Answer(f"<{reply['status']}>"))
+    failed = sum(a.probs is None for a in answers)
+    if failed:
+        result.notes.append(
+            f"ticketq-queue: {failed} tickets failed or timed out in round {number} (worker log: {worker.log_path})"
+        )
+    if number == 1:
+        delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+        result.padding = (
+            int(delta.get("ticketq_tokens_padded_total{}", 0)),
+            int(delta.get("ticketq_tokens_computed_total{}", 0)),
+        )
+        result.forwards = int(delta.get("ticketq_batch_size_count{}", 0))
+    result.peak_rss_mb = peak_rss_mb(worker.pid)
+    return answers, seconds
+
+
+def _worker_env(bench: Bench, queue: str, port: int) -> dict[str, str]:
+    """The bench's own settings for the worker: same model, dtype, device, threads and planner."""
+    import torch
+
+    engine, cost = bench.engine, bench.engine.cost
+    return {
+        **os.environ,
+        "TICKETQ_MODEL": bench.settings.model,
+        "TICKETQ_DTYPE": engine.info.dtype,
+        "TICKETQ_MATMUL": engine.info.matmul,
+        "TICKETQ_DEVICE": engine.info.device.split(":")[0],
+        "TICKETQ_THREADS": str(torch.get_num_threads()),
+        "TICKETQ_QUEUE": queue,
+        "TICKETQ_METRICS_HOST": "127.0.0.1",
+        "TICKETQ_METRICS_PORT": str(port),
+        "TICKETQ_MAX_BATCH_TOKENS": str(engine.max_batch_tokens),
+        # the worker plans with exactly the cost model the in-process mode used
+        "TICKETQ_COST_FIXED_MS": repr(cost.fixed_ms),
+        "TICKETQ_COST_TOKEN_MS": repr(cost.token_ms),
+        "TICKETQ_COST_QUAD_MS": repr(cost.quad_ms),
+        "TICKETQ_AUTOTUNE": "false",
+        "TICKETQ_NULL_CLASSIFIER": "false",
+        "PYTHONUNBUFFERED": "1",
+    }
