@@ -3,7 +3,7 @@
 - `sequential`   one ticket at a time, full prompt, constrained label scoring (`Engine.reference`):
                  the reference for agreement and the baseline for speedup.
 - `full_prompt`  fixed-size batches of full prompts, nothing cached (`Engine.full_prompt_batch`),
-                 planned by `worker.engine.batching`: naive, naive-global (the article's 70% padding), sorted.
+                 planned by `worker.engine.batching`: naive, naive-global, sorted.
 - `generate`     the chat template and greedy `model.generate` (`Engine.generate`), the label
                  parsed from the decoded text: what a newcomer writes.
 
