@@ -19,9 +19,9 @@ import typer
 from producer.synthetic import generate_tickets
 from ticketq_bench.baselines import GENERATE_NEW_TOKENS, parse_label
 from ticketq_bench.cli import main, parse_args
+from ticketq_bench.figures import compare
 from ticketq_bench.procs import ROOT
 from ticketq_bench.records import Answer
-from ticketq_bench.report import compare
 from worker.engine import Engine, batching
 from worker.engine.prompt import system_text
 from worker.settings import DEFAULT_SYSTEM_PROMPT

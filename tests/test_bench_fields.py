@@ -17,9 +17,10 @@ import typer
 from ticketq.schema import Field, FieldResult, TicketFields
 from ticketq_bench import multifield
 from ticketq_bench.cli import DEFAULT_SCHEMA, main, parse_args
+from ticketq_bench.figures import strict_failure, summarise
+from ticketq_bench.header import schema_lines
 from ticketq_bench.procs import ROOT
 from ticketq_bench.records import Answer, ModeResult
-from ticketq_bench.report import schema_lines, strict_failure, summarise
 from worker.results import BatchReport
 
 PROB_TOL = 1e-4

@@ -48,7 +48,9 @@ Modules, each one job:
                (`Engine.reference`, `Engine.full_prompt_batch`, `Engine.generate`), no tensors.
 - `multifield` the schema modes: their FieldsEngines or SchemaSet, each checked against the
                per-field reference (`FieldsEngine.reference`).
-- `report`     statistics per mode, the run's header, the table, Markdown, JSON and the chart.
+- `figures`    a row of figures per mode (medians, ranges, speedup, agreement), `--strict`'s verdict.
+- `header`     the run's header (machine, load, versions, model, planner) and the notes under the table.
+- `report`     the rich table, Markdown, JSON and the chart, each file replaced whole.
 - `ceiling`    the linear layers' ceiling at a batch's size, beside the engine's tokens/s.
 - `peers`      the llama.cpp and OpenVINO runners the peer modes drive.
 

@@ -19,9 +19,11 @@ from rich.console import Console
 from rich.markup import escape
 
 from producer.clitools import CONTEXT_SETTINGS, EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from ticketq_bench.figures import strict_failure, summarise
+from ticketq_bench.header import make_header
 from ticketq_bench.procs import ROOT
 from ticketq_bench.records import DEFAULT_MODES, DEFAULTS, FIELD_MODES, MODES, QUICK, SCHEMA_MODES, Options
-from ticketq_bench.report import make_header, print_report, strict_failure, summarise, write_outputs
+from ticketq_bench.report import print_report, write_outputs
 from ticketq_bench.runner import load_tickets, run_modes, setup
 
 PROG = "ticketq bench"

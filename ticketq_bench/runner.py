@@ -15,10 +15,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+from ticketq_bench.header import describe_cost, load_average
 from ticketq_bench.modes import InProcessRun, ModeRun, PeerRun, QueueRun, RunContext
 from ticketq_bench.multifield import FieldsRun
 from ticketq_bench.records import FIELD_MODES, PEER_MODES, SCHEMA_MODES, Bench, ModeResult, Options
-from ticketq_bench.report import describe_cost, load_average
 
 # ----- set-up -------------------------------------------------------------------------------
 

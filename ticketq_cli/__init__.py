@@ -1,8 +1,12 @@
 """The `ticketq` command and the operator's tools, outside the worker package: the worker's runtime
-imports none of them (`tests/test_layers.py` checks it in a fresh interpreter).
+imports none of them (`tests/test_runtime_imports.py` checks it in a fresh interpreter).
 
-- `cli`       the typer app: worker, demo, classify, eval, bench, loadtest, standin, config, status,
-              dead letters, results, exporter, docgen; each command imports its module when it runs.
+- `cli`       the `ticketq` command: every subcommand registered in the order `--help` lists them;
+              worker, standin, demo, config, schema check, and bench and loadtest (`ticketq_bench`).
+- `common`    the typer app and what every command shares: the console, settings or one line per
+              bad one, failing with an exit status, the model check, logging.
+- `classify_commands`  `ticketq classify` and `ticketq eval`: options, progress and what they print.
+- `ops_commands`       `ticketq status`, `dead list|show|requeue`, `result`, `exporter`.
 - `demo`      `ticketq demo`: a worker, synthetic tickets through it, the results summarised.
 - `offline`   `ticketq classify`: a ticket file classified in this process, no queue.
 - `evaluate`  `ticketq eval`: a labelled file scored against the model.
