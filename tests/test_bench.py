@@ -274,7 +274,7 @@ def test_llama_cpp_modes_run_or_say_why(peer_run):
 @pytest.mark.skipif(not llama_cpp_installed(), reason="llama-cpp-python not installed (pip install 'ticketq[peers]')")
 def test_llama_cpp_scores_shared_label_prefixes_like_the_reference(tiny_engine, tiny_model_dir):
     """Labels sharing a first token: the continuation branch runs after the ticket's cached tokens."""
-    from ticketq_bench.peers import LlamaCppScorer, gguf_model
+    from ticketq_bench.llama_cpp_peer import LlamaCppScorer, gguf_model
 
     labels = ("account", "account security", "billing")
     engine = Engine(

@@ -16,7 +16,7 @@ once); the peers run in processes of their own:
 - `ticketq-queue` the same end to end: Redis, a real worker process, the producer API.
 - `llama-cpp`     the CPU peer: llama.cpp (llama-cpp-python) on the same model in GGUF f32,
                   prompt cache, one ticket at a time, label from the answer-position logits.
-- `llama-cpp-q8`  the same in GGUF q8_0 (llama.cpp's 8-bit weights). Both opt-in, `ticketq_bench.peers`.
+- `llama-cpp-q8`  the same in GGUF q8_0 (llama.cpp's 8-bit weights). Both opt-in, `ticketq_bench.llama_cpp_peer`.
 - `openvino`      the CPU peer OpenVINO on the same model (converted to its IR once), the prefix's KV
                   computed once, length-sorted batches, label from the answer-position logits, float32.
 - `openvino-bf16` the same with `INFERENCE_PRECISION_HINT` bf16.
@@ -52,7 +52,8 @@ Modules, each one job:
 - `header`     the run's header (machine, load, versions, model, planner) and the notes under the table.
 - `report`     the rich table, Markdown, JSON and the chart, each file replaced whole.
 - `ceiling`    the linear layers' ceiling at a batch's size, beside the engine's tokens/s.
-- `peers`      the llama.cpp and OpenVINO runners the peer modes drive.
+- `peers`      what the peers share (the prompt as plain data, constrained scoring) and the OpenVINO runner.
+- `llama_cpp_peer` the llama.cpp runner: GGUF conversion, the prompt-cached scorer.
 
 Beside the bench, in this package because they measure the same way:
 

@@ -2,11 +2,11 @@
 
 `ModeRun` is one mode: `start` on its first round, `round` each round, `close` at the end.
 `InProcessRun` times the baselines (`ticketq_bench.baselines`) and the engine as served (`ticketq`,
-`ticketq-int8`) in this process; `PeerRun` runs a peer (llama.cpp, OpenVINO: `ticketq_bench.peers`)
-in a process of its own (`ticketq_bench.peer_process`) so that a crash there is that mode's row;
-`QueueRun` sends the tickets through Redis to a real worker process (`ticketq_bench.procs`) started
-once with the bench's own model, precision, threads and cost model. The schema modes build on
-`InProcessRun` in `ticketq_bench.multifield`.
+`ticketq-int8`) in this process; `PeerRun` runs a peer (llama.cpp: `ticketq_bench.llama_cpp_peer`;
+OpenVINO: `ticketq_bench.peers`) in a process of its own (`ticketq_bench.peer_process`) so that a
+crash there is that mode's row; `QueueRun` sends the tickets through Redis to a real worker process
+(`ticketq_bench.procs`) started once with the bench's own model, precision, threads and cost
+model. The schema modes build on `InProcessRun` in `ticketq_bench.multifield`.
 """
 
 from __future__ import annotations

@@ -194,7 +194,7 @@ def open_peer(job: PeerJob):
 
 
 def _open_llama_cpp(job: PeerJob, outtype: str):
-    from ticketq_bench.peers import LlamaCppScorer, gguf_model, llama_cpp_version
+    from ticketq_bench.llama_cpp_peer import LlamaCppScorer, gguf_model, llama_cpp_version
 
     version = llama_cpp_version()
     source = Path(job.llama_cpp_src) if job.llama_cpp_src else None
