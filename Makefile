@@ -18,7 +18,7 @@ demo: setup
 	$(VENV)/bin/ticketq demo
 
 lint: setup
-	$(VENV)/bin/ruff check ticketq worker producer tests
+	$(VENV)/bin/ruff check ticketq worker producer gateway ticketq_cli ticketq_bench tests docs/bench
 
 # The deploy tests run a real Prometheus (and amtool); install them from Debian when missing (CI runs as root).
 test-deps:
@@ -35,7 +35,7 @@ bench: setup
 
 # docs/settings.md and docs/metrics.md from the code (a test fails when they are stale).
 docs: setup
-	$(PY) -m worker.tools.docgen
+	$(PY) -m ticketq_cli.docgen
 
 # One GPU run (engine tests on CUDA, bench, a short load test) into out/gpu: needs a CUDA torch.
 bench-gpu: setup

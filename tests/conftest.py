@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The tiny stand-in: real Qwen2 tokenizer and chat template, two small random layers."""
-    from worker.tools.standin import build
+    from ticketq_cli.standin import build
 
     cached = os.environ.get("TICKETQ_TEST_TINY_MODEL")
     if cached and Path(cached, "config.json").is_file():

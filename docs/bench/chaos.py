@@ -68,11 +68,11 @@ from workers import RedisServer, Worker, wait_for, worker_env  # noqa: E402
 from producer.api import Producer  # noqa: E402
 from producer.messages import TicketResult  # noqa: E402
 from producer.synthetic import generate_tickets  # noqa: E402
+from ticketq import names  # noqa: E402
 from ticketq.config import ClientSettings  # noqa: E402
 from ticketq.names import DEAD_LETTER_STREAM, RESULTS_STREAM  # noqa: E402
-from ticketq import names  # noqa: E402
+from ticketq_bench.procs import WORKER_COMMAND  # noqa: E402
 from worker.settings import Settings  # noqa: E402
-from worker.tools.procs import WORKER_COMMAND  # noqa: E402
 
 QUEUE = "chaos"
 READY_TIMEOUT_S = 240  # a worker's start-up on a loaded machine, tiny stand-in included
@@ -628,7 +628,7 @@ def model_dir(args: argparse.Namespace, rundir: Path) -> Path | None:
     given = args.model or os.environ.get("TICKETQ_TEST_TINY_MODEL")
     if given and Path(given, "config.json").is_file():
         return Path(given)
-    from worker.tools.standin import build
+    from ticketq_cli.standin import build
 
     say(None, f"building the tiny stand-in in {rundir / 'tiny-standin'}")
     return build("tiny", rundir / "tiny-standin", seed=0)

@@ -31,16 +31,16 @@ step() {  # step NAME SECONDS COMMAND...
   echo "$name: exit $? in $((SECONDS - started)) s" | tee -a "$log"
 }
 
-[ -f "$MODEL/config.json" ] || step standin 120 "$PY" -m worker.tools.cli standin --out "$MODEL"
+[ -f "$MODEL/config.json" ] || step standin 120 "$PY" -m ticketq_cli.cli standin --out "$MODEL"
 export TICKETQ_MODEL="$MODEL" TICKETQ_DEVICE=cuda
 step engine-tests 120 env TICKETQ_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider \
   tests/unit/test_engine.py tests/unit/test_labels.py -m "not integration"
-step bench-float32 150 "$PY" -m worker.tools.cli bench --dtype float32 --tickets 600 \
+step bench-float32 150 "$PY" -m ticketq_cli.cli bench --dtype float32 --tickets 600 \
   --modes sequential,sorted,ticketq --json "$OUT/bench-float32.json" --markdown "$OUT/bench-float32.md"
-step bench-bfloat16 120 "$PY" -m worker.tools.cli bench --dtype bfloat16 --tickets 600 \
+step bench-bfloat16 120 "$PY" -m ticketq_cli.cli bench --dtype bfloat16 --tickets 600 \
   --modes sequential,ticketq --json "$OUT/bench-bfloat16.json" --markdown "$OUT/bench-bfloat16.md"
 if redis-cli ping >/dev/null 2>&1 || { redis-server --daemonize yes --port 6379 --save "" >/dev/null 2>&1 && sleep 1; }; then
-  step loadtest 120 "$PY" -m worker.tools.cli loadtest --rates 0.5,1.0 --duration 15 \
+  step loadtest 120 "$PY" -m ticketq_cli.cli loadtest --rates 0.5,1.0 --duration 15 \
     --json "$OUT/loadtest.json" --markdown "$OUT/loadtest.md"
 else
   echo "loadtest: skipped (no redis-server)" | tee -a "$log"

@@ -241,7 +241,8 @@ def single_sequence(engines: dict[str, Engine], model: str) -> None:
 
 def llama_cpp_rate(engine: Engine, width: int, model: str) -> float | None:
     try:
-        from worker.tools.peers import LlamaCppScorer, PeerUnavailable, gguf_model
+        from ticketq_bench.llama_cpp_peer import LlamaCppScorer, gguf_model
+        from ticketq_bench.peers import PeerUnavailable
     except ImportError:
         return None
     try:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from producer.api import Producer
 from ticketq.config import ClientSettings
-from worker.tools.procs import free_port, running_worker, wait_for
+from ticketq_bench.procs import free_port, running_worker, wait_for
 
 HERE = Path(__file__).resolve().parent
 

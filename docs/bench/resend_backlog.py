@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 from producer.api import Producer  # noqa: E402
 from ticketq import names  # noqa: E402
 from ticketq.config import ClientSettings  # noqa: E402
-from worker.tools.procs import WorkerProcess, free_port, wait_for  # noqa: E402
+from ticketq_bench.procs import WorkerProcess, free_port, wait_for  # noqa: E402
 
 QUEUE = "resend-bench"
 TARGET = 1.1

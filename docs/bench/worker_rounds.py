@@ -38,9 +38,9 @@ from live_cost import cpu_name
 
 from producer.api import Producer
 from producer.synthetic import generate_tickets
+from ticketq_bench.procs import free_port, model_info, running_worker
 from worker import constants
 from worker.settings import Settings
-from worker.tools.procs import free_port, model_info, running_worker
 
 SPREAD = 0.25  # every round after the first within this share of their median
 RSS_GROWTH = 0.10  # the last round's RSS within this share of the second's

@@ -17,14 +17,14 @@ import redis
 import typer
 
 from producer.synthetic import generate_tickets
+from ticketq_bench.baselines import GENERATE_NEW_TOKENS, full_prompt_batch, generate_text, parse_label
+from ticketq_bench.cli import main, parse_args
+from ticketq_bench.figures import compare
+from ticketq_bench.procs import ROOT
+from ticketq_bench.records import Answer
 from worker.engine import Engine, batching
 from worker.engine.prompt import system_text
 from worker.settings import DEFAULT_SYSTEM_PROMPT
-from worker.tools.bench.baselines import GENERATE_NEW_TOKENS, full_prompt_batch, generate_text, parse_label
-from worker.tools.bench.cli import main, parse_args
-from worker.tools.bench.records import Answer
-from worker.tools.bench.report import compare
-from worker.tools.procs import ROOT
 
 pytestmark = pytest.mark.integration
 
@@ -276,7 +276,7 @@ def test_llama_cpp_modes_run_or_say_why(peer_run):
 @pytest.mark.skipif(not llama_cpp_installed(), reason="llama-cpp-python not installed (pip install 'ticketq[peers]')")
 def test_llama_cpp_scores_shared_label_prefixes_like_the_reference(tiny_engine, tiny_model_dir):
     """Labels sharing a first token: the continuation branch runs after the ticket's cached tokens."""
-    from worker.tools.peers import LlamaCppScorer, gguf_model
+    from ticketq_bench.llama_cpp_peer import LlamaCppScorer, gguf_model
 
     labels = ("account", "account security", "billing")
     engine = Engine(

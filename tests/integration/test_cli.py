@@ -27,8 +27,8 @@ from workers import ROOT, null_classifier_service
 from producer.cli import app as produce_app
 from ticketq.cli import command
 from ticketq.exits import EXIT_FAILED, EXIT_NOTHING, EXIT_USAGE
+from ticketq_cli.cli import cli as ticketq_app
 from worker.settings import Settings
-from worker.tools.cli import cli as ticketq_app
 
 pytestmark = pytest.mark.integration
 
@@ -356,11 +356,11 @@ def test_config_is_not_cut_at_80_columns():
 
 def test_generated_docs_are_current():
     """docs/settings.md and docs/metrics.md are generated from the code: a new setting or metric
-    without `python -m worker.tools.docgen` fails here."""
-    from worker.tools import docgen
+    without `python -m ticketq_cli.docgen` fails here."""
+    from ticketq_cli import docgen
 
     for path, text in docgen.documents().items():
-        assert path.read_text(encoding="utf-8") == text, f"{path.name} is stale: run `python -m worker.tools.docgen`"
+        assert path.read_text(encoding="utf-8") == text, f"{path.name} is stale: run `python -m ticketq_cli.docgen`"
     assert all(f"`TICKETQ_{name.upper()}`" in docgen.settings_table() for name in Settings.model_fields)
 
 
@@ -392,9 +392,9 @@ def test_demo_report_names_the_dtype_and_the_time_to_first_result():
     from prometheus_client import CollectorRegistry, generate_latest
     from rich.console import Console
 
+    from ticketq_bench.procs import parse_metrics
+    from ticketq_cli.demo import report
     from worker.metrics import Metrics
-    from worker.tools.demo import report
-    from worker.tools.procs import parse_metrics
 
     registry = CollectorRegistry()  # the worker's exposition, parsed as the demo parses /metrics
     worker_metrics = Metrics(registry)

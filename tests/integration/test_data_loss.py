@@ -22,9 +22,9 @@ from workers import ROOT, RedisServer, running_worker, wait_for, worker_env
 from producer.api import Producer
 from ticketq import epoch, names
 from ticketq.config import ClientSettings
+from ticketq_cli.ops import redis_data_line
 from worker.metrics import Metrics
 from worker.redis.outbox import Outbox
-from worker.tools.ops import redis_data_line
 
 pytestmark = pytest.mark.integration
 
@@ -84,7 +84,7 @@ def test_the_outbox_checks_with_each_job_and_logs_and_counts_a_loss_once(server,
 def ticketq(args: list[str], url: str, queue: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
     env.update(TICKETQ_BROKER_URL=url, TICKETQ_QUEUE=queue)
-    return subprocess.run([sys.executable, "-m", "worker.tools.cli", *args], env=env, cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "ticketq_cli.cli", *args], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=60)  # fmt: skip
 
 

@@ -369,7 +369,7 @@ def test_dockerfile():
     assert users and users[-1] not in ("root", "0"), "the image must run as a non-root user"
     assert re.search(r'^ENTRYPOINT \["ticketq", "worker"\]$', text, re.MULTILINE)
     copied = [src for line in re.findall(r"^COPY (.+)$", text, re.MULTILINE) for src in line.split()[:-1]]
-    for src in ("pyproject.toml", "ticketq", "worker", "producer"):
+    for src in ("pyproject.toml", "ticketq", "worker", "producer", "ticketq_cli", "ticketq_bench"):
         assert src in copied and (ROOT / src).exists(), src
     # `pip install .` needs the readme pyproject names.
     readme = re.search(r'^readme\s*=\s*"([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
@@ -797,7 +797,7 @@ def exporter_target(metrics_target, deploy_queue, tmp_path_factory) -> Iterator[
     argv = ["exporter", "--port", str(port), "--queue", deploy_queue, "--queue", other]
     log_path = tmp_path_factory.mktemp("deploy-exporter") / "exporter.log"
     with log_path.open("w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "worker.tools.cli", *argv], env=env, stdout=log, stderr=log)
+        proc = subprocess.Popen([sys.executable, "-m", "ticketq_cli.cli", *argv], env=env, stdout=log, stderr=log)
 
     def ready() -> bool:
         if proc.poll() is not None:

@@ -11,7 +11,7 @@ from dataclasses import fields
 import pytest
 from workers import ROOT, redis_or_skip
 
-from worker.tools.loadtest import RateResult, Report, main, percentile
+from ticketq_bench.loadtest import RateResult, Report, main, percentile
 
 pytestmark = pytest.mark.integration
 
@@ -28,7 +28,7 @@ def test_loadtest_reports_every_field(tmp_path):
     redis_or_skip(REDIS_URL).close()
     out, png = tmp_path / "loadtest.json", tmp_path / "loadtest.png"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
-    command = [sys.executable, "-m", "worker.tools.loadtest", "--null", "--duration", "2", "--rates", "0.5,1.0",
+    command = [sys.executable, "-m", "ticketq_bench.loadtest", "--null", "--duration", "2", "--rates", "0.5,1.0",
                "--capacity", "20", "--pool", "50", "--broker-url", REDIS_URL,
                "--json", str(out), "--chart", str(png)]  # fmt: skip
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -50,8 +50,8 @@ def test_loadtest_reports_every_field(tmp_path):
 def test_model_info_reads_what_a_worker_runs():
     from prometheus_client import CollectorRegistry, generate_latest
 
+    from ticketq_bench.procs import model_info, parse_metrics
     from worker.metrics import Metrics
-    from worker.tools.procs import model_info, parse_metrics
 
     metrics = Metrics(CollectorRegistry())
     metrics.model.info({"model": "m", "standin": "true", "dtype": "float32", "device": "cpu", "matmul": "onednn"})
@@ -62,7 +62,7 @@ def test_model_info_reads_what_a_worker_runs():
 
 
 def test_bad_options_exit_2_before_anything_starts():
-    """`ticketq loadtest` and `python -m worker.tools.loadtest` share one typer command: its checks are the old ones."""
+    """`ticketq loadtest` and `python -m ticketq_bench.loadtest` share one typer command: the same checks."""
     for argv in (["--rates", "0,1"], ["--rates", "x"], ["--duration", "0"], ["--capacity", "-1"],
                  ["--capacity-tickets", "0"]):  # fmt: skip
         assert main(argv) == 2, argv

@@ -39,9 +39,9 @@ from producer.errors import BrokerUnavailable
 from ticketq import connections, names
 from ticketq.config import ClientSettings
 from ticketq.names import ATTEMPTS_KEY
+from ticketq_cli.ops import Ops
 from worker.health import refusals
 from worker.settings import Settings
-from worker.tools.ops import Ops
 
 pytestmark = pytest.mark.integration
 
@@ -116,7 +116,7 @@ def test_status_on_a_full_redis_says_the_workers_could_not_be_asked(tmp_path):
     try:
         fill(server.client())
         env = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
-        done = subprocess.run([sys.executable, "-m", "worker.tools.cli", "status"], cwd=ROOT, capture_output=True,
+        done = subprocess.run([sys.executable, "-m", "ticketq_cli.cli", "status"], cwd=ROOT, capture_output=True,
                               text=True, timeout=60, env={**env, "TICKETQ_BROKER_URL": server.url})  # fmt: skip
     finally:
         server.kill()
@@ -164,7 +164,7 @@ def test_an_evicting_policy_stops_the_worker_with_the_fix(tmp_path):
     try:
         env = worker_env(None, server.url, QUEUE, TICKETQ_NULL_CLASSIFIER="1")
         started = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "worker.tools.cli", "worker"], env=env, cwd=ROOT,
+        done = subprocess.run([sys.executable, "-m", "ticketq_cli.cli", "worker"], env=env, cwd=ROOT,
                               capture_output=True, text=True, timeout=60)  # fmt: skip
         elapsed = time.monotonic() - started
         output = done.stdout + done.stderr

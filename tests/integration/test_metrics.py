@@ -137,7 +137,7 @@ def client():
 
 def test_the_exporter_reports_each_queue_s_backlog_with_no_worker(client):
     from ticketq.names import ALIVE_KEY, CONSUMERS_KEY, queue_lists
-    from worker.tools.exporter import BacklogCollector
+    from ticketq_cli.exporter import BacklogCollector
 
     queue, other, empty = (f"exporter-{uuid.uuid4().hex[:8]}" for _ in range(3))
     main, high = queue_lists(queue)[:2]
@@ -160,7 +160,7 @@ def test_the_exporter_reports_each_queue_s_backlog_with_no_worker(client):
 
 
 def test_the_exporter_takes_a_list_of_queues_not_a_name():
-    from worker.tools.exporter import BacklogCollector
+    from ticketq_cli.exporter import BacklogCollector
 
     for queues in ("ticketq", []):
         with pytest.raises(ValueError, match="non-empty list"):

@@ -25,10 +25,10 @@ from workers import ROOT, RedisServer, Worker, wait_for, worker_env
 from ticketq import dead_letters, names
 from ticketq.contract import TicketRejected
 from ticketq.names import ALIVE_KEY, CONSUMERS_KEY
+from ticketq_cli.ops import Answered, NotRequeueable, Ops
 from worker.redis import requeue
 from worker.redis.keys import DONE_KEY
 from worker.settings import Settings
-from worker.tools.ops import Answered, NotRequeueable, Ops
 
 pytestmark = pytest.mark.integration
 
@@ -92,7 +92,7 @@ def raw_letters(client: redis.Redis, task_id: str) -> list[str]:
 def cli(args: list[str], setup: Setup) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
     env.update(TICKETQ_BROKER_URL=setup.server.url, TICKETQ_QUEUE=setup.queues["large"])
-    return subprocess.run([sys.executable, "-m", "worker.tools.cli", *args], env=env, cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "ticketq_cli.cli", *args], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=60)  # fmt: skip
 
 

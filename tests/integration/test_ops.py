@@ -29,7 +29,7 @@ def service(tmp_path_factory):
 def ticketq(args: list[str], url: str, queue: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
     env.update(TICKETQ_BROKER_URL=url, TICKETQ_QUEUE=queue)
-    return subprocess.run([sys.executable, "-m", "worker.tools.cli", *args], env=env, cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "ticketq_cli.cli", *args], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=60)  # fmt: skip
 
 
@@ -145,9 +145,9 @@ def run(command: list[str], url: str, **extra: str) -> subprocess.CompletedProce
 def test_a_bare_rediss_url_uses_the_system_store_or_says_what_to_give(tls_redis):
     url, ca = tls_redis
     commands = {
-        "status": ["worker.tools.cli", "status"],
+        "status": ["ticketq_cli.cli", "status"],
         "producer": ["producer.cli", "synthetic", "3"],
-        "worker": ["worker.tools.cli", "worker"],
+        "worker": ["ticketq_cli.cli", "worker"],
     }
     for name, command in commands.items():  # the test CA is in no system store: one line, exit 2
         done = run(command, url, TICKETQ_NULL_CLASSIFIER="1")

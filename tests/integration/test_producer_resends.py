@@ -30,7 +30,7 @@ from producer.api import Producer
 from producer.resends import RESEND_FLOOR, RESEND_GROWTH, Resends, Whereabouts, task_id_of
 from ticketq import names
 from ticketq.config import ClientSettings
-from worker.tools.procs import WORKER_COMMAND
+from ticketq_bench.procs import WORKER_COMMAND
 
 pytestmark = pytest.mark.integration
 

@@ -44,8 +44,8 @@ from producer.api import Producer
 from producer.synthetic import generate_tickets
 from ticketq import names
 from ticketq.names import ATTEMPTS_KEY, CONSUMERS_KEY, FETCHING_KEY, OWNED_KEY
+from ticketq_bench.procs import WORKER_COMMAND
 from worker.settings import Settings
-from worker.tools.procs import WORKER_COMMAND
 
 pytestmark = pytest.mark.integration
 
@@ -962,7 +962,7 @@ def test_password_in_url_works_and_wrong_password_fails_fast(tmp_path, workers):
                             (server.url.replace(":s3cret-pw@", ""), "refused the credentials")):  # fmt: skip
             env = {**null_env(server), "TICKETQ_BROKER_URL": url}
             started = time.monotonic()
-            done = subprocess.run([sys.executable, "-m", "worker.tools.cli", "worker"], env=env, cwd=ROOT,
+            done = subprocess.run([sys.executable, "-m", "ticketq_cli.cli", "worker"], env=env, cwd=ROOT,
                                   capture_output=True, text=True, timeout=60)  # fmt: skip
             elapsed = time.monotonic() - started
             output = done.stdout + done.stderr
@@ -1040,7 +1040,7 @@ def test_worker_refuses_unsafe_queue_settings(extra, names):
     # No Redis needed: the settings are rejected before anything connects.
     env = worker_env(None, "redis://127.0.0.1:1/0", QUEUE, TICKETQ_NULL_CLASSIFIER="1", **extra)
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "worker.tools.cli", "worker"], env=env, cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "ticketq_cli.cli", "worker"], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     elapsed = time.monotonic() - started
     output = done.stdout + done.stderr

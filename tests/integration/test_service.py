@@ -479,7 +479,7 @@ def test_worker_refuses_to_start(broker, tmp_path, case):
     extra, needle = STARTUP_FAILURES[case]
     env = worker_env(tmp_path / "no-model", REDIS_URL, f"svc-startup-{uuid.uuid4().hex[:8]}", **extra)
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "worker.tools.cli", "worker"], env=env, cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "ticketq_cli.cli", "worker"], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=90)  # fmt: skip
     elapsed = time.monotonic() - started
     output = done.stdout + done.stderr

@@ -382,7 +382,7 @@ def test_flushes_held_while_the_model_is_busy_become_one_job(client, tmp_path):
     from workers import worker_env
 
     from producer.api import Producer
-    from worker.tools.procs import WorkerProcess
+    from ticketq_bench.procs import WorkerProcess
 
     queue = f"stream-held-{uuid.uuid4().hex[:8]}"
     env = worker_env(None, REDIS_URL, queue, TICKETQ_BATCH_WINDOW="4", TICKETQ_MAX_WAIT_MS="20",

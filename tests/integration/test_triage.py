@@ -171,7 +171,7 @@ def test_a_bad_schema_file_stops_the_worker_with_every_problem(tmp_path: Path, t
     bad = tmp_path / "bad.toml"
     bad.write_text('name = "x"\n[fields.team]\nlabels = ["only"]\nthreshold = 2\n')
     env = worker_env(tiny_model_dir, "redis://127.0.0.1:1/0", "q", TICKETQ_SCHEMAS=str(bad))
-    done = subprocess.run([sys.executable, "-m", "worker.tools.cli", "worker"], env=env, cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "ticketq_cli.cli", "worker"], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert "instruction is missing" in done.stderr and "threshold must be a number" in done.stderr

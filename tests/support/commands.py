@@ -19,7 +19,7 @@ def run(args: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT, ti
     clean = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
     clean.update({"PYTHONUNBUFFERED": "1", "COLUMNS": "80", **(env or {})})
     program, *rest = args
-    module = {"ticketq": "worker.tools.cli", "ticketq-produce": "producer.cli"}[program]
+    module = {"ticketq": "ticketq_cli.cli", "ticketq-produce": "producer.cli"}[program]
     return subprocess.run([sys.executable, "-m", module, *rest], env=clean, cwd=cwd, capture_output=True,
                           text=True, timeout=timeout)  # fmt: skip
 

@@ -27,7 +27,7 @@ POISON_MARKER_ENV = "TICKETQ_TEST_POISON_MARKER"
 DELAY_ENV = "TICKETQ_TEST_DELAY_S"
 HANG_MARKER_ENV = "TICKETQ_TEST_HANG_MARKER"
 RELEASE_FILE_ENV = "TICKETQ_TEST_RELEASE_FILE"
-COMMAND = [os.path.abspath(__file__)]  # run with sys.executable instead of `-m worker.tools.cli worker`
+COMMAND = [os.path.abspath(__file__)]  # run with sys.executable instead of `-m ticketq_cli.cli worker`
 
 log = logging.getLogger("worker.faults")
 

@@ -1,6 +1,6 @@
 """Real processes for integration tests: ticketq workers and private redis-servers.
 
-The worker process, free ports, metrics scraping and polling are `worker.tools.procs`, the helper that
+The worker process, free ports, metrics scraping and polling are `ticketq_bench.procs`, the helper that
 `ticketq demo`, the bench and the load test use too; this module adds what only tests need: a
 test-shaped worker environment, private redis-servers, and skipping without Redis. Tests
 synchronise on events (metrics served, results arrived, process exited), never on sleeps.
@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from worker.tools import procs
-from worker.tools.procs import ROOT, free_port, wait_for
-from worker.tools.procs import WorkerProcess as Worker
+from ticketq_bench import procs
+from ticketq_bench.procs import ROOT, free_port, wait_for
+from ticketq_bench.procs import WorkerProcess as Worker
 
-# What the tests import from here; ROOT, free_port, wait_for and Worker come from worker.tools.procs.
+# What the tests import from here; ROOT, free_port, wait_for and Worker come from ticketq_bench.procs.
 __all__ = [
     "ROOT", "RedisServer", "Worker", "free_port", "null_classifier_service", "on_ci", "redis_or_skip", "running_worker",
     "skip_or_fail", "wait_for", "worker_env",

@@ -15,12 +15,13 @@ import pytest
 import typer
 
 from ticketq.schema import Field, FieldResult, TicketFields
+from ticketq_bench import multifield
+from ticketq_bench.cli import DEFAULT_SCHEMA, main, parse_args
+from ticketq_bench.figures import strict_failure, summarise
+from ticketq_bench.header import schema_lines
+from ticketq_bench.procs import ROOT
+from ticketq_bench.records import Answer, ModeResult
 from worker.results import BatchReport
-from worker.tools.bench import multifield
-from worker.tools.bench.cli import DEFAULT_SCHEMA, main, parse_args
-from worker.tools.bench.records import Answer, ModeResult
-from worker.tools.bench.report import schema_lines, strict_failure, summarise
-from worker.tools.procs import ROOT
 
 PROB_TOL = 1e-4
 SCHEMA_MODES = ["one-field", "fields", "full-prompts", "one-schema", "schemas"]
@@ -81,10 +82,10 @@ def test_every_schema_mode_runs_with_its_baseline_and_matches_its_reference(tiny
     assert any("one-schema ran although not listed: it is the baseline of schemas" in n for n in header["notes"])
 
 
-def test_the_multifield_module_runs_the_three_field_modes_on_a_multi_label_schema(tiny_model_dir, tmp_path,
-                                                                                   clean_env):  # fmt: skip
+def test_the_three_field_modes_run_on_a_multi_label_schema(tiny_model_dir, tmp_path, clean_env):
     topics = ROOT / "examples" / "schema-topics.toml"
-    assert multifield.main(bench_argv(tiny_model_dir, tmp_path, "--schema", str(topics), "--rounds", "1")) == 0
+    modes = ["--modes", "one-field,fields,full-prompts"]
+    assert main([*modes, *bench_argv(tiny_model_dir, tmp_path, "--schema", str(topics), "--rounds", "1")]) == 0
     header, *rows = json.loads((tmp_path / "bench.json").read_text())
     by_mode = {row["mode"]: row for row in rows}
     assert list(by_mode) == ["one-field", "fields", "full-prompts"] and header["schema"]["name"] == "support-topics"

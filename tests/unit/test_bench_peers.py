@@ -18,12 +18,12 @@ import time
 import pytest
 
 from producer.synthetic import generate_tickets
+from ticketq_bench.cli import main
+from ticketq_bench.peer_process import CRASH_ENV, describe_exit
+from ticketq_bench.procs import ROOT
 from worker.engine import Engine
 from worker.engine.prompt import system_text
 from worker.settings import DEFAULT_SYSTEM_PROMPT
-from worker.tools.bench.cli import main
-from worker.tools.bench.peer_process import CRASH_ENV, describe_exit
-from worker.tools.procs import ROOT
 
 OPENVINO = importlib.util.find_spec("openvino") is not None
 needs_openvino = pytest.mark.skipif(not OPENVINO, reason="openvino not installed (pip install 'ticketq[openvino]')")
@@ -70,7 +70,7 @@ def test_a_crashing_peer_leaves_every_other_row(tiny_model_dir, tmp_path, clean_
 
 def test_a_killed_bench_keeps_the_modes_that_finished(tiny_model_dir, tmp_path, clean_env):
     out = tmp_path
-    command = [sys.executable, "-m", "worker.tools.bench.cli", *bench_argv(tiny_model_dir, out, "ticketq", 6, 50)]
+    command = [sys.executable, "-m", "ticketq_bench.cli", *bench_argv(tiny_model_dir, out, "ticketq", 6, 50)]
     bench = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300
@@ -93,7 +93,7 @@ def test_describe_exit():
 
 
 def test_openvino_says_why_where_it_is_missing(monkeypatch):
-    from worker.tools import peers
+    from ticketq_bench import peers
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openvino" else real(name, *a))
@@ -123,7 +123,7 @@ def test_openvino_modes_match_the_reference(tiny_model_dir, tmp_path, clean_env)
 @needs_openvino
 def test_openvino_scores_shared_label_prefixes_like_the_reference(tiny_engine, tiny_model_dir):
     """Labels sharing a first token: the continuation branch runs on each ticket followed by the shared tokens."""
-    from worker.tools.peers import OpenVinoScorer, PeerPrompt, openvino_model
+    from ticketq_bench.peers import OpenVinoScorer, PeerPrompt, openvino_model
 
     labels = ("account", "account security", "billing")
     engine = Engine(

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from ticketq_bench.cli import parse_args
+from ticketq_bench.figures import strict_failure, summarise
+from ticketq_bench.records import Answer, ModeResult
+from ticketq_bench.report import markdown_table
 from worker.results import BatchReport
-from worker.tools.bench.cli import parse_args
-from worker.tools.bench.records import Answer, ModeResult
-from worker.tools.bench.report import markdown_table, strict_failure, summarise
 
 A = Answer("billing", {"billing": 0.7, "technical": 0.2, "account": 0.1})
 B = Answer("technical", {"billing": 0.2, "technical": 0.7, "account": 0.1})

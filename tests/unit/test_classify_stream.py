@@ -42,7 +42,7 @@ def start(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
     """`ticketq classify ARGS` in the background, with the environment `run` gives it."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
     clean.update({"PYTHONUNBUFFERED": "1", "COLUMNS": "80", **env})
-    return subprocess.Popen([sys.executable, "-m", "worker.tools.cli", "classify", *args], env=clean, cwd=cwd,
+    return subprocess.Popen([sys.executable, "-m", "ticketq_cli.cli", "classify", *args], env=clean, cwd=cwd,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
 
 

@@ -221,7 +221,7 @@ def test_offline_classify_refuses_an_oversize_ticket_like_the_queue(tmp_path):
     """A 100,000-character ticket used to be truncated and classified offline; now it is `oversize` everywhere."""
     (tmp_path / "t.jsonl").write_text(json.dumps({"id": "long", "text": "refund " * 14_286}) + "\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
-    done = subprocess.run([sys.executable, "-m", "worker.tools.cli", "classify", "t.jsonl", "-o", "r.jsonl",
+    done = subprocess.run([sys.executable, "-m", "ticketq_cli.cli", "classify", "t.jsonl", "-o", "r.jsonl",
                            "--no-progress"],
                           cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                           timeout=120)  # fmt: skip

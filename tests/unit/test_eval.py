@@ -9,8 +9,8 @@ import pytest
 from commands import run
 
 from ticketq.schema import Schema, load_schema
-from worker.tools.evaluate import Scores, SetScores, parse_expected
-from worker.tools.procs import ROOT
+from ticketq_bench.procs import ROOT
+from ticketq_cli.evaluate import Scores, SetScores, parse_expected
 
 LABELS = ("billing", "technical", "account")
 # The fixture's kernels (float32, torch's GEMM, one thread): the in-process answers below run the same ones.

@@ -1,8 +1,9 @@
-"""The import graph of ticketq/, producer/ and worker/: no cycle, and each layer imports only the
+"""The import graph of every package of the repository: no cycle, and each layer imports only the
 layers below it. Bottom first:
 
     ticketq/            the contract: names, ticket rules, client settings, codec, epoch, dead-letter fields
     producer/           the client side: the contract only
+    gateway/            the HTTP front door and the results dispatcher: the client side and the contract
     worker/health/      the process's health records (progress, refusal episodes, data loss): the contract only
     worker/transport/   private names of Celery, kombu, celery-batches, redis-py: health and the contract only
     worker/redis/       the Redis store (keys, outbox, Celery's result format, requeue writes): transport, health
@@ -10,7 +11,8 @@ layers below it. Bottom first:
     worker/*.py         the core records and services: metrics, settings, result records, shadow
     worker/service/     the pipeline (stages and hooks): the core, the store, the engine
     worker/app.py       the Celery glue that builds a worker: everything above but the tools
-    worker/tools/       CLI, demo, bench, load test, ops, stand-in: above everything, imported by nothing below
+    ticketq_bench/      the benchmark, its peers, the load test, the worker-process harness
+    ticketq_cli/        the `ticketq` command and the operator's tools: above everything, imported by nothing
 
 The graph is read from the source (the AST of every file), so an import inside a function counts
 as much as one at the top, and importing `a.b.c` counts as importing the packages `a` and `a.b` too
@@ -31,7 +33,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("ticketq", "producer", "gateway", "worker")
+PACKAGES = ("ticketq", "producer", "gateway", "worker", "ticketq_bench", "ticketq_cli")
 
 # Layer -> the layers (or single modules) it may import besides its own modules; bottom first.
 MAY_IMPORT: dict[str, tuple[str, ...]] = {
@@ -46,8 +48,10 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "worker.service": ("ticketq", "worker.health", "worker.redis", "worker.engine", "worker"),
     "worker.app": ("ticketq", "worker.health", "worker.transport", "worker.redis", "worker.engine", "worker",
                    "worker.service"),
-    "worker.tools": ("ticketq", "producer", "worker.health", "worker.transport", "worker.redis", "worker.engine",
-                     "worker", "worker.service", "worker.app"),
+    "ticketq_bench": ("ticketq", "producer", "worker.health", "worker.transport", "worker.redis", "worker.engine",
+                      "worker", "worker.service", "worker.app"),
+    "ticketq_cli": ("ticketq", "producer", "worker.health", "worker.transport", "worker.redis", "worker.engine",
+                    "worker", "worker.service", "worker.app", "ticketq_bench"),
 }
 # Third-party packages a layer must not load, checked at run time.
 NOT_LOADED = {"worker.engine": ("celery", "kombu"), "worker.transport": ("torch",), "ticketq": ("torch", "celery")}

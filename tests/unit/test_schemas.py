@@ -15,10 +15,10 @@ import pytest
 
 from producer.synthetic import generate_tickets
 from ticketq.schema import TicketFields, load_schema
+from ticketq_bench.procs import ROOT
 from worker.engine.scheduler import PlannedRun
 from worker.engine.schemas import SchemaSet, UnknownSchema
 from worker.results import Prediction
-from worker.tools.procs import ROOT
 
 PROB_TOL = 1e-4  # batched vs reference, float32 (as tests/unit/test_engine.py)
 SUPPORT = load_schema(ROOT / "examples" / "schema.toml")

@@ -23,7 +23,7 @@ from worker.engine.kernels import PackedLinear
 # `ticketq classify ARGS`, then the modules the process imported, as a JSON list on the last line.
 CLASSIFY_THEN_LIST_MODULES = """
 import json, sys
-from worker.tools import cli
+from ticketq_cli import cli
 sys.argv = ["ticketq", "classify", *sys.argv[1:]]
 try:
     cli.main()
@@ -31,7 +31,7 @@ finally:
     print(json.dumps(sorted(sys.modules)))
 """
 QUEUE_MACHINERY = ("celery", "kombu", "redis", "billiard", "prometheus_client", "worker.service", "worker.app",
-                   "worker.transport", "worker.metrics", "worker.tools.bench")  # fmt: skip
+                   "worker.transport", "worker.metrics", "ticketq_bench")  # fmt: skip
 
 
 def tickets(path: Path, n: int = 3) -> Path:
@@ -63,7 +63,7 @@ def test_classify_imports_no_queue_machinery(tmp_path, tiny_model_dir):
 
 def test_the_cli_and_the_file_reader_import_no_torch():
     """A bad option, a missing file or a file with nothing to classify is answered before torch loads."""
-    code = ("import sys, worker.tools.cli, worker.tools.offline, worker.engine.loading; "
+    code = ("import sys, ticketq_cli.cli, ticketq_cli.offline, worker.engine.loading; "
             "print(sorted(m for m in ('torch', 'transformers', 'celery', 'kombu') if m in sys.modules))")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
@@ -92,7 +92,7 @@ def _chosen(stderr: str) -> list[str]:
 
 
 def test_the_first_chunk_is_one_row_so_the_first_result_needs_one_forward_pass():
-    from worker.tools.offline import chunked
+    from ticketq_cli.offline import chunked
 
     assert [len(chunk) for chunk in chunked(iter(range(40)))] == [1, 2, 4, 8, 16, 9]
 

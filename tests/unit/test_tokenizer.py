@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from producer.synthetic import awkward_texts, generate_tickets
+from ticketq_cli.standin import STANDIN_MARKER, STANDIN_NOTE, build, is_standin
 from worker.engine.prompt import PromptTemplate, canonical_text
-from worker.tools.standin import STANDIN_MARKER, STANDIN_NOTE, build, is_standin
 
 ENDOFTEXT, IM_START, IM_END = 151643, 151644, 151645
 

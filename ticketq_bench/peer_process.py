@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ticketq.errors import TicketqError
+from ticketq_bench.memory import peak_rss_mb, reset_peak_rss
+from ticketq_bench.peers import PeerPrompt, PeerUnavailable
+from ticketq_bench.records import Answer
 from worker.engine.prompt import EncodedTicket
 from worker.results import BatchReport
-from worker.tools.bench.memory import peak_rss_mb, reset_peak_rss
-from worker.tools.bench.records import Answer
-from worker.tools.peers import PeerPrompt, PeerUnavailable
 
 # mode -> (peer, variant): the GGUF type for llama.cpp, the inference precision (or int8 weights) for OpenVINO
 PEER_MODES = {
@@ -195,7 +195,7 @@ def open_peer(job: PeerJob):
 
 
 def _open_llama_cpp(job: PeerJob, outtype: str):
-    from worker.tools.peers import LlamaCppScorer, gguf_model, llama_cpp_version
+    from ticketq_bench.llama_cpp_peer import LlamaCppScorer, gguf_model, llama_cpp_version
 
     version = llama_cpp_version()
     source = Path(job.llama_cpp_src) if job.llama_cpp_src else None
@@ -210,7 +210,7 @@ def _open_llama_cpp(job: PeerJob, outtype: str):
 
 
 def _open_openvino(job: PeerJob, variant: str):
-    from worker.tools.peers import OpenVinoScorer, openvino_model, openvino_version
+    from ticketq_bench.peers import OpenVinoScorer, openvino_model, openvino_version
 
     version = openvino_version()
     weights, precision = ("int8", "f32") if variant == "int8" else ("f32", variant)

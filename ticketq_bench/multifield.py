@@ -23,12 +23,10 @@ confidence below `--tie-tolerance`) and on the rest. `schemas` reports `prefixes
 must equal the number of schemas however many batches ran.
 
     ticketq bench --schema examples/schema.toml --modes one-field,fields,full-prompts --tickets 200
-    python -m worker.tools.bench.multifield --tickets 200    # the same three modes, examples/schema.toml
 """
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
@@ -36,9 +34,9 @@ from dataclasses import replace
 from tqdm import tqdm
 
 from ticketq.schema import Schema, TicketFields
+from ticketq_bench.modes import InProcessRun
+from ticketq_bench.records import SCHEMA_MODES, Answer, Load
 from worker.results import BatchReport
-from worker.tools.bench.records import SCHEMA_MODES, Answer
-from worker.tools.bench.runner import InProcessRun, Load
 
 SCHEMAS = 3  # how many schemas the `schemas` mode serves at once
 
@@ -175,17 +173,3 @@ class FieldsRun(InProcessRun):
         if isinstance(self.runner, SchemaRoundRobin):
             result.figures["prefixes_computed"] = self.runner.set.prefixes_computed
         result.add_round([flat_answer(a) for a in answers], seconds, load)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`ticketq bench --modes one-field,fields,full-prompts ARGV` (the schema: examples/schema.toml
-    unless ARGV names one)."""
-    from worker.tools.bench.cli import main as bench_main
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    preset = [] if any(arg.startswith("--modes") for arg in argv) else ["--modes", "one-field,fields,full-prompts"]
-    return bench_main([*preset, *argv])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

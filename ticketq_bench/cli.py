@@ -1,6 +1,6 @@
 """`ticketq bench` on the command line (typer): the options and their help, and the exit status.
 
-`worker/tools/cli.py` forwards `ticketq bench ARGS` to `main(ARGS)`, so that `ticketq` itself starts
+`ticketq_cli/cli.py` forwards `ticketq bench ARGS` to `main(ARGS)`, so that `ticketq` itself starts
 without loading the benchmark; nothing here imports torch (`--help` stays instant).
 """
 
@@ -20,10 +20,12 @@ from rich.markup import escape
 
 from ticketq.cli import CONTEXT_SETTINGS
 from ticketq.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
-from worker.tools.bench.records import DEFAULT_MODES, DEFAULTS, FIELD_MODES, MODES, QUICK, SCHEMA_MODES, Options
-from worker.tools.bench.report import make_header, print_report, strict_failure, summarise, write_outputs
-from worker.tools.bench.runner import load_tickets, run_modes, setup
-from worker.tools.procs import ROOT
+from ticketq_bench.figures import strict_failure, summarise
+from ticketq_bench.header import make_header
+from ticketq_bench.procs import ROOT
+from ticketq_bench.records import DEFAULT_MODES, DEFAULTS, FIELD_MODES, MODES, QUICK, SCHEMA_MODES, Options
+from ticketq_bench.report import print_report, write_outputs
+from ticketq_bench.runner import load_tickets, run_modes, setup
 
 PROG = "ticketq bench"
 DEFAULT_SCHEMA = ROOT / "examples" / "schema.toml"

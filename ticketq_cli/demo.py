@@ -18,8 +18,8 @@ from rich.table import Table
 
 from producer.api import Producer
 from producer.synthetic import generate_tickets
+from ticketq_bench.procs import WorkerProcess, free_port, model_info
 from worker.settings import DEFAULT_MODEL, Settings
-from worker.tools.procs import WorkerProcess, free_port, model_info
 
 STANDIN_DIR = Path("models/qwen2.5-0.5b-standin")
 
@@ -43,7 +43,7 @@ def resolve_model(name: str, console: Console) -> str:
                   "(real Qwen2.5-0.5B architecture and tokenizer, random weights — labels are meaningless, "
                   "speed is real).[/]")  # fmt: skip
     if not (STANDIN_DIR / "config.json").is_file():
-        from worker.tools.standin import build
+        from ticketq_cli.standin import build
 
         with console.status("building the stand-in (about 30 s)…"):
             build("full", STANDIN_DIR)

@@ -20,12 +20,12 @@ from collections.abc import Callable, Sequence
 import torch
 from tqdm import tqdm
 
+from ticketq_bench.records import Answer
 from worker.engine import batching
 from worker.engine.layout import padded_ids
 from worker.engine.prompt import EncodedTicket, canonical_text
 from worker.engine.scoring import choice_logprobs, label_logprobs, make_prediction
 from worker.results import BatchReport, Prediction
-from worker.tools.bench.records import Answer
 
 Planner = Callable[[Sequence[int], int], batching.Plan]
 FULL_PROMPT_PLANNERS: dict[str, Planner] = {

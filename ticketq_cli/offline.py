@@ -10,9 +10,8 @@ result rows are appended to the partial results file (`producer.resultfile.Parti
 the next chunk is read, so memory holds one chunk however large the file. Chunks start at
 FIRST_CHUNK rows, so the first result row comes after one forward pass of one ticket even from
 the full-size model on a slow CPU (16 rows would take several: the planner cuts them by
-length), and double up to LARGEST_CHUNK rows or CHUNK_TEXT_CHARS characters of text: on
-synthetic tickets, planning 2,048 at a time predicts 0.6% more time than planning the whole
-file at once (1,024: 1.1%; 16: 16%).
+length), and double up to LARGEST_CHUNK rows or CHUNK_TEXT_CHARS characters of text: a chunk
+that large plans nearly as well as the whole file at once (docs/performance.md, "Offline classify of a large file").
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The benchmark's plain records: its modes, the options of one run, and what each mode answered (no torch)."""
+"""The benchmark's plain records: its modes, the options of one run, what each mode answered, and
+`Bench`, what every mode reads (the loaded engine, its settings, the options; no torch)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,15 @@ from pathlib import Path
 
 from worker.results import BatchReport, Prediction
 
-# a schema's fields (worker.tools.bench.multifield): one field, every field in one pass, a full prompt per field
+# a schema's fields (ticketq_bench.multifield): one field, every field in one pass, a full prompt per field
 FIELD_MODES = ("one-field", "fields", "full-prompts")
-# one worker serving one schema, and three at once (worker.tools.bench.multifield)
+# one worker serving one schema, and three at once (ticketq_bench.multifield)
 SCHEMA_MODES = ("one-schema", "schemas")
 MODES = (
     "generate", "sequential", "naive", "naive-global", "sorted", "ticketq", "ticketq-int8", "ticketq-queue",
     "llama-cpp", "llama-cpp-q8", "openvino", "openvino-bf16", "openvino-int8", *FIELD_MODES, *SCHEMA_MODES,
 )  # fmt: skip
-# each runs in a process of its own (worker.tools.bench.peer_process)
+# each runs in a process of its own (ticketq_bench.peer_process)
 PEER_MODES = ("llama-cpp", "llama-cpp-q8", "openvino", "openvino-bf16", "openvino-int8")
 OPT_IN_MODES = ("generate", "ticketq-int8", *PEER_MODES, *FIELD_MODES, *SCHEMA_MODES)  # run only when listed (or 'all')
 DEFAULT_MODES = tuple(m for m in MODES if m not in OPT_IN_MODES)
@@ -35,7 +36,7 @@ DEFAULTS = {"tickets": 600, "batch_size": 16, "warmup": 4, "autotune_s": 20.0, "
 
 @dataclass(frozen=True)
 class Options:
-    """One run as the command line asked for it, every default resolved (`worker.tools.bench.cli` builds it)."""
+    """One run as the command line asked for it, every default resolved (`ticketq_bench.cli` builds it)."""
 
     model: str | None = None  # None: the TICKETQ_* settings decide
     dtype: str | None = None
@@ -134,3 +135,22 @@ class ModeResult:
         self.round_seconds.append(seconds)
         self.round_loads.append(load)
         self.seconds = statistics.median(self.round_seconds)
+
+
+Load = tuple[float, float, float] | None  # os.getloadavg() where the platform has it
+
+
+@dataclass
+class Bench:
+    """What every mode shares: the loaded engine, its settings, the options."""
+
+    engine: object  # worker.engine.Engine (imported lazily: `--help` must not import torch)
+    settings: object  # worker.settings.Settings
+    options: Options
+    tuning: object | None = None  # worker.engine.autotune.Tuning
+    int8_engine: object | None = None  # built on first use by ticketq-int8, sharing the model
+    schema: object | None = None  # ticketq.schema.Schema of the multi-field and schemas modes (--schema)
+    int8_tuning: object | None = None
+    load_before: Load = None  # os.getloadavg() when the modes start
+    round_loads: list[Load] = field(default_factory=list)  # os.getloadavg() at the start of each round
+    ticket_lengths: list[int] = field(default_factory=list)  # ticket tokens per ticket, for the header

@@ -116,7 +116,7 @@ class Evaluation:
 
 def evaluate(engine, rows: Iterable[Row], on_batch=None, on_chunk=None) -> Evaluation:
     """Classify every labelled row of `rows` (chunked, as `ticketq classify` does) and score it."""
-    from worker.tools.offline import Summary, chunked, classify_chunk
+    from ticketq_cli.offline import Summary, chunked, classify_chunk
 
     evaluation, summary = Evaluation(Scores(tuple(engine.labels))), Summary()
     for chunk in chunked(rows):
@@ -304,8 +304,8 @@ def field_thresholds(thresholds: Sequence[float], own: float) -> list[float]:
 def evaluate_fields(fields_engine, rows: Iterable[Row], on_batch=None, on_chunk=None) -> FieldsEvaluation:
     """Answer every labelled row of `rows` with `fields_engine` (a schema's `FieldsEngine`), a chunk
     at a time, and score each field on the rows whose `expected` names it."""
+    from ticketq_cli.offline import chunked
     from worker.engine.prompt import InvalidTicket
-    from worker.tools.offline import chunked
 
     evaluation = FieldsEvaluation.of(fields_engine.schema)
     for chunk in chunked(rows):

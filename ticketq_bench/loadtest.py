@@ -4,8 +4,8 @@
         --json docs/bench/loadtest.json --chart docs/bench/loadtest.png
     ticketq loadtest --null --duration 3          # the queue path alone (null classifier)
 
-(`python -m worker.tools.loadtest` takes the same options.) It starts one `ticketq worker` subprocess
-(`worker.tools.procs`) on a private queue, measures its capacity (a burst of
+(`python -m ticketq_bench.loadtest` takes the same options.) It starts one `ticketq worker` subprocess
+(`ticketq_bench.procs`) on a private queue, measures its capacity (a burst of
 `--capacity-tickets` tickets, first send to last result) unless `--capacity` is given, then for each
 fraction of that capacity sends single-ticket messages with exponential gaps (open loop: a late
 send does not delay the next one's schedule) and collects every result from the results stream.
@@ -38,8 +38,8 @@ from producer.api import Producer
 from producer.synthetic import generate_tickets
 from ticketq.cli import CONTEXT_SETTINGS
 from ticketq.names import RESULTS_STREAM
+from ticketq_bench.procs import free_port, model_info, running_worker, scrape
 from worker.settings import Settings
-from worker.tools.procs import free_port, model_info, running_worker, scrape
 
 DEFAULT_RATES = (0.5, 0.8, 1.0, 1.2)
 
@@ -385,7 +385,7 @@ def write_report(report: Report, options: Options) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`ticketq loadtest ARGV` (also `python -m worker.tools.loadtest ARGV`); the exit status."""
+    """`ticketq loadtest ARGV` (also `python -m ticketq_bench.loadtest ARGV`); the exit status."""
     try:
         app(list(sys.argv[1:] if argv is None else argv), prog_name="ticketq loadtest")
     except SystemExit as exc:  # click's standalone mode ends every run, good or bad, in SystemExit

@@ -1,14 +1,12 @@
-"""How the benchmark runs: the tickets and the model loaded once, then every mode in rounds on the same tickets.
+"""The bench's mode runs: each mode across the rounds, in this process or beside it.
 
-`setup` builds the settings, the engine and (unless told not to) the autotuned cost model;
-`run_modes` runs the modes interleaved, round after round (A B C A B C …), each after a warm-up
-on the shortest tickets, timing it and reading its peak RSS, and calls back after every mode so
-that the outputs on disk always hold what has finished. The modes: the baselines
-(`worker.tools.bench.baselines`), the engine as served (`ticketq`, `ticketq-int8`), the peers
-(llama.cpp, OpenVINO: `worker.tools.peers`), each in a process of its own
-(`worker.tools.bench.peer_process`) so that a crash there is that mode's row, and
-`ticketq-queue`, which sends the tickets through Redis to a real worker process
-(`worker.tools.procs`) started once with the bench's own model, precision, threads and cost model.
+`ModeRun` is one mode: `start` on its first round, `round` each round, `close` at the end.
+`InProcessRun` times the baselines (`ticketq_bench.baselines`) and the engine as served (`ticketq`,
+`ticketq-int8`) in this process; `PeerRun` runs a peer (llama.cpp: `ticketq_bench.llama_cpp_peer`;
+OpenVINO: `ticketq_bench.peers`) in a process of its own (`ticketq_bench.peer_process`) so that a
+crash there is that mode's row; `QueueRun` sends the tickets through Redis to a real worker process
+(`ticketq_bench.procs`) started once with the bench's own model, precision, threads and cost
+model. The schema modes build on `InProcessRun` in `ticketq_bench.multifield`.
 """
 
 from __future__ import annotations
@@ -19,169 +17,22 @@ import tempfile
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 from rich.console import Console
-from rich.markup import escape
 from tqdm import tqdm
 
+from ticketq_bench import baselines
+from ticketq_bench.ceiling import linear_ceiling
+from ticketq_bench.memory import peak_rss_mb, reset_peak_rss
+from ticketq_bench.procs import ROOT, free_port, running_worker
+from ticketq_bench.records import Answer, Bench, Load, ModeResult
 from worker.results import BatchReport
-from worker.tools.bench import baselines
-from worker.tools.bench.ceiling import linear_ceiling
-from worker.tools.bench.memory import peak_rss_mb, reset_peak_rss
-from worker.tools.bench.records import FIELD_MODES, PEER_MODES, SCHEMA_MODES, Answer, ModeResult, Options
-from worker.tools.bench.report import describe_cost, load_average
-from worker.tools.procs import ROOT, free_port, running_worker
-
-Load = tuple[float, float, float] | None  # os.getloadavg() where the platform has it
-
-
-@dataclass
-class Bench:
-    """What every mode shares: the loaded engine, its settings, the options."""
-
-    engine: object  # worker.engine.Engine (imported lazily: `--help` must not import torch)
-    settings: object  # worker.settings.Settings
-    options: Options
-    tuning: object | None = None  # worker.engine.autotune.Tuning
-    int8_engine: object | None = None  # built on first use by ticketq-int8, sharing the model
-    schema: object | None = None  # ticketq.schema.Schema of the multi-field and schemas modes (--schema)
-    int8_tuning: object | None = None
-    load_before: Load = None  # os.getloadavg() when the modes start
-    round_loads: list[Load] = field(default_factory=list)  # os.getloadavg() at the start of each round
-    ticket_lengths: list[int] = field(default_factory=list)  # ticket tokens per ticket, for the header
-
 
 # (bench, texts, progress bar or None) -> (answers in ticket order, one report per forward)
 Runner = Callable[[Bench, list[str], tqdm | None], tuple[list[Answer], list[BatchReport]]]
-
-
-# ----- set-up -------------------------------------------------------------------------------
-
-
-def load_tickets(options: Options, console: Console) -> list[dict] | None:
-    """`[{"id", "text"}]`: synthetic long-tail tickets, or the good rows of `--tickets-file`."""
-    if options.tickets_file is None:
-        from producer.synthetic import generate_tickets
-
-        return generate_tickets(options.tickets, seed=options.seed)
-    from producer.ticketfile import read_tickets
-    from producer.ticketrows import TicketFileError
-
-    try:
-        source = read_tickets(options.tickets_file)
-    except TicketFileError as exc:
-        console.print(f"[red]{exc}[/]")
-        return None
-    for error in source.errors[:20]:
-        console.print(f"[yellow]skipped[/] {error}")
-    tickets = source.tickets[: options.tickets] if options.tickets else source.tickets
-    if not tickets:
-        console.print(f"[red]{options.tickets_file}: no usable tickets[/]")
-        return None
-    return tickets
-
-
-def setup(options: Options, console: Console) -> Bench | None:
-    """Settings from TICKETQ_* plus the options, the engine (loaded once), and the autotune."""
-    from worker.engine import Engine, ModelNotFound
-
-    settings = _settings(options, console)
-    schema = _schema(options, console)
-    if settings is None or schema is False:
-        return None
-    with console.status(f"loading {settings.model}…"):
-        try:
-            engine = Engine.from_settings(settings)
-        except ModelNotFound as exc:
-            console.print(f"[red]{exc}[/]")
-            return None
-    bench = Bench(engine, settings, options, schema=schema)
-    if options.no_autotune or options.max_batch_tokens:
-        reason = "--max-batch-tokens given" if options.max_batch_tokens else "--no-autotune"
-        console.print(f"autotune skipped ({reason}): {describe_cost(engine)}")
-        return bench
-    from worker.engine.autotune import autotune
-
-    with console.status(f"autotuning the cost model ({options.autotune_s:.0f} s budget)…"):
-        bench.tuning = autotune(engine, budget_s=options.autotune_s)
-    console.print(f"autotune on {engine.info.device}/{engine.info.dtype}: {bench.tuning.describe()}")
-    return bench
-
-
-def _schema(options: Options, console: Console):
-    """The schema of `--schema` (None without one), or False where it cannot be used (printed why)."""
-    if options.schema is None:
-        return None
-    from ticketq.schema import SchemaError, load_schema
-
-    try:
-        return load_schema(options.schema)
-    except SchemaError as exc:
-        console.print(f"[red]--schema {options.schema}:[/]\n{escape(str(exc))}", soft_wrap=True)
-        return False
-
-
-def _settings(options: Options, console: Console):
-    """TICKETQ_* with the command line's model options on top, or None (printed why)."""
-    from pydantic import ValidationError
-
-    from worker.settings import Settings
-
-    overrides = {
-        "model": options.model,
-        "dtype": options.dtype,
-        "device": options.device,
-        "threads": options.threads,
-        "max_batch_tokens": options.max_batch_tokens,
-    }
-    try:
-        settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
-    except ValidationError as exc:
-        console.print(f"[red]invalid settings:[/] {exc}")
-        return None
-    if Path(settings.model).is_dir():  # the worker subprocess may resolve paths elsewhere
-        settings = settings.model_copy(update={"model": str(Path(settings.model).resolve())})
-    return settings
-
-
-# ----- running the modes --------------------------------------------------------------------
-
-
-def run_modes(
-    bench: Bench, tickets: list[dict], console: Console, after_mode: Callable[[list[ModeResult]], None] | None = None
-) -> list[ModeResult]:
-    """Every mode of the options on the same tickets, interleaved in `options.rounds` rounds.
-
-    Each mode starts on its first round (a peer's process, the queue's worker) and stays up to the
-    last; a mode that was skipped or crashed is left out of the rounds after. `after_mode(results)`
-    is called after every mode of every round with the results so far, in mode order.
-    """
-    texts = [t["text"] for t in tickets]
-    encoded = bench.engine.encode(texts)
-    bench.ticket_lengths = [e.ticket_tokens for e in encoded]
-    by_length = sorted(range(len(texts)), key=lambda i: len(encoded[i].ids))
-    warm = [by_length[i] for i in range(min(bench.options.warmup, len(texts)))]  # shortest: warms kernels, costs little
-    context = RunContext(bench, tickets, texts, encoded, warm, console)
-    runs = [_mode_run(context, mode) for mode in bench.options.mode_list]
-    bench.load_before = load_average()
-    rounds = bench.options.rounds
-    try:
-        for number in range(1, rounds + 1):
-            bench.round_loads.append(load_average())
-            for run in runs:
-                if run.result.skipped or run.result.crashed:
-                    continue
-                console.rule(f"{run.result.mode} — round {number}/{rounds}" if rounds > 1 else run.result.mode)
-                run.run_round(number, load_average())
-                if after_mode:
-                    after_mode([r.result for r in runs if r.started])
-    finally:
-        for run in runs:
-            run.close()
-    return [run.result for run in runs]
 
 
 @dataclass
@@ -235,18 +86,6 @@ class ModeRun(ABC):
         where = f"in round {number}" if number else "while starting"
         kept = f"figures from the {done} round{'s' * (done != 1)} before" if done else "no round finished"
         self.result.notes.append(f"{self.result.mode} {reason} {where} ({kept})")
-
-
-def _mode_run(context: RunContext, mode: str) -> ModeRun:
-    if mode == "ticketq-queue":
-        return QueueRun(context, mode)
-    if mode in PEER_MODES:
-        return PeerRun(context, mode)
-    if mode in FIELD_MODES or mode in SCHEMA_MODES:
-        from worker.tools.bench.multifield import FieldsRun  # it builds on InProcessRun, below
-
-        return FieldsRun(context, mode)
-    return InProcessRun(context, mode)
 
 
 class InProcessRun(ModeRun):
@@ -353,8 +192,8 @@ class PeerRun(ModeRun):
     def start(self) -> None:
         import torch
 
-        from worker.tools.bench.peer_process import PeerCrashed, PeerFailed, PeerJob, PeerProcess
-        from worker.tools.peers import PeerPrompt, PeerUnavailable
+        from ticketq_bench.peer_process import PeerCrashed, PeerFailed, PeerJob, PeerProcess
+        from ticketq_bench.peers import PeerPrompt, PeerUnavailable
 
         bench, context, mode = self.context.bench, self.context, self.result.mode
         self.result.rss_of = "peer process"
@@ -380,7 +219,7 @@ class PeerRun(ModeRun):
             self.crash(str(exc), 0)
 
     def round(self, number: int, load: Load) -> None:
-        from worker.tools.bench.peer_process import PeerCrashed, PeerFailed
+        from ticketq_bench.peer_process import PeerCrashed, PeerFailed
 
         result = self.result
         with tqdm(total=len(self.context.texts), desc=result.mode, unit="ticket") as bar:

@@ -27,8 +27,8 @@ from typing import TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
-ROOT = Path(__file__).resolve().parents[2]
-WORKER_COMMAND = (sys.executable, "-m", "worker.tools.cli", "worker", "--loglevel", "INFO")
+ROOT = Path(__file__).resolve().parents[1]
+WORKER_COMMAND = (sys.executable, "-m", "ticketq_cli.cli", "worker", "--loglevel", "INFO")
 READY_LINE = " ready."  # Celery's worker logs "<hostname> ready." once its consumer is up
 T = TypeVar("T")
 

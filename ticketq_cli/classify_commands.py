@@ -1,0 +1,239 @@
+"""`ticketq classify` (a ticket file classified in this process) and `ticketq eval` (a labelled file
+scored): the commands, their options and what they print; `offline` and `evaluate` do the work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from producer.resultfile import OutputError, PartialResults, check_output
+from producer.ticketfile import TicketReader
+from producer.ticketrows import TicketFileError
+from ticketq.cli import report
+from ticketq.exits import exit_status
+from ticketq_cli.common import (
+    DEFAULT_OUT,
+    ENGINE_FLAGS,
+    check_model,
+    console,
+    fail,
+    log_to_stderr,
+    read_settings,
+)
+
+
+def classify(
+    path: Annotated[Path, typer.Argument(help="Tickets: JSONL ({'id','text'}) or CSV with id,text columns.")],
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help=f"Results JSONL, a row per input row \\[default: {DEFAULT_OUT}].")
+    ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", "-f", help="Replace --out if it exists; start again over a stopped run.")
+    ] = False,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue a stopped run from OUT.partial (its rows are kept).")
+    ] = False,
+    fmt: Annotated[str, typer.Option("--format", help="auto (by extension, then content), jsonl or csv.")] = "auto",
+    schema_path: Annotated[Path | None, typer.Option("--schema", help="Answer every field of this schema (TOML), "
+                           "in the worker's result shape, instead of TICKETQ_LABELS.")] = None,
+    model: Annotated[str | None, typer.Option(help="Hub id or local dir (default TICKETQ_MODEL).")] = None,
+    dtype: Annotated[str | None, typer.Option(help="auto|float32|bfloat16|float16|int8.")] = None,
+    device: Annotated[str | None, typer.Option(help="auto|cpu|cuda|mps.")] = None,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
+) -> None:
+    """Classify a ticket file in-process (no Redis): every input row gets one result row (ok or failed).
+
+    The file is read and classified a chunk at a time; result rows go to OUT.partial as they are
+    done, and it becomes OUT once every row is in. Stopped (Ctrl-C: exit status 130), a run keeps
+    its rows there, and --resume continues it.
+    """
+    settings = read_settings(ENGINE_FLAGS, model=model, dtype=dtype, device=device)
+    schema = _schema_option(schema_path)
+    if fmt not in ("auto", "jsonl", "csv"):
+        fail(f"--format {fmt}: must be auto, jsonl or csv")
+    try:
+        out = check_output(out or DEFAULT_OUT, [path], force)
+        reader = TicketReader(path, fmt, settings.max_ticket_bytes)  # type: ignore[arg-type]
+    except (TicketFileError, OutputError) as exc:
+        fail(str(exc))
+    with reader:
+        check_model(settings)
+        from ticketq_cli.offline import Summary
+
+        summary = Summary()
+        try:
+            partial = PartialResults(out, path, resume=resume, force=force, on_row=summary.add)
+        except OutputError as exc:
+            fail(str(exc))
+        if resume:
+            done = f"{partial.rows} rows of {partial.path} kept" if partial.resumed else f"no {partial.path}"
+            console.print(f"resuming: {done}; classifying the rows after them", highlight=False, markup=False)
+        _classify(settings, reader, partial, summary, progress, schema)
+    try:
+        partial.publish(overwrite=force)
+    except OutputError as exc:
+        fail(f"{exc}; all {partial.rows} rows are in {partial.path}")
+    _report_classified(summary, path, out)
+    raise typer.Exit(exit_status(summary.ok, summary.failed))
+
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command stopped by Ctrl-C
+
+
+def _classify(settings, reader: TicketReader, partial: PartialResults, summary, progress: bool, schema=None) -> None:
+    """Classify the rows not yet in `partial`, loading the model only if a row needs it.
+
+    However it stops (Ctrl-C, a crash, a model that cannot load), the rows done stay in the
+    partial file and one line says how many and how to go on; with no row done, no file is left.
+    """
+    from ticketq_cli.offline import classify_rows
+
+    try:
+        load = (lambda: _load_engine(settings)) if schema is None else (lambda: _load_engine(settings).fields(schema))
+        classify_rows(load, reader, partial, summary, progress)
+    except OutputError as exc:  # --resume: the partial file is not this input's; it stays as it was
+        partial.close()
+        fail(str(exc))
+    except BaseException as exc:
+        partial.close()
+        nothing = partial.rows == 0 and not partial.resumed
+        if nothing:  # nothing done leaves nothing behind: the fixed rerun needs no --resume or --force
+            partial.path.unlink(missing_ok=True)
+        stopped = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stopped"
+        if not nothing:
+            console.print(f"{stopped}: {partial.rows} rows are in {partial.path}; run the same command with --resume "
+                          "to classify the rest", highlight=False, markup=False, soft_wrap=True)  # fmt: skip
+        elif stopped == "interrupted":
+            console.print("interrupted: nothing was classified", highlight=False, markup=False)
+        if isinstance(exc, KeyboardInterrupt):
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        raise
+
+
+def _load_engine(settings):
+    from ticketq.process import paused_gc
+    from worker.engine.loading import ModelNotFound
+
+    log_to_stderr()
+    # torch's import and the model's load, the collector paused: the objects they make live as long
+    # as this command, so they are frozen rather than scanned by every later collection.
+    with paused_gc(freeze=True):
+        from worker.engine import Engine
+
+        try:
+            engine = Engine.from_settings(settings)
+        except ModelNotFound as exc:
+            fail(str(exc))
+    if engine.info.standin:
+        console.print("[yellow]stand-in model: labels are meaningless; speed is real[/]")
+    return engine
+
+
+def _report_classified(summary, path: Path, out: Path) -> None:
+    report(console, summary.failures, f"{summary.failed} rows failed:", f" (every row is in {out})")
+    table = Table(title=f"{path} → {out}")
+    for column in ("rows", "ok", "failed", "items/s", "padding", "labels"):
+        table.add_column(column, overflow="fold")
+    labels = ", ".join(f"{k}={v}" for k, v in summary.labels.most_common())
+    table.add_row(str(summary.rows), str(summary.ok), str(summary.failed), f"{summary.items_per_s:.2f}",
+                  f"{summary.padding_ratio:.1%}", labels)  # fmt: skip
+    console.print(table)
+    console.print(f"{summary.line()}; results in {out}", highlight=False, markup=False, soft_wrap=True)
+
+
+def evaluate(
+    path: Annotated[Path, typer.Argument(help="Labelled tickets: JSONL or CSV rows with text and expected.")],
+    fmt: Annotated[str, typer.Option("--format", help="auto (by extension, then content), jsonl or csv.")] = "auto",
+    thresholds: Annotated[
+        str, typer.Option(help="Margin (confidence) thresholds for the coverage tables, comma-separated.")
+    ] = "0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9",
+    schema_path: Annotated[Path | None, typer.Option("--schema", help="Score every field of this schema "
+                           "(TOML): `expected` is then {field: label} or {field: \\[labels]}.")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write every figure to this JSON file.")] = None,
+    model: Annotated[str | None, typer.Option(help="Hub id or local dir (default TICKETQ_MODEL).")] = None,
+    dtype: Annotated[str | None, typer.Option(help="auto|float32|bfloat16|float16|int8.")] = None,
+    device: Annotated[str | None, typer.Option(help="auto|cpu|cuda|mps.")] = None,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
+) -> None:
+    """Score the model on your own labelled tickets: accuracy, per-label precision and recall, the
+    confusion matrix, and accuracy against coverage per margin threshold (to choose a threshold).
+
+    Each row needs an `expected` label (a field in JSONL, a column in CSV). Rows without one, and
+    refused rows, are counted and not scored. Exit status 3 when no row could be scored.
+
+    With --schema every field of the schema is scored on the rows whose `expected` object names it
+    (in a CSV, the cell holds that object as JSON); a multi-label field by per-label precision and
+    recall and exact-set accuracy. A row naming a field or label the schema lacks is refused.
+    """
+    settings = read_settings(ENGINE_FLAGS, model=model, dtype=dtype, device=device)
+    schema = _schema_option(schema_path)
+    if fmt not in ("auto", "jsonl", "csv"):
+        fail(f"--format {fmt}: must be auto, jsonl or csv")
+    try:
+        cuts = sorted({float(part) for part in thresholds.split(",") if part.strip()})
+    except ValueError:
+        fail(f"--thresholds {thresholds!r}: must be numbers between 0 and 1, comma-separated")
+    if not cuts or not all(0 <= cut <= 1 for cut in cuts):
+        fail(f"--thresholds {thresholds!r}: must be numbers between 0 and 1, comma-separated")
+    try:
+        reader = TicketReader(path, fmt, settings.max_ticket_bytes)  # type: ignore[arg-type]
+    except TicketFileError as exc:
+        fail(str(exc))
+    with reader:
+        check_model(settings)
+        engine = _load_engine(settings)
+        from tqdm import tqdm
+
+        from ticketq_cli.evaluate import evaluate as run_eval
+        from ticketq_cli.evaluate import evaluate_fields
+
+        with tqdm(desc="scoring", unit="row", disable=not progress, file=None) as bar:
+            if schema is None:
+                evaluation = run_eval(engine, reader, on_chunk=bar.update)
+            else:
+                evaluation = evaluate_fields(engine.fields(schema), reader, on_chunk=bar.update)
+    _report_evaluation(evaluation, cuts, engine.info.standin, json_out)
+    if evaluation.scored == 0:
+        raise typer.Exit(3)
+
+
+def _schema_option(path: Path | None):
+    """`--schema`: the schema, or one line per problem and exit 2, before the model loads."""
+    if path is None:
+        return None
+    from ticketq.schema import SchemaError, load_schema
+
+    try:
+        return load_schema(path)
+    except SchemaError as exc:
+        fail(f"--schema {path}:\n{exc}" if len(exc.problems) > 1 else f"--schema {exc}")
+
+
+def _report_evaluation(evaluation, cuts: list[float], standin: bool, json_out: Path | None) -> None:
+    from ticketq_cli.evaluate import FieldsEvaluation, print_fields, print_scores
+
+    out = Console()
+    report(console, evaluation.refused, f"{len(evaluation.refused)} rows refused (not scored):")
+    if isinstance(evaluation, FieldsEvaluation):
+        print_fields(out, evaluation, cuts)
+        figures = evaluation.as_dict(cuts)
+    else:
+        scores = evaluation.scores
+        if scores.unknown:
+            unknown = ", ".join(f"{label!r} x{count}" for label, count in scores.unknown.most_common())
+            console.print(f"not scored: expected labels the model does not have: {unknown} (labels: "
+                          f"{', '.join(scores.labels)})", highlight=False, markup=False, soft_wrap=True)  # fmt: skip
+        out.print(f"scored {scores.scored} of {evaluation.rows} rows ({evaluation.unlabelled} without `expected`); "
+                  f"accuracy {scores.accuracy:.1%}", highlight=False)  # fmt: skip
+        print_scores(out, scores, cuts)
+        figures = {**scores.as_dict(cuts), "rows": evaluation.rows, "unlabelled": evaluation.unlabelled,
+                   "refused": len(evaluation.refused)}  # fmt: skip
+    if standin:
+        console.print("[yellow]stand-in model (random weights): these figures mean nothing about a real model[/]")
+    if json_out is not None:
+        json_out.write_text(json.dumps({**figures, "standin": standin}, indent=2) + "\n", encoding="utf-8")
