@@ -128,7 +128,7 @@ def poll_ready(backend: BulkRedisBackend, results: Sequence[AsyncResult], timeou
     cursor = POLL_WINDOW  # where the rotating window starts, in `pending`
     rotate = False  # the last read of the oldest window found nothing
     while pending:
-        if cursor >= len(pending):
+        if not POLL_WINDOW <= cursor < len(pending):  # past the end, or into the oldest window: start again
             cursor = POLL_WINDOW
         window = pending[:POLL_WINDOW]
         if rotate:

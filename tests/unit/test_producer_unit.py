@@ -295,3 +295,48 @@ def test_wait_asks_an_unreachable_redis_again_until_its_timeout():
         took = time.monotonic() - started
     assert row["status"] == "timeout" and row["task_id"] == "never-answered"
     assert 0.6 <= took < 5
+
+
+class _ResultsInMemory:
+    """What `poll_ready` reads of a Redis result backend (`mget` of result keys), over a dict that
+    a `finish` callback fills between reads."""
+
+    def __init__(self, finish) -> None:
+        self.stored: dict[str, bytes] = {}
+        self.reads = 0
+        self.finish = finish
+
+    def get_key_for_task(self, task_id: str) -> str:
+        return f"celery-task-meta-{task_id}"
+
+    def mget(self, keys: list[str]) -> list[bytes | None]:
+        self.reads += 1
+        self.finish(self.reads, self.stored)
+        return [self.stored.get(key) for key in keys]
+
+    def decode_result(self, raw: bytes) -> dict:
+        return json.loads(raw)
+
+
+def test_poll_ready_reports_each_result_once_however_the_windows_move():
+    """The oldest window finishing while the rotating one stood further on moved the rotating
+    window into the oldest: one MGET read some keys twice and a result was reported twice."""
+    from types import SimpleNamespace
+
+    from producer.backend import POLL_WINDOW, poll_ready
+
+    n = 3 * POLL_WINDOW
+    ids = [f"t-{i}" for i in range(n)]
+    done = json.dumps({"status": "SUCCESS", "result": "x"}).encode()
+
+    def finish(read: int, stored: dict) -> None:
+        # reads 1-3 find nothing (the rotating window goes round); 4 and 5 find most of the oldest
+        # window, 6 nothing (the rotating window starts again, from where it stood); 7 finds all
+        half = POLL_WINDOW // 2
+        batches = {4: ids[:half], 5: ids[half: POLL_WINDOW + half // 2], 7: ids}
+        for task_id in batches.get(read, []):
+            stored[f"celery-task-meta-{task_id}"] = done
+
+    backend = _ResultsInMemory(finish)
+    seen = [task_id for task_id, _, _ in poll_ready(backend, [SimpleNamespace(id=i) for i in ids], timeout=60)]
+    assert sorted(seen) == sorted(ids) and len(seen) == len(set(seen)), Counter(seen).most_common(3)
