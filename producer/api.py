@@ -37,5 +37,9 @@ and result files in `producer.resultfile`.
 from __future__ import annotations
 
 from producer.client import Producer
+from producer.errors import BrokerUnavailable, NotReplicated, SendInterrupted, SendStopped, WaitStopped
+from producer.messages import TicketResult, idempotent_task_id
 
-__all__ = ["Producer"]
+# The public surface: the client, what it raises, what it returns.
+__all__ = ["BrokerUnavailable", "NotReplicated", "Producer", "SendInterrupted", "SendStopped", "TicketResult",
+           "WaitStopped", "idempotent_task_id"]  # fmt: skip

@@ -49,7 +49,7 @@ def test_the_worker_start_up_imports_no_tooling(redis_server, tiny_model_dir):
                           text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr
     modules = json.loads(done.stdout.strip().splitlines()[-1])
-    assert "worker.engine.core" in modules and "worker.service" in modules  # it did start the runtime
+    assert "worker.engine.model" in modules and "worker.service.core" in modules  # it did start the runtime
     assert "worker.transport.fetch" in modules and "celery_batches" in modules
     assert _imported(modules, TOOLING) == []
 
