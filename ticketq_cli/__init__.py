@@ -1,5 +1,5 @@
 """The `ticketq` command and the operator's tools, outside the worker package: the worker's runtime
-imports none of them (`tests/test_runtime_imports.py` checks it in a fresh interpreter).
+imports none of them (`tests/integration/test_runtime_imports.py` checks it in a fresh interpreter).
 
 - `cli`       the `ticketq` command: every subcommand registered in the order `--help` lists them;
               worker, standin, demo, config, schema check, and bench and loadtest (`ticketq_bench`).

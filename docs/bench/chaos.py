@@ -6,7 +6,7 @@
 Jepsen's nemesis on our own servers, on 127.0.0.1 and a network namespace of its own. It starts a
 primary, a replica and three sentinels (tests/servers.py), `--workers` real `ticketq worker`
 processes on the tiny stand-in or the null classifier (tests/workers.py), worker 0 inside a
-network namespace joined to the host by a veth pair (as tests/test_partition.py does), then:
+network namespace joined to the host by a veth pair (as tests/integration/test_partition.py does), then:
 
 1. **Capacity**: `--capacity-s` seconds with the queue kept full; answers per second after a
    warm-up of a sixth of it.
@@ -58,7 +58,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # The test harness is reused as it is: tests/ on sys.path for servers.py, workers.py and
 # test_partition.py (the helpers stay where the tests keep them).
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "support"), str(ROOT / "tests" / "integration")]
 
 import redis  # noqa: E402
 from servers import MASTER_NAME, SentinelServer, SentinelSet, require_redis_server  # noqa: E402
@@ -93,7 +93,7 @@ log = logging.getLogger("chaos")
 
 
 class ChaosNamespace(Namespace):
-    """tests/test_partition.py's namespace, under names (tq-chaos-*, 10.232.x) no test uses."""
+    """tests/integration/test_partition.py's namespace, under names (tq-chaos-*, 10.232.x) no test uses."""
 
     def __init__(self) -> None:
         tag = os.getpid() % 250

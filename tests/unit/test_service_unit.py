@@ -1,7 +1,7 @@
 """The service's pipeline without Redis: `TicketService` on the in-memory outbox
 (`worker.service.memory.MemoryOutbox`) with the null classifier or a scripted one.
 
-The same input cases as the service's integration tests (tests/test_service.py: packed messages,
+The same input cases as the service's integration tests (tests/integration/test_service.py: packed messages,
 bad input, the shadow check, the metrics a run leaves), and what those can only reach through
 crashes and restarts: redeliveries run alone and are dead-lettered past max_retries, the engine
 retry, re-executions, reused task ids, expiry, schema routing, and the order hooks are called in.
