@@ -522,6 +522,30 @@ def test_k8s_worker():
     assert pod["spec"]["terminationGracePeriodSeconds"] >= 30
 
 
+def test_k8s_gateway_and_dispatcher():
+    """The gateway behind a Service, ready only while Redis takes writes; the dispatcher beside it;
+    both on the broker of the workers, their secrets from a secret, never inline."""
+    docs = _k8s_docs()
+    gateway = _one(docs, "Deployment", "ticketq-gateway")["spec"]["template"]
+    container = gateway["spec"]["containers"][0]
+    assert container["command"][0] == "ticketq-gateway" and gateway["spec"]["securityContext"]["runAsNonRoot"]
+    assert {p: container[p]["httpGet"]["path"] for p in ("readinessProbe", "livenessProbe")} == {
+        "readinessProbe": "/readyz", "livenessProbe": "/healthz"}  # fmt: skip
+    env = _container_env(container)
+    assert env["TICKETQ_BROKER_URL"]["value"].startswith("redis://:$(REDIS_PASSWORD)@redis:6379")
+    assert "secretKeyRef" in env["TICKETQ_GATEWAY_TOKENS"]["valueFrom"]
+    service = _one(docs, "Service", "ticketq-gateway")
+    assert service["spec"]["selector"].items() <= gateway["metadata"]["labels"].items()
+    deliver = _one(docs, "Deployment", "ticketq-deliver")["spec"]["template"]["spec"]["containers"][0]
+    denv = _container_env(deliver)
+    assert deliver["command"] == ["ticketq-deliver"]
+    assert all("secretKeyRef" in denv[name]["valueFrom"] for name in ("TICKETQ_DELIVER_URL", "TICKETQ_DELIVER_SECRET"))
+    from gateway.settings import GatewaySettings
+
+    fields = {f"TICKETQ_{name.upper()}" for name in GatewaySettings.model_fields}
+    assert {name for name in {**env, **denv} if name.startswith("TICKETQ_")} <= fields, "every variable a setting"
+
+
 def test_k8s_keda_scales_on_the_celery_queue():
     docs = _k8s_docs()
     scaled = _one(docs, "ScaledObject")
