@@ -19,7 +19,7 @@ import redis
 from celery import Celery, states
 from celery.result import AsyncResult
 from celery_batches import SimpleRequest
-from workers import redis_or_skip
+from workers import celery_results_app, redis_or_skip
 
 from ticketq import names
 from ticketq.names import ATTEMPTS_KEY
@@ -70,9 +70,7 @@ def client() -> Iterator[redis.Redis]:
 
 @pytest.fixture(scope="module")
 def app(client) -> Iterator[Celery]:
-    app = Celery("ticketq-streaming-test", broker=REDIS_URL, backend=REDIS_URL, set_as_current=False)
-    app.conf.update(result_serializer="json", accept_content=["json"], result_accept_content=["json"],
-                    result_expires=600, result_extended=False)  # fmt: skip
+    app = celery_results_app("ticketq-streaming-test", REDIS_URL)
     yield app
     app.close()
 

@@ -39,7 +39,7 @@ from test_reliability import (  # noqa: F401 -- `workers` is the fixture that st
     wait_all_final,
     workers,
 )
-from workers import redis_or_skip, wait_for
+from workers import celery_results_app, redis_or_skip, wait_for
 
 from ticketq import names
 from ticketq.names import ALIVE_KEY, OWNED_KEY
@@ -93,9 +93,7 @@ def client() -> Iterator[redis.Redis]:
 
 @pytest.fixture(scope="module")
 def app(client) -> Iterator[Celery]:
-    app = Celery("ticketq-watchdog-test", broker=REDIS_URL, backend=REDIS_URL, set_as_current=False)
-    app.conf.update(result_serializer="json", accept_content=["json"], result_accept_content=["json"],
-                    result_expires=600, result_extended=False)  # fmt: skip
+    app = celery_results_app("ticketq-watchdog-test", REDIS_URL)
     yield app
     app.close()
 

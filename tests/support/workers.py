@@ -138,3 +138,14 @@ def skip_or_fail(reason: str) -> None:
     if on_ci():
         pytest.fail(reason)
     pytest.skip(reason)
+
+
+def celery_results_app(name: str, url: str):
+    """A Celery app on `url` with Celery's Redis result backend, JSON only: the backend a test
+    hands the service, as a worker's app has it. Close it after the test."""
+    from celery import Celery
+
+    app = Celery(name, broker=url, backend=url, set_as_current=False)
+    app.conf.update(result_serializer="json", accept_content=["json"], result_accept_content=["json"],
+                    result_expires=600, result_extended=False)  # fmt: skip
+    return app
