@@ -229,6 +229,8 @@ class Classified(TypedDict):
     truncation: str | None  # the part it read (TICKETQ_TRUNCATION: head, tail, head+tail); None when whole
     model: str
     standin: bool  # a stand-in model: the label means nothing
+    precision: str  # the arithmetic that answered: float32, bfloat16, float16 or int8
+    rechecked: bool  # answered in float32 because the fast precision's answer was within its error bound
     worker: str  # host:pid
     queue_wait_s: float | None  # submitted_at to batch start; None without submitted_at
     processing_s: float  # batch start to this result
@@ -260,6 +262,8 @@ class Triaged(TypedDict):
     ticket_tokens: int  # ticket tokens before truncation
     model: str
     standin: bool
+    precision: str  # as in `Classified`
+    rechecked: bool
     worker: str
     queue_wait_s: float | None
     processing_s: float

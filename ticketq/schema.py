@@ -354,6 +354,8 @@ class TicketFields:
     tokens: int  # ticket tokens the model read (after truncation)
     ticket_tokens: int  # ticket tokens before truncation
     truncation: str | None  # None: read whole; else the mode that cut it (head, tail, head+tail)
+    precision: str = "float32"  # the arithmetic that answered: float32, bfloat16, float16 or int8
+    rechecked: bool = False  # answered in float32 after the fast precision's answer fell within its error bound
 
     @property
     def truncated(self) -> bool:

@@ -224,7 +224,9 @@ def _open_openvino(job: PeerJob, variant: str):
     note = (
         f"{job.mode}: OpenVINO {version} on the CPU, the transformers model converted with openvino.convert_model "
         f"({'int8 weights by NNCF compress_weights INT8_ASYM' if weights == 'int8' else 'float32 IR'}), "
-        f"INFERENCE_PRECISION_HINT {scorer.precision}, {job.threads} threads, the prefix's KV "
+        f"INFERENCE_PRECISION_HINT {precision}"
+        f"{'' if scorer.precision == precision else f' asked, {scorer.precision} run (no fast {precision} here)'}, "
+        f"{job.threads} threads, the prefix's KV "
         f"({scorer.prefix_len} tokens) computed once and reused, length-sorted batches of {job.batch_size}, "
         f"full-vocabulary logits at the answer position{continued}"
     )

@@ -88,13 +88,16 @@ class Runtime:
         info = getattr(classifier, "info", None)
         metrics.model.info(
             {"model": info.name, "standin": str(info.standin).lower(), "dtype": info.dtype, "device": info.device,
-             "matmul": getattr(info, "matmul", "torch")}
-            if info else {"model": "null-classifier", "standin": "false", "dtype": "-", "device": "-", "matmul": "-"}
+             "matmul": getattr(info, "matmul", "torch"), "recheck": str(getattr(info, "recheck", False)).lower()}
+            if info else {"model": "null-classifier", "standin": "false", "dtype": "-", "device": "-", "matmul": "-",
+                          "recheck": "false"}
         )  # fmt: skip
         fields = [(schema.name, spec.name, (*spec.labels, *(("none",) if spec.multi else ())))
                   for schema in settings.load_schemas() for spec in schema.fields]  # fmt: skip
         metrics.preinit(settings.label_names, tuple(str(reason) for reason in DEAD_LETTER_REASONS), fields)
         metrics.watch_queue(lambda: client.llen(settings.queue))
+        if callable(getattr(classifier, "error_bounds", None)):
+            metrics.watch_bounds(classifier.error_bounds)
         if settings.metrics_port:
             about = lambda: "Redis " + connections.describe_memory(connections.memory_state(client))  # noqa: E731
             metrics.serve(settings.metrics_host, settings.metrics_port, ready=self.ready_problem, about=about)
@@ -143,8 +146,8 @@ def build_classifier(settings: Settings) -> Classifier:
                      cached.fixed_ms, cached.token_ms)  # fmt: skip
     info = engine.info
     log.info(
-        "model %s ready on %s/%s%s in %.1fs (prefix %d tokens cached)%s",
-        info.name, info.device, info.dtype,
+        "model %s ready on %s/%s%s%s in %.1fs (prefix %d tokens cached)%s",
+        info.name, info.device, info.dtype, ", re-checked in float32" if info.recheck else "",
         (" (oneDNN GEMMs, fused layers)" if info.fused else " (oneDNN GEMMs)") if info.matmul == "onednn" else "",
         time.perf_counter() - started, engine.prefix_len,
         " — STAND-IN: labels are meaningless" if info.standin else "",

@@ -47,6 +47,7 @@ from ticketq.names import QUEUE
 from worker import constants as c
 from worker.health.data_loss import DATA_LOST
 from worker.health.progress import CLASSIFYING
+from worker.results import RUNS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -123,6 +124,22 @@ class TallyCollector:
 
     def collect(self) -> Iterable[CounterMetricFamily]:
         yield CounterMetricFamily(self._name, self._documentation, value=self._read())
+
+
+class BoundsCollector:
+    """Each re-checked runner's error bound (by schema: its precision and bound), read at scrape time."""
+
+    def __init__(self, read: Callable[[], Mapping[str, tuple[str, float]]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            c.M_ERROR_BOUND, "A fast precision's re-check bound: answers whose smallest decision gap (log space) "
+            "is below it are computed again in float32; by precision and schema.", labels=["precision", "schema"],
+        )  # fmt: skip
+        for schema, (precision, bound) in sorted(self._read().items()):
+            family.add_metric([precision, schema], bound)
+        yield family
 
 
 class ManyHistogram:
@@ -239,6 +256,23 @@ class Metrics:
             c.M_REDIS_DATA_LOST, "Times this worker found Redis without its data (restarted without persistence, "
             "or flushed): the epoch marker gone.", lambda: DATA_LOST.count,
         ))  # fmt: skip
+        self.answers = Counter(
+            c.M_ANSWERS, "Answers by the precision that computed them (float32, bfloat16, float16, int8) and "
+            "rechecked (true: a fast precision's answer within its error bound, computed again in float32).",
+            ["precision", "rechecked"], registry=r,
+        )  # fmt: skip
+        r.register(TallyCollector(
+            c.M_RECHECKED, "Tickets a fast precision could not settle (a decision gap within its error bound), "
+            "computed again in float32.", lambda: RUNS.rechecked,
+        ))  # fmt: skip
+        r.register(TallyCollector(
+            c.M_DEDUPLICATED, "Tickets answered with an identical ticket's answer in the same run (the same token "
+            "ids and schema), not computed.", lambda: RUNS.deduplicated,
+        ))  # fmt: skip
+        self.answer_cache = Counter(c.M_ANSWER_CACHE, "Lookups in the Redis answer cache (TICKETQ_ANSWER_CACHE_S), "
+                                    "by result: hit or miss.", ["result"], registry=r)  # fmt: skip
+        self._bounds: Callable[[], Mapping[str, tuple[str, float]]] = dict
+        r.register(BoundsCollector(lambda: self._bounds()))
         self.flushes = Counter(c.M_FLUSHES, "Buffer drains (micro-batches handed to the engine).", registry=r)
         self.first_result = Histogram(
             c.M_FIRST_RESULT, "Batch start to its first result published, seconds.", buckets=LATENCY_BUCKETS, registry=r
@@ -267,6 +301,12 @@ class Metrics:
             self.dead_letters.labels(reason=reason)
         for near_tie in ("true", "false"):
             self.shadow_disagreed.labels(near_tie=near_tie)
+        for result in ("hit", "miss"):
+            self.answer_cache.labels(result=result)
+
+    def watch_bounds(self, bounds: Callable[[], Mapping[str, tuple[str, float]]]) -> None:
+        """Export the classifier's re-check bounds (schema -> (precision, bound)) at scrape time."""
+        self._bounds = bounds
 
     def watch_requests(self, waiting: Callable[[], int], running: Callable[[], int]) -> None:
         """Sample the worker's buffered and running messages at scrape time."""

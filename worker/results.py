@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 
@@ -12,6 +13,8 @@ class Prediction:
     margin: float  # probability of the best label minus the runner-up's
     truncated: bool
     tokens: int  # ticket tokens after truncation
+    precision: str = "float32"  # the arithmetic that answered: float32, bfloat16, float16 or int8
+    rechecked: bool = False  # answered in float32 after the fast precision's answer fell within its error bound
 
 
 class PaddedTokens:
@@ -40,6 +43,7 @@ class BatchReport(PaddedTokens):
     width: int
     real_tokens: int
     seconds: float
+    recheck: bool = False  # a float32 forward over tickets the fast precision could not settle
 
     @property
     def computed_tokens(self) -> int:
@@ -49,3 +53,20 @@ class BatchReport(PaddedTokens):
 def padding_ratio(reports: list[BatchReport]) -> float:
     computed = sum(r.computed_tokens for r in reports)
     return sum(r.pad_tokens for r in reports) / computed if computed else 0.0
+
+
+class RunTally:
+    """Process-wide counts of what runs saved or spent on exactness, read by the metrics at scrape time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.deduplicated = 0  # tickets answered with an identical ticket's answer in the same run, not computed
+        self.rechecked = 0  # tickets a fast precision could not settle, computed again in float32
+
+    def add(self, deduplicated: int = 0, rechecked: int = 0) -> None:
+        with self._lock:
+            self.deduplicated += deduplicated
+            self.rechecked += rechecked
+
+
+RUNS = RunTally()

@@ -41,11 +41,24 @@ class Settings(ClientSettings):
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = Field(
         "auto",
-        description="auto: bfloat16 on cuda; on a CPU with native bf16 only where a bf16 GEMM measures "
-        ">= 1.25x float32's speed (at the first start on a machine; the verdict is cached in "
-        "~/.cache/ticketq/kernels for 30 days); else float32. int8 (CPU, opt-in, inexact): the batched "
-        "path's decoder linear layers in dynamic int8 (per-channel weights, the MLP down projection kept "
-        "float32, 8-bit activations on AVX512-VNNI); the reference and shadow checks stay float32.",
+        description="The precision batches run in. auto: the fastest this machine has: bfloat16 on cuda, and on a "
+        "CPU with native bf16 where a bf16 GEMM measures >= 1.25x float32's; else int8 (x86 CPUs) where its GEMM "
+        "measures >= 1.3x float32's; else float32 (measured at the first start on a machine, cached in "
+        "~/.cache/ticketq/kernels). With TICKETQ_RECHECK (the default) a fast precision's labels are float32's; "
+        "without it, auto never picks int8. int8: the decoder's linear layers in dynamic int8 (per-channel "
+        "weights, the MLP down projection kept float32, 8-bit activations on AVX512-VNNI).",
+    )
+    recheck: bool = Field(
+        True,
+        description="With a fast precision (bfloat16, float16, int8): compute again in float32 every ticket whose "
+        "answer could differ from float32's (a decision gap within the error bound measured at the first start "
+        "on a machine, cached in ~/.cache/ticketq/precision), so every label is float32's. The float32 copy of the "
+        "model costs memory (none more for int8). Off: the fast precision's answers as they come (inexact).",
+    )
+    dedup: bool = Field(
+        True,
+        description="Tickets encoded alike (the same token ids, the same schema) in one run are computed once "
+        "and each gets the answer, under its own id.",
     )
     matmul: Literal["auto", "torch", "onednn"] = Field(
         "auto",

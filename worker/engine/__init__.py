@@ -13,7 +13,9 @@
 - `kernels` — device, dtype and GEMM-kernel choice, measured on a machine's first start and cached;
   oneDNN's `PackedLinear`.
 - `fused` — `FusedDecoder`: the batched decoder forward with its elementwise work inside oneDNN's GEMMs.
-- `int8` — the opt-in dynamic int8 decoder.
+- `int8` — the dynamic int8 decoder.
+- `precision` — decision gaps and errors of a fast precision's answers; `ErrorBound` (no torch).
+- `recheck` — a fast runner's float32 twin, re-checking the answers within its error bound.
 - `loading` — `from_pretrained` (the garbage collector paused) and the transformers cache API.
 - `autotune` — the planner's cost model fitted to the device: measured at start-up, refitted while serving.
 

@@ -4,6 +4,7 @@ is what was loaded, as the worker reports it."""
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from pathlib import Path
 import torch
 
 from worker.engine.int8 import INT8
-from worker.engine.kernels import pack_linears, resolve_device, resolve_dtype, resolve_matmul
+from worker.engine.kernels import pack_linears, resolve_device, resolve_matmul, resolve_precision
 from worker.engine.loading import STANDIN_MARKER, load_model
 from worker.settings import Settings
 
@@ -27,29 +28,50 @@ class ModelInfo:
     dtype: str
     matmul: str = "torch"  # who runs the decoder's float32 linear layers: "torch" (its GEMM) or "onednn"
     fused: bool = False  # batches run through `FusedDecoder` (oneDNN post-ops, float32 attention)
+    recheck: bool = False  # answers within the precision's error bound are computed again in float32
 
 
 def load_configured(settings: Settings):
-    """(model, tokenizer, ModelInfo) as `settings` ask: threads set, device, dtype and GEMM kernel
-    resolved (measured where `auto`), linear layers prepacked for oneDNN where it runs them."""
+    """(model, tokenizer, ModelInfo, float32 model or None) as `settings` ask: threads set, device,
+    precision and GEMM kernel resolved (measured where `auto`), linear layers prepacked for oneDNN
+    where it runs them. The first model runs the batches in `info.dtype`; the last is its float32
+    twin where that precision is re-checked (`info.recheck`): the same model for int8 (its decoder
+    is quantised in a copy), else a float32 copy made before the fast one is cast and packed."""
     if settings.threads:
         torch.set_num_threads(settings.threads)
     device = resolve_device(settings.device)
-    int8 = settings.dtype == INT8
+    precision, recheck = resolve_precision(settings.dtype, device, settings.matmul, settings.recheck)
+    int8 = precision == INT8
     if int8 and device.type != "cpu":
         raise ValueError(f"TICKETQ_DTYPE=int8 runs on the CPU only (torch's dynamic int8 kernels), not {device}")
-    dtype = torch.float32 if int8 else resolve_dtype(settings.dtype, device, settings.matmul)
+    dtype = torch.float32 if int8 or recheck else getattr(torch, precision)
     matmul = resolve_matmul(settings.matmul, device, dtype)
     model, tokenizer = load_model(settings.model, device, dtype)
-    if matmul == "onednn":
-        exact = "bfloat16, the same GEMMs" if dtype == torch.bfloat16 else "float32, exact"
-        count = pack_linears(model.get_decoder(), dtype)
-        log.info("matmul onednn: %d decoder linear layers prepacked for oneDNN (%s)", count, exact)
+    exact = None
+    if recheck and not int8:  # the fast copy, cast before either is packed (a packed weight is shared by copies)
+        exact, model = model, copy.deepcopy(model).to(getattr(torch, precision))
+        _pack(exact, matmul, torch.float32)
+        matmul = resolve_matmul(settings.matmul, device, model.dtype)  # ModelInfo reports the fast path's
+        _pack(model, matmul, model.dtype)
+    else:
+        _pack(model, matmul, dtype)
+        exact = model if recheck else None  # int8: the engine quantises a copy of the decoder
     standin = Path(settings.model, STANDIN_MARKER).is_file()
     if standin:
         note = json.loads(Path(settings.model, STANDIN_MARKER).read_text())["note"]
         log.warning("model %s is a STAND-IN: %s", settings.model, note)
-    if int8:
-        log.warning("dtype int8: the batched path is INEXACT (dynamic int8 linears); the reference stays float32")
-    info = ModelInfo(settings.model, standin, str(device), INT8 if int8 else str(dtype).removeprefix("torch."), matmul)
-    return model, tokenizer, info
+    if recheck:
+        log.info("dtype %s, re-checked: answers within its measured error bound are computed again in float32 "
+                 "(TICKETQ_RECHECK), so the labels are float32's", precision)  # fmt: skip
+    elif int8 or precision in ("bfloat16", "float16"):
+        log.warning("dtype %s unchecked (TICKETQ_RECHECK=false): the batched path is INEXACT; the reference stays "
+                    "%s", precision, "float32" if int8 else precision)  # fmt: skip
+    info = ModelInfo(settings.model, standin, str(device), precision, matmul, recheck=recheck)
+    return model, tokenizer, info, exact
+
+
+def _pack(model, matmul: str, dtype: torch.dtype) -> None:
+    if matmul == "onednn":
+        exact = "bfloat16, the same GEMMs" if dtype == torch.bfloat16 else "float32, exact"
+        count = pack_linears(model.get_decoder(), dtype)
+        log.info("matmul onednn: %d decoder linear layers prepacked for oneDNN (%s)", count, exact)

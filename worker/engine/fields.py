@@ -37,6 +37,7 @@ from worker.engine.cost import CostModel
 from worker.engine.layout import packed_mask, padded_ids
 from worker.engine.loading import prefix_cache
 from worker.engine.prompt import YES, EncodedTicket, FieldsPrompt, PromptTemplate, Question
+from worker.engine.recheck import Recheck
 from worker.engine.scheduler import BatchCallback, MoreCallback, run_planned
 from worker.engine.scoring import branch_logprobs, choice_logprobs, label_logprobs
 from worker.results import BatchReport
@@ -59,6 +60,8 @@ class FieldsHost(Protocol):
     pad_id: int
     device: torch.device
     dtype: torch.dtype
+    precision: str  # the arithmetic of its batched path (float32, bfloat16, float16, int8)
+    dedup: bool
     max_batch_tokens: int
     max_batch_size: int
     cost: CostModel
@@ -96,7 +99,7 @@ class FieldsEngine:
             key=lambda item: len(item[1]) > 0,
         )
         self._segments = [branch for branch, _ in segments]
-        self._segment_ids = tuple(token for _, ids in segments for token in ids)
+        self.segment_ids = tuple(token for _, ids in segments for token in ids)
         self._segment_of = []  # per segment token: its segment's index
         self._starts = []  # per segment: where it starts in the packed block
         for k, (_, ids) in enumerate(segments):
@@ -104,6 +107,15 @@ class FieldsEngine:
             self._segment_of += [k] * len(ids)
         self._ends = [start + len(ids) for start, (_, ids) in zip(self._starts, segments, strict=True)]
         self.prefix_reuses = 0
+        self.recheck: Recheck | None = None  # the float32 twin of a fast precision (`Engine.compile`)
+
+    @property
+    def dedup(self) -> bool:
+        return self.engine.dedup
+
+    @property
+    def precision(self) -> str:
+        return self.engine.precision
 
     @property
     def prefix_len(self) -> int:
@@ -119,7 +131,7 @@ class FieldsEngine:
 
     def row_length(self, encoded: EncodedTicket) -> int:
         """A batch row: the shared part, then every question's segment."""
-        return len(encoded.ids) + len(self._segment_ids)
+        return len(encoded.ids) + len(self.segment_ids)
 
     def plan(self, encoded: Sequence[EncodedTicket]) -> Plan:
         engine = self.engine
@@ -162,18 +174,18 @@ class FieldsEngine:
         """One forward over `tickets` (shared part + every segment) right-padded to `width`, after the cached prefix."""
         device, P = self.device, self.prefix_len
         shared = torch.tensor([len(e.ids) for e in tickets], device=device)  # (B,)
-        lengths = shared + len(self._segment_ids)  # (B,)
+        lengths = shared + len(self.segment_ids)  # (B,)
         width = width or int(lengths.max())
-        ids = padded_ids([(*e.ids, *self._segment_ids) for e in tickets], width, self.engine.pad_id, device)  # (B, W)
+        ids = padded_ids([(*e.ids, *self.segment_ids) for e in tickets], width, self.engine.pad_id, device)  # (B, W)
         rows = len(tickets)
         cache = prefix_cache(self.engine.model.config, self._prefix_kv, rows)
         self.prefix_reuses += 1
         # per token: -1 in the shared part, k in segment k, -2 a pad; and its offset inside the packed block
         slot = torch.arange(width, device=device)[None, :] - shared[:, None]  # (B, W) index into the segments
-        inside = (slot >= 0) & (slot < len(self._segment_ids))  # (B, W)
+        inside = (slot >= 0) & (slot < len(self.segment_ids))  # (B, W)
         segment_of = torch.tensor(self._segment_of or [0], device=device)  # (S,)
         starts = torch.tensor(self._starts, device=device)  # (K,)
-        clamped = slot.clamp(0, max(len(self._segment_ids) - 1, 0))
+        clamped = slot.clamp(0, max(len(self.segment_ids) - 1, 0))
         segment = torch.where(inside, segment_of[clamped], torch.where(slot < 0, -1, -2))  # (B, W)
         # a segment's tokens are numbered from the end of its own ticket's shared part
         offset = torch.where(inside, starts[segment.clamp(min=0)], 0)  # (B, W)
@@ -185,7 +197,8 @@ class FieldsEngine:
             branch: branch_logprobs(hidden[:, index], self._rows[branch]).tolist()  # (B, C)
             for index, branch in enumerate(self._segments)
         }
-        return [self._answer(i, e, scores) for i, e in enumerate(tickets)]
+        answers = [self._answer(i, e, scores) for i, e in enumerate(tickets)]
+        return self.recheck.screen(answers) if self.recheck is not None else answers
 
     def _answer(self, row: int, encoded: EncodedTicket, scores: dict[Branch, list[list[float]]]) -> TicketFields:
         return self._assemble(encoded, lambda branch, child: scores[branch][row][child])
@@ -194,7 +207,10 @@ class FieldsEngine:
 
     @torch.inference_mode()
     def reference(self, text: object) -> TicketFields:
-        """One ticket, each question's full prompt, no cache, full-vocabulary logits: the answers to match."""
+        """One ticket, each question's full prompt, no cache, full-vocabulary logits: the answers to match
+        (float32's, where this runner has a float32 twin)."""
+        if self.recheck is not None:
+            return self.recheck.exact.reference(text)
         encoded = self.prompt.encode(text)
         logprobs: dict[Branch, torch.Tensor] = {}
         for q, question in enumerate(self.questions):
@@ -225,5 +241,6 @@ class FieldsEngine:
             tokens=encoded.ticket_tokens,
             ticket_tokens=encoded.total_tokens,
             truncation=encoded.truncation if encoded.truncated else None,
+            precision=self.engine.precision,
         )
 

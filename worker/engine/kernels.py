@@ -151,6 +151,77 @@ def resolve_dtype(name: str, device: torch.device, matmul: str = "torch") -> tor
     return torch.float32
 
 
+# int8 must beat float32's faster GEMM by this much to be worth it: its error is larger than
+# bfloat16's, so more of its answers are re-checked in float32 (TICKETQ_RECHECK).
+INT8_MIN_SPEEDUP = 1.3
+
+
+def resolve_precision(name: str, device: torch.device, matmul: str = "torch", recheck: bool = True) -> tuple[str, bool]:
+    """(the precision batches run in, whether float32 re-checks the answers it cannot settle).
+
+    `auto` with `recheck` (the default): the fastest precision this machine has, checked: bfloat16
+    on CUDA, and on a CPU where `resolve_dtype` measures it faster; else int8 on a CPU where its
+    GEMM measures INT8_MIN_SPEEDUP x float32's faster one; else float32, as without a fast one.
+    `auto` without `recheck`: `resolve_dtype`'s choice, unchecked. A named precision is checked
+    where `recheck` and it is not float32.
+    """
+    if name != "auto":
+        return name, recheck and name != "float32"
+    if not recheck:
+        return str(resolve_dtype(name, device, matmul)).removeprefix("torch."), False
+    if device.type == "cuda":
+        return "bfloat16", True
+    if device.type != "cpu":
+        return "float32", False
+    if resolve_dtype(name, device, matmul) == torch.bfloat16:
+        return "bfloat16", True
+    if int8_available():
+        onednn = matmul != "torch" and PackedLinear.available() and onednn_linear_speedup() >= ONEDNN_MIN_SPEEDUP
+        speedup = int8_linear_speedup(onednn=onednn)
+        choice = speedup >= INT8_MIN_SPEEDUP
+        log.info("dtype auto: int8 GEMM %.2fx float32's (%s; needs %.2fx) -> %s", speedup,
+                 "oneDNN" if onednn else "torch", INT8_MIN_SPEEDUP, "int8, re-checked in float32" if choice
+                 else "float32")  # fmt: skip
+        if choice:
+            return "int8", True
+    return "float32", False
+
+
+def int8_available() -> bool:
+    """Whether torch has its x86 int8 kernels (fbgemm) for the dynamic int8 linear layers."""
+    engines = torch.backends.quantized.supported_engines
+    return platform.machine().lower() in ("x86_64", "amd64") and ("fbgemm" in engines or "x86" in engines)
+
+
+def int8_linear_speedup(rows: int = 256, reps: int = 3, onednn: bool = False) -> float:
+    """float32 time / dynamic int8 time of the probes' GEMM (float32 through oneDNN where `onednn`),
+    settled against INT8_MIN_SPEEDUP and cached (`settled_speedup`)."""
+    shape = {"rows": rows, "in": HIDDEN, "out": INTERMEDIATE, "reps": reps, "onednn": int(onednn)}
+    return settled_speedup("int8-linear", lambda: int8_gemm_ratio(rows, reps, onednn), shape, INT8_MIN_SPEEDUP)
+
+
+def int8_gemm_ratio(rows: int = 256, reps: int = 3, onednn: bool = False) -> float:
+    """One measurement: float32 `linear` time / torch's dynamic int8 `Linear` time, the best of `reps` each."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    x = torch.randn(rows, HIDDEN)
+    linear = torch.nn.Linear(HIDDEN, INTERMEDIATE, bias=False).requires_grad_(False)
+    quantized = DynamicLinear(HIDDEN, INTERMEDIATE, bias_=False, dtype=torch.qint8)
+    quantized.set_weight_bias(torch.quantize_per_channel(
+        linear.weight, linear.weight.abs().amax(1) / 127, torch.zeros(INTERMEDIATE, dtype=torch.long), 0, torch.qint8
+    ), None)  # fmt: skip
+    timings = []
+    for layer in (PackedLinear(linear) if onednn else linear, quantized):
+        layer(x)  # warm-up: kernel selection, packing
+        best = float("inf")
+        for _ in range(reps):
+            start = time.perf_counter()
+            layer(x)
+            best = min(best, time.perf_counter() - start)
+        timings.append(best)
+    return timings[0] / timings[1]
+
+
 # oneDNN must beat torch's float32 GEMM by this much on the probe to be worth packing the weights.
 ONEDNN_MIN_SPEEDUP = 1.15
 

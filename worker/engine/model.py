@@ -7,9 +7,11 @@
 - `reference` — the obvious path every optimisation is judged against: one ticket at a time,
   the full prompt, no cache, full-vocabulary logits.
 
-`TICKETQ_DTYPE=int8` (opt-in, CPU) swaps the optimised path's decoder for a copy whose linear
-layers (all but the MLP's down projection) run torch's dynamic int8 kernels; the model, the
-prefix cache and `reference` stay float32, so every int8 answer is still judged against float32.
+`TICKETQ_DTYPE=int8` (CPU) swaps the optimised path's decoder for a copy whose linear layers (all
+but the MLP's down projection) run torch's dynamic int8 kernels; the model, the prefix cache and
+`reference` stay float32, so every int8 answer is still judged against float32. A fast precision
+(bfloat16, int8) is re-checked by default (`recheck`): answers within its measured error bound
+are computed again by the float32 twin, so the labels are float32's.
 `TICKETQ_MATMUL` chooses who multiplies the decoder's weights on a CPU (`kernels`); with the
 weights prepacked for oneDNN, batches run through `fused.FusedDecoder`.
 
@@ -25,7 +27,7 @@ from dataclasses import replace
 
 import torch
 
-from ticketq.schema import Schema, default_schema
+from ticketq.schema import DEFAULT_SCHEMA_NAME, Schema, TicketFields, default_schema
 from worker.engine.batching import Plan, plan_optimal
 from worker.engine.configure import ModelInfo, load_configured
 from worker.engine.cost import CostModel
@@ -34,7 +36,9 @@ from worker.engine.fused import FusedDecoder
 from worker.engine.int8 import INT8, quantize_linears_int8
 from worker.engine.layout import padded_ids, prefix_mask
 from worker.engine.loading import ModelNotFound, cache_tensors, prefix_cache
+from worker.engine.precision import ErrorBound, decision_error, selects_of
 from worker.engine.prompt import EncodedTicket, PromptTemplate, system_text
+from worker.engine.recheck import Recheck, attach_recheck
 from worker.engine.scheduler import AnswersCallback, BatchCallback, MoreCallback, run_planned
 from worker.engine.scoring import branch_logprobs, choice_logprobs, label_logprobs, make_prediction
 from worker.results import BatchReport, Prediction
@@ -55,7 +59,7 @@ class Engine:
     def __init__(self, model, tokenizer, *, labels: tuple[str, ...], system: str, max_ticket_tokens: int = 512,
                  max_batch_tokens: int = 1024, max_batch_size: int = 64, cost: CostModel | None = None,
                  info: ModelInfo | None = None, int8: bool = False, truncation: str = "head",
-                 schema: Schema | None = None, fuse: bool = True) -> None:  # fmt: skip
+                 schema: Schema | None = None, fuse: bool = True, dedup: bool = True) -> None:  # fmt: skip
         self.model, self.tokenizer, self.labels = model, tokenizer, labels
         _check_chat_template(tokenizer)
         self.prompt = PromptTemplate(tokenizer, system, labels, max_ticket_tokens, truncation)
@@ -73,6 +77,9 @@ class Engine:
         if int8 and (self.device.type != "cpu" or self.dtype != torch.float32):
             raise ValueError(f"TICKETQ_DTYPE=int8 needs a float32 model on the CPU, got {self.dtype} on {self.device}")
         self.int8 = int8
+        self.dedup = dedup  # a run computes duplicate tickets once (TICKETQ_DEDUP)
+        self.recheck: Recheck | None = None  # the float32 twin of a fast precision (`check_with`)
+        self.bounds: dict[str, ErrorBound] = {}  # schema name -> its runner's error bound, where re-checked
         self.float_decoder = model.get_decoder()  # the prefix cache is computed once, exactly, in float32
         self.decoder = quantize_linears_int8(self.float_decoder) if int8 else self.float_decoder
         # the batches' forward with the elementwise work inside oneDNN's GEMMs, where the weights
@@ -95,16 +102,48 @@ class Engine:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Engine:
-        model, tokenizer, info = load_configured(settings)
+        model, tokenizer, info, exact_model = load_configured(settings)
         labels = settings.label_names
-        return cls(
-            model, tokenizer, labels=labels, info=info, int8=info.dtype == INT8, fuse=settings.fuse,
-            system=system_text(settings.system_prompt, labels, settings.label_descriptions),
+        options = dict(
+            labels=labels, system=system_text(settings.system_prompt, labels, settings.label_descriptions),
             max_ticket_tokens=settings.max_ticket_tokens, truncation=settings.truncation,
             max_batch_tokens=settings.max_batch_tokens, max_batch_size=settings.max_batch_size,
-            cost=CostModel(settings.cost_fixed_ms, settings.cost_token_ms, settings.cost_quad_ms),
             schema=default_schema(labels, settings.system_prompt, settings.label_descriptions),
+            fuse=settings.fuse, dedup=settings.dedup,
         )  # fmt: skip
+        cost = lambda: CostModel(settings.cost_fixed_ms, settings.cost_token_ms, settings.cost_quad_ms)  # noqa: E731
+        engine = cls(model, tokenizer, info=info, int8=info.dtype == INT8, cost=cost(), **options)
+        if exact_model is not None:
+            exact = cls(exact_model, tokenizer, info=replace(info, dtype="float32", recheck=False), cost=cost(),
+                        **options)  # fmt: skip
+            engine.check_with(exact)
+        return engine
+
+    def check_with(self, exact: Engine) -> None:
+        """Re-check in `exact` (this model's float32 twin) every answer within this precision's error
+        bound, measured now or cached for this machine (`recheck.attach_recheck`)."""
+        prompt = self.prompt
+        key = [*prompt.prefix_ids, -1, *prompt.suffix_ids, -1, *sorted(prompt.trie.branches)]
+        self.bounds[self._own_schema] = attach_recheck(self, exact, self.precision, key, {}).bound
+
+    def error_bounds(self) -> dict[str, tuple[str, float]]:
+        """Each re-checked runner's (precision, bound) by schema name (the metrics read it)."""
+        return {name: (bound.precision, bound.bound) for name, bound in list(self.bounds.items())}
+
+    def observe_shadow(self, served: Prediction | TicketFields, reference: Prediction | TicketFields) -> None:
+        """A live shadow check of a fast answer: its error against the reference may widen the bound."""
+        bound = self.bounds.get(served.schema if isinstance(served, TicketFields) else self._own_schema)
+        if bound is not None and served.precision != "float32":
+            bound.observe(decision_error(served, reference), "shadow check")
+
+    @property
+    def _own_schema(self) -> str:
+        return self.schema.name if self.schema is not None else DEFAULT_SCHEMA_NAME
+
+    @property
+    def precision(self) -> str:
+        """The arithmetic of the batched path: float32, bfloat16, float16 or int8."""
+        return self.info.dtype
 
     def with_int8(self) -> Engine:
         """The same model, prompt and planner with the int8 batched path (the bench compares both in one run)."""
@@ -122,7 +161,17 @@ class Engine:
             raise ValueError("this engine was built without a schema: pass one (ticketq.schema.load_schema)")
         runner = self._fields.get(schema.name)
         if runner is None or runner.schema != schema:
-            runner = self._fields[schema.name] = FieldsEngine(self, schema)
+            runner = self._fields[schema.name] = self.compile(schema)
+        return runner
+
+    def compile(self, schema: Schema) -> FieldsEngine:
+        """A new `FieldsEngine` for `schema` on this model, re-checked by the float32 twin's where this engine is."""
+        runner = FieldsEngine(self, schema)
+        if self.recheck is not None:
+            exact = self.recheck.exact.compile(schema)
+            self.bounds[schema.name] = attach_recheck(
+                runner, exact, self.precision, [*runner.prompt.prefix_ids, -1, *runner.segment_ids], selects_of(schema)
+            ).bound
         return runner
 
     # ----- the model: prefix cache, batched decode, last-position logits --------------------
@@ -206,8 +255,9 @@ class Engine:
         for path in self.prompt.trie.branches:  # the root is one only where the labels' first tokens differ
             after = self._continuation(path, lengths, width, cache) if path else last  # (B, H)
             scores[path] = branch_logprobs(after, self._branch_rows[path])  # (B, C)
-        return [self._prediction(row, lambda path, child, i=i: float(scores[path][i, child]))
-                for i, row in enumerate(rows)]  # fmt: skip
+        answers = [self._prediction(row, lambda path, child, i=i: float(scores[path][i, child]))
+                   for i, row in enumerate(rows)]  # fmt: skip
+        return self.recheck.screen(answers) if self.recheck is not None else answers
 
     def _continuation(self, path: tuple[int, ...], lengths: torch.Tensor, width: int, cache) -> torch.Tensor:
         """Hidden state after a shared label prefix `path`, appended to each row's real tokens via the batch cache."""
@@ -222,13 +272,16 @@ class Engine:
         return self.decode(ids, mask, positions, cache, keep)[:, 0]  # (B, H)
 
     def _prediction(self, encoded: EncodedTicket, choice) -> Prediction:
-        return make_prediction(label_logprobs(self.prompt.trie, self.labels, choice), encoded)
+        return make_prediction(label_logprobs(self.prompt.trie, self.labels, choice), encoded, self.precision)
 
     # ----- reference path ------------------------------------------------------------------
 
     @torch.inference_mode()
     def reference(self, text: object) -> Prediction:
-        """One ticket, full prompt, no cache, full-vocabulary logits: the answer to match."""
+        """One ticket, full prompt, no cache, full-vocabulary logits: the answer to match (float32's, where
+        this engine has a float32 twin)."""
+        if self.recheck is not None:
+            return self.recheck.exact.reference(text)
         encoded = self.prompt.encode(text)
         full = self.prompt.full_ids(encoded)
         branch = {path: choice_logprobs(self.last_logits([*full, *path]), kids)  # (C,) per branch

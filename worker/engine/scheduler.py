@@ -6,6 +6,18 @@ records cross the boundary: `Ticketed` (engine, encoded ticket) in, a `Forward` 
 batch) chosen by `schedule`, the engine's answers and a `BatchReport` per forward out. The step
 loop is three calls: `schedule`, `engine.forward_batch`, `finish`.
 
+Two things happen between a forward and its answers going out:
+
+- **Duplicates are computed once.** A ticket encoded exactly as one already in the run, for the
+  same engine (the same token ids: the same computation), is not planned; it gets that ticket's
+  answer when it has one. Each keeps its own index, so each gets its own result.
+- **Unsettled answers are computed again.** An engine may answer `Unsettled(answer, recheck)`:
+  a fast precision's answer within its error bound (`worker.engine.precision`). The ticket then
+  waits for `recheck` (a `deferred` engine, float32) and its answer is `recheck.settle(fast,
+  exact)`. Re-checks are batched like any other tickets (planned together, length-sorted) and run
+  when nothing else waits, or when they fill half a token budget, or once the oldest has waited
+  DEFER_FORWARDS other forwards, whichever comes first: that bounds a re-checked ticket's wait.
+
 No torch: the scheduler is plain Python over the planner (`batching`).
 """
 
@@ -18,7 +30,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 from worker.engine.batching import Batch, Plan
 from worker.engine.prompt import EncodedTicket
-from worker.results import BatchReport
+from worker.results import RUNS, BatchReport
 
 Answer = TypeVar("Answer", covariant=True)
 
@@ -36,6 +48,17 @@ class BatchEngine(Protocol[Answer]):
     def plan(self, encoded: Sequence[EncodedTicket]) -> Plan: ...
 
     def forward_batch(self, tickets: Sequence[EncodedTicket], width: int | None = None) -> list[Answer]: ...
+
+
+# A deferred engine's tickets run after at most this many other forwards (its latency bound).
+DEFER_FORWARDS = 4
+
+
+class Unsettled(NamedTuple):
+    """An answer the engine could not settle: `recheck` (a deferred engine) computes the ticket again."""
+
+    answer: Any
+    recheck: Any  # a BatchEngine with `deferred = True` and settle(fast answer, its answer) -> answer
 
 
 class Ticketed(NamedTuple):
@@ -60,7 +83,7 @@ def run_planned(engine: BatchEngine[Answer], encoded: Sequence[EncodedTicket], p
     """Run `plan` (default `engine.plan(encoded)`) one forward at a time; between two forwards,
     tickets `more()` returns join the ones not yet computed and the rest is planned again. Answers
     come back in the order of `encoded` then of the arrivals."""
-    run = PlannedRun(on_batch, on_answers)
+    run = PlannedRun(on_batch, on_answers, dedup=getattr(engine, "dedup", True))
     run.add([Ticketed(engine, e) for e in encoded], plan)
     arrivals = None
     if more is not None:
@@ -81,34 +104,62 @@ class PlannedRun:
 
     Cost: an `add` replans each joining engine's waiting tickets (`batching.plan_optimal`,
     O(waiting x max_batch_size)); `schedule` scans the waiting batches, O(waiting). At worst
-    (tickets arriving one per forward) a run of n tickets replans n times.
+    (tickets arriving one per forward) a run of n tickets replans n times. A duplicate costs one
+    dict lookup; an unsettled answer replans its re-check engine's waiting tickets.
     """
 
-    def __init__(self, on_batch: BatchCallback | None = None, on_answers: AnswersCallback | None = None) -> None:
+    def __init__(self, on_batch: BatchCallback | None = None, on_answers: AnswersCallback | None = None,
+                 dedup: bool = True) -> None:  # fmt: skip
         self.on_batch, self.on_answers = on_batch, on_answers
+        self.dedup = dedup  # duplicates computed once (TICKETQ_DEDUP)
         self.encoded: list[EncodedTicket] = []
         self.results: list[Any] = []
         self.reports: list[BatchReport] = []
         self._plans: dict[int, tuple[BatchEngine[Any], list[Batch]]] = {}  # id(engine) -> its batches
+        self._twins: dict[tuple[int, EncodedTicket], int] = {}  # (engine, ticket) -> the index that computes it
+        self._followers: dict[int, list[int]] = {}  # an index computed -> the duplicates waiting for its answer
+        self._first_of: dict[int, int] = {}  # a duplicate's index -> the index that computes it
+        self._fast: dict[int, Any] = {}  # index -> the fast answer its re-check will settle
+        self._forwards = 0  # forwards run so far
+        self._deferred_since: dict[int, int] = {}  # id(deferred engine) -> forwards run when its oldest joined
+        self.duplicates = 0  # tickets answered with another's answer, not computed
+        self.rechecked = 0  # tickets computed again by a deferred engine
 
     def add(self, tickets: Sequence[Ticketed], plan: Plan | None = None) -> None:
         """Tickets (engine, encoded) join the run, indexed after those before them. `plan`: the
         plan of the first tickets of a one-engine run (indices into `tickets`), else planned here."""
         start = len(self.encoded)
         joining: dict[int, list[int]] = {}
+        copies: list[int] = []
         for index, (engine, encoded) in enumerate(tickets, start):
             self.encoded.append(encoded)
             self.results.append(None)
+            first = self._twins.setdefault((id(engine), encoded), index) if self.dedup else index
+            if first != index:  # the same computation as a ticket already in the run
+                self._followers.setdefault(first, []).append(index)
+                self._first_of[index] = first
+                copies.append(index)
+                continue
             joining.setdefault(id(engine), []).append(index)
             self._plans.setdefault(id(engine), (engine, []))
+        if copies:
+            self.duplicates += len(copies)
+            RUNS.add(deduplicated=len(copies))
+            plan = None  # the given plan's indices counted the copies
         for key, indices in joining.items():
-            engine, batches = self._plans[key]
-            if plan is not None and not batches and len(joining) == 1:
-                given = plan.batches
-            else:
-                indices = [i for batch in batches for i in batch.indices] + indices
-                given = engine.plan([self.encoded[i] for i in indices]).batches
-            self._plans[key] = (engine, [replace(b, indices=tuple(indices[j] for j in b.indices)) for b in given])
+            self._replan(key, indices, plan if len(joining) == 1 else None)
+        # a copy of a ticket already answered gets that answer now
+        self._answer([], [i for i in copies if self.results[self._first_of[i]] is not None])
+
+    def _replan(self, key: int, indices: list[int], plan: Plan | None = None) -> None:
+        """Plan `indices` with the engine `key`'s waiting tickets (`plan`: theirs, where none wait)."""
+        engine, batches = self._plans[key]
+        if plan is not None and not batches:
+            given = plan.batches
+        else:
+            indices = [i for batch in batches for i in batch.indices] + indices
+            given = engine.plan([self.encoded[i] for i in indices]).batches
+        self._plans[key] = (engine, [replace(b, indices=tuple(indices[j] for j in b.indices)) for b in given])
 
     def schedule(self) -> Forward | None:
         """The next forward: the next batch of the engine whose oldest waiting ticket came first (None: none waits)."""
@@ -116,22 +167,60 @@ class PlannedRun:
                   if batches}  # fmt: skip
         if not oldest:
             return None
-        engine, batches = self._plans[min(oldest, key=oldest.__getitem__)]
+        undeferred = any(not getattr(self._plans[key][0], "deferred", False) for key in oldest)
+        ready = {key: index for key, index in oldest.items() if self._ready(key, undeferred)}
+        key = min(ready, key=ready.__getitem__)
+        engine, batches = self._plans[key]
         batch = batches.pop(0)
+        if not batches:
+            self._deferred_since.pop(key, None)
         return Forward(engine, batch, tuple(self.encoded[i] for i in batch.indices))
+
+    def _ready(self, key: int, others_wait: bool) -> bool:  # others_wait: an engine not deferred has tickets
+        """Whether engine `key` may run now: any engine not deferred; a deferred one when nothing else
+        waits, its tickets fill half its token budget, or its oldest has waited DEFER_FORWARDS forwards."""
+        engine, batches = self._plans[key]
+        if not getattr(engine, "deferred", False) or not others_wait:
+            return True
+        waiting = sum(b.rows * b.width for b in batches)
+        budget = getattr(engine, "max_batch_tokens", 0)
+        return waiting * 2 >= budget or self._forwards - self._deferred_since.get(key, self._forwards) >= DEFER_FORWARDS
 
     def finish(self, forward: Forward, answers: Sequence[Any], seconds: float) -> BatchReport:
         """Record a computed forward's answers and report, and tell the callbacks."""
         batch = forward.batch
-        report = BatchReport(batch.rows, batch.width, batch.real_tokens, seconds)
+        deferred = getattr(forward.engine, "deferred", False)
+        report = BatchReport(batch.rows, batch.width, batch.real_tokens, seconds, recheck=deferred)
+        self._forwards += 1
+        settled, unsettled = [], {}
         for index, answer in zip(batch.indices, answers, strict=True):
+            if isinstance(answer, Unsettled):
+                self._fast[index] = answer.answer
+                unsettled.setdefault(id(answer.recheck), (answer.recheck, []))[1].append(index)
+                continue
+            if deferred and index in self._fast:
+                answer = forward.engine.settle(self._fast.pop(index), answer)
+                self.rechecked += 1
+                RUNS.add(rechecked=1)
             self.results[index] = answer
+            settled.append(index)
+        for key, (recheck, indices) in unsettled.items():
+            self._plans.setdefault(key, (recheck, []))
+            self._deferred_since.setdefault(key, self._forwards)
+            self._replan(key, indices)
         self.reports.append(report)
         if self.on_batch:
             self.on_batch(report)
-        if self.on_answers:
-            self.on_answers(batch.indices, answers)
+        self._answer(settled, [i for first in settled for i in self._followers.get(first, ())])
         return report
+
+    def _answer(self, computed: list[int], copies: list[int]) -> None:
+        """Hand `computed` tickets' answers, and those of their waiting `copies`, to the callbacks."""
+        for index in copies:
+            self.results[index] = self.results[self._first_of[index]]
+        indices = computed + copies
+        if indices and self.on_answers:
+            self.on_answers(indices, [self.results[i] for i in indices])
 
     def run(self, more: Callable[[], Sequence[Ticketed]] | None = None) -> tuple[list[Any], list[BatchReport]]:
         """Every forward until nothing waits; `more()` is asked before the first and after each one.

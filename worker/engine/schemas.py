@@ -79,7 +79,7 @@ class SchemaSet:
         if runner is not None:
             self._runners.move_to_end(name)
             return runner
-        runner = self._runners[name] = FieldsEngine(self.engine, schema)
+        runner = self._runners[name] = self.engine.compile(schema)
         self.prefixes_computed += 1
         if len(self._runners) > self.capacity:
             dropped, _ = self._runners.popitem(last=False)
@@ -98,7 +98,7 @@ class SchemaSet:
         forwards (`TicketFields`, or `Prediction` for the engine's own field), in that order; as
         `Engine.classify` (`on_results(indices, answers)` once per forward). `UnknownSchema` for a
         name not served (the caller checks names first: `name in schema_set`)."""
-        run = PlannedRun(on_batch, on_results)
+        run = PlannedRun(on_batch, on_results, dedup=self.engine.dedup)
         run.add(self._encode(items))
         arrivals = (lambda: self._encode(more())) if more is not None else None
         return run.run(arrivals)

@@ -37,8 +37,8 @@ def label_logprobs(trie: LabelTrie, names: Iterable[str], choice: Choice) -> dic
     return {name: sum(choice(path, child) for path, child in trie.decisions(name)) for name in names}
 
 
-def make_prediction(logprobs: dict[str, float], encoded: EncodedTicket) -> Prediction:
-    """The `Prediction` of a single-label question from its labels' log-probabilities."""
+def make_prediction(logprobs: dict[str, float], encoded: EncodedTicket, precision: str = "float32") -> Prediction:
+    """The `Prediction` of a single-label question from its labels' log-probabilities (computed in `precision`)."""
     probs = {name: float(torch.tensor(lp).exp()) for name, lp in logprobs.items()}
     ranked = sorted(probs, key=probs.__getitem__, reverse=True)
     return Prediction(
@@ -47,4 +47,5 @@ def make_prediction(logprobs: dict[str, float], encoded: EncodedTicket) -> Predi
         margin=probs[ranked[0]] - probs[ranked[1]],
         truncated=encoded.truncated,
         tokens=encoded.ticket_tokens,
+        precision=precision,
     )

@@ -32,11 +32,11 @@ class Answers:
             "margin": prediction.margin,
             "truncated": prediction.truncated,
             "truncation": self.truncation if prediction.truncated else None,
-        })  # fmt: skip
+        }, prediction.precision, prediction.rechecked)  # fmt: skip
 
     def triaged(self, slot: Slot, answer: TicketFields, now: float) -> Triaged:
         """A ticket answered with a schema: every field's answer."""
-        return self._ok(slot, now, answer.to_json())
+        return self._ok(slot, now, answer.to_json(), answer.precision, answer.rechecked)
 
     def answer(self, slot: Slot, answer: Prediction | TicketFields, now: float) -> Classified | Triaged:
         if isinstance(answer, TicketFields):
@@ -54,7 +54,7 @@ class Answers:
             "worker": self.worker_name,
         }
 
-    def _ok(self, slot: Slot, now: float, answer: dict) -> Any:
+    def _ok(self, slot: Slot, now: float, answer: dict, precision: str, rechecked: bool) -> Any:
         ticket, started = slot.ticket, slot.joined
         return {
             "id": slot_result_id(slot, ticket.id),
@@ -62,6 +62,8 @@ class Answers:
             "status": "ok",
             **answer,
             **self.model_fields,
+            "precision": precision,
+            "rechecked": rechecked,
             "worker": self.worker_name,
             "queue_wait_s": round(started - ticket.submitted_at, 6) if ticket.submitted_at else None,
             "processing_s": round(now - started, 6),

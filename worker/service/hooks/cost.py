@@ -19,7 +19,8 @@ class LiveCost(Hook):
         self.learner = learner  # a LiveCostModel
 
     def on_forward(self, report: BatchReport) -> None:
-        self.learner.observe(report.rows, report.width, report.seconds)
+        if not report.recheck:  # a float32 re-check runs at another speed than the engine's own forwards
+            self.learner.observe(report.rows, report.width, report.seconds)
 
 
 def live_cost(settings: Settings, classifier: Any, metrics: Metrics) -> LiveCost | None:

@@ -1,0 +1,203 @@
+"""Float32's labels from a fast precision, without torch: decision gaps and errors
+(`worker.engine.precision`), the error bound, and how the scheduler handles unsettled answers and
+duplicate tickets (`worker.engine.scheduler`). The engines here are plain Python fakes; the real
+engine's re-check is tested in test_recheck.py."""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import replace
+
+import pytest
+
+from ticketq.schema import Field, FieldResult, TicketFields
+from worker.engine.batching import plan_optimal
+from worker.engine.cost import CostModel
+from worker.engine.precision import (
+    FLOOR,
+    SAFETY,
+    ErrorBound,
+    decision_error,
+    decision_gap,
+    load_bound,
+)
+from worker.engine.prompt import EncodedTicket
+from worker.engine.scheduler import DEFER_FORWARDS, PlannedRun, Ticketed, Unsettled
+from worker.results import RUNS, Prediction
+
+
+def prediction(logprobs: dict[str, float], precision: str = "int8") -> Prediction:
+    probs = {name: math.exp(lp) for name, lp in logprobs.items()}
+    ranked = sorted(probs, key=probs.__getitem__, reverse=True)
+    return Prediction(ranked[0], probs, probs[ranked[0]] - probs[ranked[1]], False, 3, precision=precision)
+
+
+def normalised(scores: dict[str, float]) -> dict[str, float]:
+    """Log-probs from scores (logits): a log-softmax."""
+    top = max(scores.values())
+    total = math.log(sum(math.exp(s - top) for s in scores.values())) + top
+    return {name: s - total for name, s in scores.items()}
+
+
+def test_a_gap_is_the_top_labels_log_probability_over_the_runner_ups():
+    answer = prediction(normalised({"billing": 2.0, "technical": 1.5, "account": -3.0}))
+    assert decision_gap(answer) == pytest.approx(0.5, abs=1e-9)
+
+
+def test_the_error_is_the_largest_change_of_a_difference_of_two_labels():
+    exact = prediction(normalised({"billing": 2.0, "technical": 1.5, "account": -3.0}), "float32")
+    shifted = prediction(normalised({"billing": 2.3, "technical": 1.8, "account": -2.7}))  # every logit +0.3
+    assert decision_error(shifted, exact) == pytest.approx(0.0, abs=1e-9)  # a shift changes no decision
+    moved = prediction(normalised({"billing": 2.0, "technical": 1.7, "account": -3.1}))
+    assert decision_error(moved, exact) == pytest.approx(0.3, abs=1e-9)  # technical +0.2 against account -0.1
+
+
+def fields_answer(single: dict[str, float], multi: dict[str, float], precision: str = "int8") -> TicketFields:
+    category = Field("category", ("billing", "technical"))
+    tags = Field("tags", ("refund", "outage"), multi=True, select=0.5)
+    return TicketFields("s", {"category": FieldResult.single(category, single),
+                              "tags": FieldResult.several(tags, multi)}, 3, 3, None, precision=precision)  # fmt: skip
+
+
+def test_a_schema_gap_is_its_closest_decision_over_every_field():
+    answer = fields_answer({"billing": 0.7, "technical": 0.3}, {"refund": 0.9, "outage": 0.45})
+    single = math.log(0.7) - math.log(0.3)
+    multi = abs(math.log(0.45 / 0.55))  # outage's log-odds against select 0.5's (zero)
+    assert decision_gap(answer, {"tags": 0.5}) == pytest.approx(min(single, multi), abs=1e-9)
+    assert decision_gap(answer, {"tags": 0.9}) == pytest.approx(0.0, abs=1e-6)  # refund sits on select 0.9
+    exact = fields_answer({"billing": 0.7, "technical": 0.3}, {"refund": 0.9, "outage": 0.55}, "float32")
+    assert decision_error(answer, exact) == pytest.approx(2 * abs(math.log(0.45 / 0.55)), abs=1e-6)
+
+
+def test_the_bound_only_widens_and_is_saved_at_once(tmp_path):
+    path = tmp_path / "bound.json"
+    bound = ErrorBound("int8", 0.1, 16, path)
+    assert bound.bound == pytest.approx(0.1 * SAFETY)
+    assert bound.unsettled(prediction(normalised({"a": 0.15, "b": 0.0})))
+    assert not bound.unsettled(prediction(normalised({"a": 0.25, "b": 0.0})))
+    assert not bound.observe(0.05, "test") and bound.measured == 0.1  # smaller: kept
+    assert bound.observe(0.3, "test") and bound.bound == pytest.approx(0.3 * SAFETY)
+    assert load_bound(path) == (0.3, 18)
+    assert not bound.observe(math.nan, "test")
+    assert ErrorBound("bfloat16", 0.0, 1).bound == FLOOR  # never under float32's own rounding
+
+
+def test_the_bound_is_widened_safely_from_two_threads(tmp_path):
+    bound = ErrorBound("int8", 0.0, 0, tmp_path / "b.json")
+    threads = [threading.Thread(target=lambda k=k: [bound.observe(k + i / 1000, "t") for i in range(200)])
+               for k in range(4)]  # fmt: skip
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert bound.measured == pytest.approx(3.199) and bound.samples == 800
+
+
+# ----- the scheduler: duplicates once, unsettled answers re-checked ------------------------------
+
+
+class FakeEngine:
+    """Tickets are strings; an answer is (text, engine name). `unsure`: texts answered `Unsettled`."""
+
+    deferred = False
+
+    def __init__(self, name: str, unsure: set[str] = frozenset(), recheck=None, rows: int = 4) -> None:
+        self.name, self.unsure, self.recheck, self.rows = name, unsure, recheck, rows
+        self.forwards: list[list[str]] = []
+        self.max_batch_tokens = 1024
+
+    def encode(self, texts):
+        return [EncodedTicket(tuple(ord(ch) for ch in text), len(text), False) for text in texts]
+
+    def plan(self, encoded):
+        return plan_optimal([len(e.ids) for e in encoded], max_batch_tokens=self.max_batch_tokens,
+                            max_batch_size=self.rows, cost=CostModel(fixed_ms=25.0, token_ms=0.8))  # fmt: skip
+
+    def forward_batch(self, tickets, width=None):
+        texts = ["".join(map(chr, t.ids)) for t in tickets]
+        self.forwards.append(texts)
+        return [Unsettled((t, self.name), self.recheck) if t in self.unsure else (t, self.name) for t in texts]
+
+
+class FakeRecheck(FakeEngine):
+    deferred = True
+
+    def settle(self, fast, exact):
+        assert fast[0] == exact[0]
+        return (exact[0], "settled")
+
+
+def run(engine, texts, dedup=True):
+    answered: list[tuple[int, object]] = []
+    planned = PlannedRun(on_answers=lambda idx, ans: answered.extend(zip(idx, ans, strict=True)), dedup=dedup)
+    planned.add([Ticketed(engine, e) for e in engine.encode(texts)])
+    results, reports = planned.run()
+    return planned, results, reports, answered
+
+
+def test_duplicates_are_computed_once_and_each_gets_its_answer():
+    engine = FakeEngine("fast")
+    texts = ["outage", "refund", "outage", "outage", "login"]
+    before = RUNS.deduplicated
+    planned, results, _, answered = run(engine, texts)
+    computed = [t for forward in engine.forwards for t in forward]
+    assert sorted(computed) == ["login", "outage", "refund"]
+    assert results == [(t, "fast") for t in texts]
+    assert sorted(i for i, _ in answered) == [0, 1, 2, 3, 4]  # every copy published once, under its own index
+    assert planned.duplicates == 2 and RUNS.deduplicated - before == 2
+    engine.forwards.clear()
+    run(engine, texts, dedup=False)
+    assert sorted(t for forward in engine.forwards for t in forward) == sorted(texts)
+
+
+def test_a_duplicate_arriving_after_its_twin_was_answered_gets_it_at_once():
+    engine = FakeEngine("fast")
+    answered = []
+    planned = PlannedRun(on_answers=lambda idx, ans: answered.extend(idx))
+    arrivals = [["outage"], []]
+    planned.add([Ticketed(engine, e) for e in engine.encode(["outage"])])
+    results, _ = planned.run(lambda: [Ticketed(engine, e) for e in engine.encode(arrivals.pop(0))] if arrivals else [])
+    assert results == [("outage", "fast")] * 2 and len(engine.forwards) == 1 and sorted(answered) == [0, 1]
+
+
+def test_unsettled_answers_are_recomputed_by_the_recheck_and_only_settled_ones_go_out():
+    recheck = FakeRecheck("float32")
+    engine = FakeEngine("fast", unsure={"bb", "dddd", "ffffff"}, recheck=recheck, rows=2)
+    texts = ["a", "bb", "ccc", "dddd", "eeeee", "ffffff", "bb"]
+    planned, results, reports, answered = run(engine, texts)
+    for text, answer in zip(texts, results, strict=True):
+        assert answer == (text, "settled" if text in engine.unsure else "fast")
+    assert sorted(i for i, _ in answered) == list(range(len(texts)))  # each once, the settled answer only
+    assert dict(answered)[6] == ("bb", "settled")  # a copy of an unsettled ticket waits for its settled answer
+    assert sorted(t for forward in recheck.forwards for t in forward) == ["bb", "dddd", "ffffff"]
+    assert planned.rechecked == 3 and sum(r.recheck for r in reports) == len(recheck.forwards)
+
+
+def test_rechecks_are_batched_but_wait_at_most_a_bounded_number_of_forwards():
+    """While the fast engine has work, re-checks gather; the oldest runs within DEFER_FORWARDS forwards."""
+    recheck = FakeRecheck("float32", rows=64)
+    texts = [f"t{i:03d}" for i in range(40)]
+    engine = FakeEngine("fast", unsure={texts[0]}, recheck=recheck, rows=1)
+    order = []
+    engine.forward_batch = (lambda original: lambda tickets, width=None: (order.append("fast"),
+                            original(tickets, width))[1])(engine.forward_batch)  # fmt: skip
+    recheck.forward_batch = (lambda original: lambda tickets, width=None: (order.append("recheck"),
+                             original(tickets, width))[1])(recheck.forward_batch)  # fmt: skip
+    run(engine, texts)
+    first = order.index("recheck")
+    assert order.count("recheck") == 1 and 0 < first <= 1 + DEFER_FORWARDS
+
+
+def test_only_deferred_engines_waiting_still_run():
+    recheck = FakeRecheck("float32")
+    engine = FakeEngine("fast", unsure={"x", "y"}, recheck=recheck)
+    _, results, _, _ = run(engine, ["x", "y"])
+    assert results == [("x", "settled"), ("y", "settled")]
+
+
+def test_a_fast_answer_keeps_its_precision_and_a_rechecked_one_says_so():
+    fast = prediction(normalised({"a": 0.1, "b": 0.0}))
+    assert fast.precision == "int8" and not fast.rechecked
+    settled = replace(prediction(normalised({"a": 0.0, "b": 0.1}), "float32"), rechecked=True)
+    assert settled.precision == "float32" and settled.rechecked and settled.label == "b"

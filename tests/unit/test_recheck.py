@@ -1,0 +1,131 @@
+"""A fast precision re-checked in float32 (TICKETQ_RECHECK), on the tiny stand-in: every label
+equals float32's, each answer says which precision gave it, the bound is measured once per machine
+and widened by what the live checks see. The tiny stand-in's int8 error is large (its two random
+layers give near-ties everywhere), so a good share of its tickets is re-checked: the case to test."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from producer.synthetic import generate_tickets
+from ticketq.schema import load_schema
+from worker.engine import Engine
+from worker.engine.precision import decision_error
+from worker.engine.scheduler import Unsettled
+from worker.settings import Settings
+
+SCHEMA = """
+name = "triage"
+[fields.category]
+instruction = "Which team should handle the ticket?"
+labels = ["billing", "technical", "account"]
+[fields.tags]
+instruction = "Which of these does the ticket mention?"
+labels = ["refund", "outage", "login"]
+multi = true
+"""
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "ticketq" / "precision"
+
+
+def checked(tiny_settings, dtype: str = "int8", **changes) -> Engine:
+    return Engine.from_settings(tiny_settings.model_copy(update={"dtype": dtype, "recheck": True, **changes}))
+
+
+@pytest.fixture
+def texts() -> list[str]:
+    return [t["text"] for t in generate_tickets(160, seed=23)] * 1
+
+
+def test_int8_rechecked_gives_float32s_label_on_every_ticket(cache, tiny_settings, tiny_engine, texts):
+    engine = checked(tiny_settings)
+    assert engine.info.dtype == "int8" and engine.info.recheck and engine.recheck is not None
+    answers, reports = engine.classify(texts)
+    exact, _ = tiny_engine.classify(texts)
+    assert [a.label for a in answers] == [e.label for e in exact]
+    rechecked = [a for a in answers if a.rechecked]
+    assert rechecked and all(a.precision == "float32" for a in rechecked)  # the tiny model has near-ties
+    assert all(a.precision == "int8" for a in answers if not a.rechecked)
+    assert any(r.recheck for r in reports) and not all(r.recheck for r in reports)
+    # raw int8 on the same tickets does differ somewhere: the re-check is what makes them equal
+    engine.recheck, recheck = None, engine.recheck
+    raw, _ = engine.classify(texts)
+    assert [a.label for a in raw] != [e.label for e in exact]
+    engine.recheck = recheck
+
+
+def test_the_reference_of_a_checked_engine_is_float32s(cache, tiny_settings, tiny_engine, texts):
+    engine = checked(tiny_settings, dtype="bfloat16")
+    assert engine.model is not engine.recheck.exact.model  # a float32 twin beside the bfloat16 copy
+    for text in texts[:4]:
+        assert engine.reference(text) == tiny_engine.reference(text)
+    answers, _ = engine.classify(texts)
+    assert [a.label for a in answers] == [e.label for e in tiny_engine.classify(texts)[0]]
+
+
+def test_the_bound_is_measured_once_per_machine_then_read(cache, tiny_settings, caplog):
+    with caplog.at_level(logging.INFO, logger="worker.engine"):
+        first = checked(tiny_settings)
+    assert "calibrated against float32" in caplog.text
+    (path,) = cache.glob("int8-*.json")
+    saved = json.loads(path.read_text())
+    assert saved["measured"] == first.recheck.bound.measured > 0
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="worker.engine"):
+        second = checked(tiny_settings)
+    assert "calibrated" not in caplog.text and second.recheck.bound.measured == first.recheck.bound.measured
+
+
+def test_a_larger_error_seen_live_widens_the_bound_at_once(cache, tiny_settings, texts):
+    engine = checked(tiny_settings)
+    bound = engine.recheck.bound
+    before = bound.bound
+    fast = engine.classify(texts[:1])[0][0]
+    engine.recheck, recheck = None, engine.recheck  # the raw int8 answer, as a served one would be
+    served = engine.classify(texts[:1])[0][0]
+    engine.recheck = recheck
+    wider = {name: p for name, p in served.probs.items()}
+    labels = sorted(wider)
+    wider[labels[0]], wider[labels[1]] = wider[labels[1]], wider[labels[0]]  # a reference far from it
+    reference = type(served)(served.label, wider, served.margin, False, served.tokens)
+    error = decision_error(served, reference)
+    assert fast is not None and error > bound.measured
+    engine.observe_shadow(served, reference)
+    assert bound.measured == error and bound.bound > before
+    assert engine.error_bounds() == {"default": ("int8", bound.bound)}
+
+
+def test_every_field_of_a_schema_is_checked(cache, tmp_path, tiny_settings, tiny_engine, texts):
+    path = tmp_path / "triage.toml"
+    path.write_text(SCHEMA)
+    schema = load_schema(path)
+    engine = checked(tiny_settings)
+    runner, exact = engine.fields(schema), tiny_engine.fields(schema)
+    assert runner.recheck is not None and "triage" in engine.error_bounds()
+    answers, _ = runner.classify(texts)
+    expected, _ = exact.classify(texts)
+    for got, want in zip(answers, expected, strict=True):
+        assert {n: f.labels for n, f in got.fields.items()} == {n: f.labels for n, f in want.fields.items()}
+    assert any(a.rechecked for a in answers) and {a.precision for a in answers} <= {"int8", "float32"}
+
+
+def test_off_the_fast_precision_answers_as_it_comes(cache, tiny_settings, texts):
+    engine = Engine.from_settings(tiny_settings.model_copy(update={"dtype": "int8", "recheck": False}))
+    assert engine.recheck is None and not engine.info.recheck
+    assert not any(isinstance(a, Unsettled) or a.rechecked for a in engine.classify(texts)[0])
+    assert not list(cache.glob("*.json"))  # nothing measured
+
+
+def test_float32_is_never_rechecked(cache, tiny_settings):
+    assert Engine.from_settings(tiny_settings.model_copy(update={"recheck": True})).recheck is None
+
+
+def test_settings_default_to_rechecked_and_deduplicated():
+    assert Settings.model_fields["recheck"].default is True and Settings.model_fields["dedup"].default is True

@@ -1,0 +1,102 @@
+"""Answers in the fastest precision, labels checked in float32 (TICKETQ_RECHECK).
+
+A runner (`model.Engine`, or a schema's `fields.FieldsEngine`) computing in a fast precision
+(bfloat16, int8) gets a float32 twin on the same model (`exact`) and an `ErrorBound`
+(`precision`): each answer whose smallest decision gap is within the bound comes back from the
+fast runner as `scheduler.Unsettled`, and the scheduler batches those tickets for the twin
+(`Recheck`, a deferred engine). The twin's answer is the ticket's, marked `rechecked`; the
+difference between the two answers is one more measurement of the fast precision's error, and
+one larger than any before widens the bound at once.
+
+The bound is measured at the runner's first start on a machine (`precision.calibrate`: the
+calibration tickets in both precisions) and cached per machine, model, prompt and precision
+(`~/.cache/ticketq/precision`, or under $XDG_CACHE_HOME); delete the file to measure it again.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from worker.engine.kernels import cache_dir, cpu_flags, cpu_model
+from worker.engine.precision import (
+    ErrorBound,
+    bound_key_digest,
+    calibrate,
+    decision_error,
+    load_bound,
+    save_bound,
+)
+from worker.engine.prompt import EncodedTicket
+from worker.engine.scheduler import Unsettled
+
+log = logging.getLogger(__name__)
+
+
+class Recheck:
+    """A fast runner's float32 twin as the scheduler runs it: deferred, its answers settling the fast ones."""
+
+    deferred = True  # the scheduler batches its tickets rather than running each re-check at once
+
+    def __init__(self, exact: Any, bound: ErrorBound, selects: dict[str, float] | None = None) -> None:
+        self.exact = exact  # the float32 runner (an Engine or a FieldsEngine on the float32 model)
+        self.bound = bound
+        self.selects = selects or {}  # multi-label fields' select thresholds, for their decision gaps
+
+    @property
+    def max_batch_tokens(self) -> int:
+        host = getattr(self.exact, "engine", self.exact)  # a FieldsEngine plans with its engine's budget
+        return host.max_batch_tokens
+
+    def encode(self, texts: Sequence[object]) -> list[EncodedTicket]:
+        return self.exact.encode(texts)
+
+    def plan(self, encoded: Sequence[EncodedTicket]):
+        return self.exact.plan(encoded)
+
+    def forward_batch(self, tickets: Sequence[EncodedTicket], width: int | None = None) -> list:
+        return self.exact.forward_batch(tickets, width)
+
+    def screen(self, answers: list) -> list:
+        """The fast runner's answers, each within the bound wrapped as `Unsettled` for this twin."""
+        return [Unsettled(a, self) if self.bound.unsettled(a, self.selects) else a for a in answers]
+
+    def settle(self, fast: Any, exact: Any) -> Any:
+        """The ticket's answer: float32's, marked re-checked; their difference is measured."""
+        self.bound.observe(decision_error(fast, exact), "re-check")
+        return replace(exact, rechecked=True)
+
+
+def attach_recheck(fast: Any, exact: Any, precision: str, prompt_ids: Sequence[int],
+                   selects: dict[str, float]) -> Recheck:  # fmt: skip
+    """Give `fast` (a runner in `precision`) its float32 twin `exact` and a measured error bound:
+    this machine's cached one, else `calibrate` now. `fast` must not be re-checked yet."""
+    path = cache_dir("precision") / f"{precision}-{bound_key_digest(_key(fast, precision, prompt_ids))}.json"
+    cached = load_bound(path)
+    if cached is not None:
+        bound = ErrorBound(precision, *cached, path)
+        log.info("%s error bound: the largest error over %d tickets was %.3g, cached in %s (delete it to measure "
+                 "again)", precision, bound.samples, bound.measured, path)  # fmt: skip
+    else:
+        measured, samples = calibrate(precision, lambda texts: fast.classify(texts)[0],
+                                      lambda texts: exact.classify(texts)[0])  # fmt: skip
+        bound = ErrorBound(precision, measured, samples, path)
+        save_bound(path, bound)
+    fast.recheck = Recheck(exact, bound, selects)
+    log.info("%s answers with a decision gap under %.3g are re-checked in float32", precision, bound.bound)
+    return fast.recheck
+
+
+def _key(fast: Any, precision: str, prompt_ids: Sequence[int]) -> list:
+    """What the error depends on: the machine, torch, the model's weights, the prompt, the precision."""
+    host = getattr(fast, "engine", fast)
+    head, norm = host.label_head.weight, host.model.get_decoder().norm.weight
+    weights = [float(head[:64].detach().double().sum()), float(norm.detach().double().sum())]  # a checksum
+    return [cpu_model(), sorted(cpu_flags()), platform.machine(), torch.__version__, torch.get_num_threads(),
+            getattr(host.model, "name_or_path", "?"), weights, precision, getattr(host.info, "matmul", ""),
+            list(prompt_ids)]  # fmt: skip
