@@ -49,9 +49,19 @@ modes (run in this order on the same tickets, round after round):
   sorted         length-sorted fixed-size batches, full prompt per row (the
                  article's method)
   ticketq        the engine: autotuned cost model, DP plan, prefix KV cache,
-                 label-only head
-  ticketq-int8   the same, decoder linear layers in dynamic int8 (inexact,
-                 CPU; TICKETQ_DTYPE=int8)
+                 label-only head, duplicates computed once (float32 unless
+                 --dtype says otherwise)
+  ticketq-checked
+                 the same in the precision TICKETQ_DTYPE=auto picks here
+                 (bfloat16 or int8), answers within its measured error
+                 bound re-checked in float32 (skipped where nothing beats
+                 float32)
+  ticketq-bf16   the same in bfloat16, unchecked (inexact)
+  ticketq-int8   the same, decoder linear layers in dynamic int8, unchecked
+                 (inexact, CPU; TICKETQ_DTYPE=int8 TICKETQ_RECHECK=false)
+  ticketq-nodedup
+                 ticketq computing every ticket, duplicates too
+                 (TICKETQ_DEDUP=false; see --duplicates)
   ticketq-queue  the same through Redis and a real `ticketq worker` process
                  (skipped if Redis is down)
   llama-cpp      llama.cpp on the same model in GGUF f32: prompt cache, one
@@ -73,10 +83,11 @@ modes (run in this order on the same tickets, round after round):
   schemas        a SchemaSet serving 3 schemas at once (the schema and two
                  variants, each its own cached prefix), tickets round-robin
 
-Default: every mode but generate, ticketq-int8, the peers (llama-cpp*,
-openvino*) and the schema modes: list them, or --modes all; --schema alone
-runs one-field, fields and full-prompts. A mode's baseline always runs with
-it: sequential (the reference for agreement, the baseline for speedup),
+Default: every mode but generate, ticketq-bf16, ticketq-int8,
+ticketq-nodedup, the peers (llama-cpp*, openvino*) and the schema modes:
+list them, or --modes all; --schema alone runs one-field, fields and
+full-prompts. A mode's baseline always runs with it: sequential (the
+reference for agreement, the baseline for speedup),
 one-field for fields and full-prompts (their cost ratio), one-schema for
 schemas. The schema modes are checked against their own per-field
 reference on --reference-tickets tickets. Each peer runs in a process of
@@ -124,7 +135,8 @@ def bench(
     ctx: typer.Context,
     model: Annotated[str | None, typer.Option(metavar="ID|DIR", rich_help_panel=MODEL,
                      help="hub id or local directory (default: TICKETQ_MODEL)")] = None,
-    dtype: Annotated[Dtype | None, typer.Option(rich_help_panel=MODEL, help="(default: TICKETQ_DTYPE)")] = None,
+    dtype: Annotated[Dtype | None, typer.Option(rich_help_panel=MODEL, help="the precision of ticketq and every "
+                     "mode built on it, unchecked (default: float32; ticketq-checked adds auto's)")] = None,
     device: Annotated[Device | None, typer.Option(rich_help_panel=MODEL, help="(default: TICKETQ_DEVICE)")] = None,
     threads: Annotated[int | None, typer.Option(metavar="N", min=1, rich_help_panel=MODEL,
                        help="torch threads, set once for every mode")] = None,
@@ -134,6 +146,9 @@ def bench(
                             help="JSONL {id, text} (or CSV) instead of synthetic long-tail tickets")] = None,
     seed: Annotated[int, typer.Option(metavar="SEED", show_default=False, rich_help_panel=TICKETS,
                     help="synthetic ticket seed (default: 0)")] = 0,
+    duplicates: Annotated[float, typer.Option(metavar="SHARE", min=0.0, max=0.95, show_default=False,
+                          rich_help_panel=TICKETS, help="this share of the synthetic tickets repeats another's "
+                          "text exactly, in a seeded order (default: 0); compare ticketq-nodedup")] = 0.0,
     modes: Annotated[str | None, typer.Option(metavar="LIST", callback=_modes, rich_help_panel=RUN,
                      help="comma-separated modes, or 'all' (default: all but generate)")] = None,
     batch_size: Annotated[int | None, typer.Option(metavar="N", min=1, rich_help_panel=RUN,
@@ -195,6 +210,7 @@ def options_from(params: dict[str, Any], argv: Sequence[str]) -> Options:
         tickets=tickets,
         tickets_file=params["tickets_file"],
         seed=params["seed"],
+        duplicates=params["duplicates"],
         requested_modes=requested,  # the default set has no generate, --quick or not
         **{name: defaults[name] if value is None else value for name, value in given.items()},
         max_batch_tokens=params["max_batch_tokens"],

@@ -133,7 +133,7 @@ def _notes(bench: Bench, rows: list[dict]) -> list[str]:
                 f"{row['mode']}: ANSWERS CHANGED BETWEEN ROUNDS: {row['round_label_changes']} tickets' labels "
                 f"(max |Δp| {row['round_max_abs_prob_diff']:.1e} against the first round)"
             )
-    return notes + ceiling_lines(rows)
+    return notes + ceiling_lines(rows) + exactness_lines(rows)
 
 
 def _machine() -> dict:
@@ -217,3 +217,42 @@ def ceiling_lines(rows: list[dict]) -> list[str]:
 
     return [ceiling_note(row["mode"], row["linear_ceiling"]["rows"], row["linear_ceiling"]["share"])
             for row in rows if (row.get("linear_ceiling") or {}).get("share")]  # fmt: skip
+
+
+# the rows a checked or deduplicated run is measured against, side by side in the same run
+RIVALS = ("ticketq", "ticketq-bf16", "ticketq-int8", "openvino", "openvino-bf16", "openvino-int8", "llama-cpp",
+          "llama-cpp-q8")  # fmt: skip
+
+
+def exactness_lines(rows: list[dict]) -> list[str]:
+    """ticketq-checked's re-check share and its labels against the reference, its speed against every
+    other row of the run (ratios of medians), and what deduplication saved (none where neither ran)."""
+    ran = {row["mode"]: row for row in rows if mode_ran(row)}
+    lines = []
+    if (checked := ran.get("ticketq-checked")) and (recheck := checked.get("recheck")):
+        equal = round(checked["agreement"] * checked["tickets"]) if checked.get("agreement") is not None else None
+        lines.append(
+            f"ticketq-checked: {recheck['precision']}, {statistics.median(recheck['share']):.1%} of tickets "
+            f"re-checked in float32 (per round {', '.join(f'{x:.1%}' for x in recheck['share'])}), bound "
+            f"{recheck['bound'][-1]:.3g}; labels equal to the reference on {equal}/{checked['tickets']} tickets"
+        )
+        ratios = [f"{mode} {checked['items_per_s'] / row['items_per_s']:.2f}x" for mode, row in ran.items()
+                  if mode in RIVALS and row.get("items_per_s")]  # fmt: skip
+        if ratios:
+            lines.append("ticketq-checked against, in the same run (ratio of median items/s): " + ", ".join(ratios))
+    dedup, plain = ran.get("ticketq"), ran.get("ticketq-nodedup")
+    if dedup and plain and dedup.get("computed_tickets") and plain.get("items_per_s"):
+        lines.append(
+            f"deduplication: ticketq computed {dedup['computed_tickets'][0]} rows for {dedup['tickets']} tickets "
+            f"(ticketq-nodedup {plain['computed_tickets'][0]}), {dedup['items_per_s'] / plain['items_per_s']:.2f}x "
+            f"its items/s; labels equal ticket for ticket: {_same_labels(dedup, plain)}"
+        )
+    return lines
+
+
+def _same_labels(a: dict, b: dict) -> str:
+    labels = [row.get("labels") for row in (a, b)]
+    if not all(labels):
+        return "not recorded"
+    same = sum(x == y for x, y in zip(*labels, strict=True))
+    return f"{same}/{len(labels[0])}"

@@ -92,8 +92,13 @@ class InProcessRun(ModeRun):
     """A mode in this process: a warm-up, then every ticket timed under a progress bar, then peak RSS."""
 
     def start(self) -> None:
-        if self.result.mode == "ticketq-int8" and (reason := prepare_int8(self.context.bench, self.context.console)):
+        bench, console, mode = self.context.bench, self.context.console, self.result.mode
+        if mode == "ticketq-int8" and (reason := prepare_int8(bench, console)):
             self.result.skipped = reason
+        if mode in FAST_MODES and (reason := prepare_fast(bench, mode, console)):
+            self.result.skipped = reason
+        elif mode in FAST_MODES:
+            self.result.notes.append(describe_fast(mode, bench.fast_engines[mode]))
 
     def round(self, number: int, load: Load) -> None:
         bench, result = self.context.bench, self.result
@@ -106,6 +111,21 @@ class InProcessRun(ModeRun):
         result.add_round(answers, seconds, load)
         if result.mode in ("ticketq", "ticketq-int8") and reports:
             self.ceiling(bench.int8_engine if result.mode == "ticketq-int8" else bench.engine, reports, seconds)
+        if result.mode == "ticketq-checked":
+            self.rechecks(bench.fast_engines[result.mode], answers, reports)
+        if result.mode.startswith("ticketq") and answers:  # rows computed: what dedup and re-checks change
+            result.figures.setdefault("computed_tickets", []).append(sum(r.rows for r in reports))
+        if number == 1 and result.mode in ("ticketq", "ticketq-nodedup"):  # compared ticket for ticket
+            result.figures["labels"] = [a.label for a in answers]
+
+    def rechecks(self, engine, answers: list[Answer], reports: list[BatchReport]) -> None:
+        """The round's re-check share and the bound it was cut at (the report's notes read them from the row)."""
+        entry = self.result.figures.setdefault("recheck", {"share": [], "bound": [], "measured": [],
+                                                           "precision": engine.precision})  # fmt: skip
+        entry["share"].append(sum(a.rechecked for a in answers) / len(answers))
+        entry["bound"].append(engine.recheck.bound.bound)
+        entry["measured"].append(engine.recheck.bound.measured)
+        entry["forwards"] = sum(r.recheck for r in reports)
 
     def ceiling(self, engine, reports: list[BatchReport], seconds: float) -> None:
         """The round's tokens/s against its linear layers' ceiling at its mean forward (see `ceiling`)."""
@@ -141,9 +161,20 @@ def _max(a: float | None, b: float | None) -> float | None:
 
 
 def _classify(engine, texts: list[str], bar: tqdm | None) -> tuple[list[Answer], list[BatchReport]]:
-    """The engine as served: encode, DP plan under the (autotuned) cost model, cached label-only forwards."""
-    predictions, reports = engine.classify(texts, on_batch=(lambda r: bar.update(r.rows)) if bar else None)
+    """The engine as served: encode, DP plan under the (autotuned) cost model, cached label-only forwards
+    (duplicates computed once, a fast precision's unsettled answers re-checked, as the engine is set)."""
+    progress = (lambda indices, _: bar.update(len(indices))) if bar else None
+    predictions, reports = engine.classify(texts, on_predictions=progress)
     return [Answer.of(p) for p in predictions], reports
+
+
+def _without_dedup(bench: Bench, texts: list[str], bar: tqdm | None) -> tuple[list[Answer], list[BatchReport]]:
+    engine = bench.engine
+    engine.dedup = False
+    try:
+        return _classify(engine, texts, bar)
+    finally:
+        engine.dedup = True
 
 
 def _full_prompt(bench: Bench, texts: list[str], bar: tqdm | None, *, planner: baselines.Planner):
@@ -157,7 +188,57 @@ RUNNERS: dict[str, Runner] = {
     "ticketq": lambda bench, texts, bar: _classify(bench.engine, texts, bar),
     # the same plan procedure with int8 decoder linears and its own (autotuned) cost model
     "ticketq-int8": lambda bench, texts, bar: _classify(bench.int8_engine, texts, bar),
+    "ticketq-checked": lambda bench, texts, bar: _classify(bench.fast_engines["ticketq-checked"], texts, bar),
+    "ticketq-bf16": lambda bench, texts, bar: _classify(bench.fast_engines["ticketq-bf16"], texts, bar),
+    "ticketq-nodedup": _without_dedup,
 }
+FAST_MODES = ("ticketq-checked", "ticketq-bf16")
+
+
+def prepare_fast(bench: Bench, mode: str, console: Console) -> str | None:
+    """Build (once) `mode`'s engine on the float32 one: ticketq-checked in the precision TICKETQ_DTYPE=auto
+    chooses here, re-checked in float32; ticketq-bf16 in bfloat16, unchecked. A skip reason or None."""
+    if mode in bench.fast_engines:
+        return None
+    engine = bench.engine
+    if engine.precision != "float32":
+        return f"{mode} skipped: it is built on a float32 engine (--dtype float32), this one runs {engine.precision}"
+    if mode == "ticketq-checked":
+        from worker.engine.kernels import resolve_precision
+
+        precision, checked = resolve_precision("auto", engine.device, engine.info.matmul, recheck=True)
+        if not checked:
+            return (f"ticketq-checked skipped: no precision measures faster than float32 on this {engine.device.type} "
+                    "(TICKETQ_DTYPE=auto runs float32 here)")  # fmt: skip
+    else:
+        precision = "bfloat16"
+    same = next((e for e in bench.fast_engines.values() if e.precision == precision), None)
+    try:
+        fast = same._sibling(same.model, same.info) if same is not None else engine.with_precision(precision)
+    except (ValueError, RuntimeError) as exc:
+        return f"{mode} skipped: {exc}"
+    if bench.tuning is not None:  # another precision, another cost per token: plan with its own measurements
+        from worker.engine.autotune import autotune
+
+        with console.status(f"autotuning the {precision} cost model ({bench.options.autotune_s:.0f} s budget)…"):
+            tuning = autotune(fast, budget_s=bench.options.autotune_s)
+        console.print(f"autotune on {engine.info.device}/{precision}: {tuning.describe()}")
+    if mode == "ticketq-checked":
+        with console.status(f"measuring {precision}'s error bound against float32 (cached per machine)…"):
+            fast.check_with(engine)
+    bench.fast_engines[mode] = fast
+    return None
+
+
+def describe_fast(mode: str, engine) -> str:
+    from worker.engine.precision import SAFETY
+
+    if mode == "ticketq-checked":
+        bound = engine.recheck.bound
+        return (f"ticketq-checked: answers in {engine.precision}, a ticket whose decision gap is under {bound.bound:.3g} "
+                f"({SAFETY:g} x the largest {engine.precision} error measured, {bound.measured:.3g}) computed again "
+                "in float32; every label is compared with the reference")  # fmt: skip
+    return f"{mode}: answers in {engine.precision} as they come (unchecked, inexact)"
 
 
 def prepare_int8(bench: Bench, console: Console) -> str | None:

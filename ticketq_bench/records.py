@@ -14,12 +14,14 @@ FIELD_MODES = ("one-field", "fields", "full-prompts")
 # one worker serving one schema, and three at once (ticketq_bench.multifield)
 SCHEMA_MODES = ("one-schema", "schemas")
 MODES = (
-    "generate", "sequential", "naive", "naive-global", "sorted", "ticketq", "ticketq-int8", "ticketq-queue",
+    "generate", "sequential", "naive", "naive-global", "sorted", "ticketq", "ticketq-checked", "ticketq-bf16",
+    "ticketq-int8", "ticketq-nodedup", "ticketq-queue",
     "llama-cpp", "llama-cpp-q8", "openvino", "openvino-bf16", "openvino-int8", *FIELD_MODES, *SCHEMA_MODES,
 )  # fmt: skip
 # each runs in a process of its own (ticketq_bench.peer_process)
 PEER_MODES = ("llama-cpp", "llama-cpp-q8", "openvino", "openvino-bf16", "openvino-int8")
-OPT_IN_MODES = ("generate", "ticketq-int8", *PEER_MODES, *FIELD_MODES, *SCHEMA_MODES)  # run only when listed (or 'all')
+OPT_IN_MODES = ("generate", "ticketq-bf16", "ticketq-int8", "ticketq-nodedup", *PEER_MODES, *FIELD_MODES,
+                *SCHEMA_MODES)  # fmt: skip  # run only when listed (or 'all')
 DEFAULT_MODES = tuple(m for m in MODES if m not in OPT_IN_MODES)
 REFERENCE = "sequential"  # the single-field modes' reference for agreement and baseline for speedup
 
@@ -45,6 +47,7 @@ class Options:
     tickets: int | None = DEFAULTS["tickets"]  # None with a tickets file: all of its rows
     tickets_file: Path | None = None
     seed: int = 0
+    duplicates: float = 0.0  # the share of tickets that repeat another ticket's text exactly
     requested_modes: tuple[str, ...] = DEFAULT_MODES
     batch_size: int = DEFAULTS["batch_size"]
     max_batch_tokens: int | None = None
@@ -77,10 +80,11 @@ class Answer:
     label: str
     probs: dict[str, float] | None = None
     new_tokens: int | None = None  # generate only: decode steps actually run
+    rechecked: bool = False  # a fast precision's answer computed again in float32 (ticketq-checked)
 
     @classmethod
     def of(cls, prediction: Prediction) -> Answer:
-        return cls(prediction.label, dict(prediction.probs))
+        return cls(prediction.label, dict(prediction.probs), rechecked=prediction.rechecked)
 
 
 @dataclass
@@ -149,6 +153,7 @@ class Bench:
     options: Options
     tuning: object | None = None  # worker.engine.autotune.Tuning
     int8_engine: object | None = None  # built on first use by ticketq-int8, sharing the model
+    fast_engines: dict = field(default_factory=dict)  # mode -> its engine (ticketq-checked, ticketq-bf16), built once
     schema: object | None = None  # ticketq.schema.Schema of the multi-field and schemas modes (--schema)
     int8_tuning: object | None = None
     load_before: Load = None  # os.getloadavg() when the modes start

@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ticketq_bench.figures import fmt, mode_ran, token_rates
-from ticketq_bench.header import ceiling_lines, precision_of, schema_lines
+from ticketq_bench.header import ceiling_lines, exactness_lines, precision_of, schema_lines
 from ticketq_bench.records import FIELD_MODES, REFERENCE, SCHEMA_MODES, Options
 
 # (heading, JSON key, format) of the figure columns shared by the stdout and Markdown tables.
@@ -84,7 +84,7 @@ def markdown_table(header: dict, rows: list[dict]) -> str:
         row = token_rates(row["computed_tokens"], row["tickets"], row["seconds"]) | row  # older JSON lacks them
         lines.append(f"| {mode} | " + " | ".join(_cells(row, markdown=True)) + " |")
     reasons = [f"- `{row['mode']}`: {row['reason']}" for row in rows if row.get("reason")]
-    words = [f"- {line}" for line in schema_lines(rows)] + [f"- {line}" for line in ceiling_lines(rows)]
+    words = [f"- {line}" for line in (*schema_lines(rows), *ceiling_lines(rows), *exactness_lines(rows))]
     return "\n".join([*lines, "", *reasons, *words, *([""] if reasons or words else []), _run_line(header), "",
                       f"`{header['command']}`", ""])  # fmt: skip
 

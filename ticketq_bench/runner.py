@@ -28,7 +28,8 @@ def load_tickets(options: Options, console: Console) -> list[dict] | None:
     if options.tickets_file is None:
         from producer.synthetic import generate_tickets
 
-        return generate_tickets(options.tickets, seed=options.seed)
+        tickets = generate_tickets(options.tickets, seed=options.seed)
+        return with_duplicates(tickets, options.duplicates, options.seed) if options.duplicates else tickets
     from producer.ticketfile import read_tickets
     from producer.ticketrows import TicketFileError
 
@@ -44,6 +45,19 @@ def load_tickets(options: Options, console: Console) -> list[dict] | None:
         console.print(f"[red]{options.tickets_file}: no usable tickets[/]")
         return None
     return tickets
+
+
+def with_duplicates(tickets: list[dict], share: float, seed: int) -> list[dict]:
+    """`tickets` with `share` of them replaced by exact copies of the others' texts (each keeps its
+    own id), in a seeded random order: an outage's flood, a customer who sends twice."""
+    import random
+
+    rng = random.Random(seed)
+    unique = tickets[: max(1, round(len(tickets) * (1 - share)))]
+    copies = [{"id": ticket["id"], "text": rng.choice(unique)["text"]} for ticket in tickets[len(unique):]]
+    mixed = unique + copies
+    rng.shuffle(mixed)
+    return mixed
 
 
 def setup(options: Options, console: Console) -> Bench | None:
@@ -92,9 +106,12 @@ def _settings(options: Options, console: Console):
 
     from worker.settings import Settings
 
+    # the engine every mode builds on runs float32 unless told otherwise (`ticketq` is the exact row;
+    # ticketq-checked adds the fast precision), and answers unchecked in what it was told
     overrides = {
         "model": options.model,
-        "dtype": options.dtype,
+        "dtype": options.dtype or "float32",
+        "recheck": False,
         "device": options.device,
         "threads": options.threads,
         "max_batch_tokens": options.max_batch_tokens,

@@ -13,7 +13,14 @@ from pathlib import Path
 import torch
 
 from worker.engine.int8 import INT8
-from worker.engine.kernels import pack_linears, resolve_device, resolve_matmul, resolve_precision
+from worker.engine.kernels import (
+    PackedLinear,
+    pack_linears,
+    replace_module,
+    resolve_device,
+    resolve_matmul,
+    resolve_precision,
+)
 from worker.engine.loading import STANDIN_MARKER, load_model
 from worker.settings import Settings
 
@@ -36,7 +43,7 @@ def load_configured(settings: Settings):
     precision and GEMM kernel resolved (measured where `auto`), linear layers prepacked for oneDNN
     where it runs them. The first model runs the batches in `info.dtype`; the last is its float32
     twin where that precision is re-checked (`info.recheck`): the same model for int8 (its decoder
-    is quantised in a copy), else a float32 copy made before the fast one is cast and packed."""
+    is quantised in a copy), else the loaded float32 model, the fast one a copy cast from it."""
     if settings.threads:
         torch.set_num_threads(settings.threads)
     device = resolve_device(settings.device)
@@ -48,11 +55,10 @@ def load_configured(settings: Settings):
     matmul = resolve_matmul(settings.matmul, device, dtype)
     model, tokenizer = load_model(settings.model, device, dtype)
     exact = None
-    if recheck and not int8:  # the fast copy, cast before either is packed (a packed weight is shared by copies)
-        exact, model = model, copy.deepcopy(model).to(getattr(torch, precision))
+    if recheck and not int8:  # the fast copy, cast before the float32 model is packed; ModelInfo reports its kernel
+        exact, (model, fast_matmul) = model, cast_copy(model, getattr(torch, precision), settings.matmul)
         _pack(exact, matmul, torch.float32)
-        matmul = resolve_matmul(settings.matmul, device, model.dtype)  # ModelInfo reports the fast path's
-        _pack(model, matmul, model.dtype)
+        matmul = fast_matmul
     else:
         _pack(model, matmul, dtype)
         exact = model if recheck else None  # int8: the engine quantises a copy of the decoder
@@ -68,6 +74,21 @@ def load_configured(settings: Settings):
                     "%s", precision, "float32" if int8 else precision)  # fmt: skip
     info = ModelInfo(settings.model, standin, str(device), precision, matmul, recheck=recheck)
     return model, tokenizer, info, exact
+
+
+def cast_copy(model, dtype: torch.dtype, matmul: str = "auto"):
+    """(a copy of `model` in `dtype`, the GEMM kernel resolved for it), its decoder's weights packed
+    for oneDNN where `matmul` resolves so. The copy's linear layers are its own (dense again where
+    `model`'s are packed: a packed weight is shared by copies); `model` is left as it is."""
+    copied = copy.deepcopy(model)
+    decoder = copied.get_decoder()
+    for name, module in list(decoder.named_modules()):
+        if isinstance(module, PackedLinear):
+            replace_module(decoder, name, module.to_linear())
+    copied = copied.to(dtype)
+    chosen = resolve_matmul(matmul, copied.device, dtype)
+    _pack(copied, chosen, dtype)
+    return copied, chosen
 
 
 def _pack(model, matmul: str, dtype: torch.dtype) -> None:

@@ -29,7 +29,7 @@ import torch
 
 from ticketq.schema import DEFAULT_SCHEMA_NAME, Schema, TicketFields, default_schema
 from worker.engine.batching import Plan, plan_optimal
-from worker.engine.configure import ModelInfo, load_configured
+from worker.engine.configure import ModelInfo, cast_copy, load_configured
 from worker.engine.cost import CostModel
 from worker.engine.fields import FieldsEngine
 from worker.engine.fused import FusedDecoder
@@ -147,11 +147,22 @@ class Engine:
 
     def with_int8(self) -> Engine:
         """The same model, prompt and planner with the int8 batched path (the bench compares both in one run)."""
+        return self._sibling(self.model, replace(self.info, dtype=INT8, recheck=False), int8=True)
+
+    def with_precision(self, precision: str, matmul: str = "auto") -> Engine:
+        """The same prompt and planner on a copy of this float32 model cast to `precision` (int8: `with_int8`),
+        its weights packed for oneDNN where `matmul` resolves so; unchecked (`check_with` adds the re-check)."""
+        if precision == INT8:
+            return self.with_int8()
+        model, matmul = cast_copy(self.model, getattr(torch, precision), matmul)
+        return self._sibling(model, replace(self.info, dtype=precision, matmul=matmul, recheck=False))
+
+    def _sibling(self, model, info: ModelInfo, int8: bool = False) -> Engine:
         return Engine(
-            self.model, self.tokenizer, labels=self.labels, system=self.prompt.system,
+            model, self.tokenizer, labels=self.labels, system=self.prompt.system,
             max_ticket_tokens=self.prompt.max_ticket_tokens, truncation=self.prompt.truncation,
-            max_batch_tokens=self.max_batch_tokens, max_batch_size=self.max_batch_size, cost=self.cost,
-            info=replace(self.info, dtype=INT8), int8=True, schema=self.schema, fuse=self._fused is not None,
+            max_batch_tokens=self.max_batch_tokens, max_batch_size=self.max_batch_size, cost=replace(self.cost),
+            info=info, int8=int8, schema=self.schema, fuse=self._fused is not None, dedup=self.dedup,
         )  # fmt: skip
 
     def fields(self, schema: Schema | None = None) -> FieldsEngine:
