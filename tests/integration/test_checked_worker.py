@@ -1,0 +1,76 @@
+"""A real worker in a fast precision, re-checked (TICKETQ_DTYPE=int8, TICKETQ_RECHECK on by default),
+on the tiny stand-in: every label is the float32 reference's, every result says which precision
+answered it, and /metrics counts the answers by precision, the re-checks, the bound and the
+duplicates computed once. The tiny stand-in's int8 error is large, so many tickets are re-checked."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections import Counter
+
+import pytest
+from workers import Worker, redis_or_skip, wait_for, worker_env
+
+from producer.api import Producer
+from producer.synthetic import generate_tickets
+from worker.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+REDIS_URL = "redis://127.0.0.1:6379/4"
+TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def checked_worker(tiny_model_dir, tmp_path_factory):
+    redis_or_skip(REDIS_URL)
+    queue = f"checked-{uuid.uuid4().hex[:8]}"
+    cache = tmp_path_factory.mktemp("cache")
+    env = worker_env(tiny_model_dir, REDIS_URL, queue, TICKETQ_DTYPE="int8", TICKETQ_SHADOW_RATE="1",
+                     XDG_CACHE_HOME=str(cache))  # fmt: skip
+    worker = Worker(env, tmp_path_factory.mktemp("logs") / "checked.log")
+    try:
+        worker.wait_ready(timeout=180)
+        yield worker, queue, cache
+    finally:
+        worker.stop()
+
+
+def test_a_rechecked_worker_answers_with_float32s_labels(checked_worker, tiny_engine):
+    worker, queue, cache = checked_worker
+    texts = [t["text"] for t in generate_tickets(60, seed=31)]
+    tickets = [{"id": f"c{i}", "text": text} for i, text in enumerate(texts)]
+    # exact copies in one packed message: one job, so computed once
+    copies = [{"id": f"copy{i}", "text": texts[0]} for i in range(5)]
+    producer = Producer(Settings(broker_url=REDIS_URL, queue=queue))
+    try:
+        results = producer.wait(producer.submit_many(tickets), timeout=TIMEOUT_S)
+        results += producer.wait(producer.submit_many(copies, pack=len(copies)), timeout=TIMEOUT_S)
+    finally:
+        producer.close()
+    by_id = {r["id"]: r for r in results}
+    assert {r["status"] for r in results} == {"ok"}
+    for ticket in [*tickets, *copies]:
+        result = by_id[ticket["id"]]
+        assert result["label"] == tiny_engine.reference(ticket["text"]).label, ticket["id"]
+        assert result["precision"] in ("int8", "float32") and result["rechecked"] == (result["precision"] == "float32")
+    rechecked = sum(r["rechecked"] for r in results)
+    assert 0 < rechecked < len(results)  # the tiny model's near-ties: some, not all
+
+    def counted():
+        metrics = worker.metrics()
+        answers = sum(v for k, v in metrics.items() if k.startswith("ticketq_answers_total{"))
+        return metrics if answers == len(results) else None  # every result, copies too
+
+    metrics = wait_for(counted, 30, "every answer counted by precision")
+    # computations re-checked: the 60 tickets' and the copies' one
+    assert metrics["ticketq_rechecked_tickets_total{}"] == rechecked - (len(copies) - 1) * by_id["copy0"]["rechecked"]
+    assert metrics["ticketq_deduplicated_tickets_total{}"] == len(copies) - 1
+    assert metrics["ticketq_precision_error_bound{precision=int8,schema=default}"] > 0
+    info = next(k for k in metrics if k.startswith("ticketq_model_info{"))
+    assert "dtype=int8" in info and "recheck=true" in info
+    assert "re-checked in float32" in worker.log()
+    (bound_file,) = (cache / "ticketq" / "precision").glob("int8-*.json")
+    assert json.loads(bound_file.read_text())["measured"] > 0
+    assert Counter(r["precision"] for r in results)["int8"] > 0
