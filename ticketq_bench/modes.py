@@ -235,9 +235,9 @@ def describe_fast(mode: str, engine) -> str:
 
     if mode == "ticketq-checked":
         bound = engine.recheck.bound
-        return (f"ticketq-checked: answers in {engine.precision}, a ticket whose decision gap is under {bound.bound:.3g} "
-                f"({SAFETY:g} x the largest {engine.precision} error measured, {bound.measured:.3g}) computed again "
-                "in float32; every label is compared with the reference")  # fmt: skip
+        return (f"ticketq-checked: answers in {engine.precision}, a ticket whose decision gap is under "
+                f"{bound.bound:.3g} ({SAFETY:g} x the largest {engine.precision} error measured, {bound.measured:.3g}) "
+                "computed again in float32; every label is compared with the reference")  # fmt: skip
     return f"{mode}: answers in {engine.precision} as they come (unchecked, inexact)"
 
 

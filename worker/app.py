@@ -37,6 +37,7 @@ from worker.health.progress import CLASSIFYING
 from worker.metrics import Metrics
 from worker.nullclassifier import NullClassifier
 from worker.redis import celery_results
+from worker.redis.answer_cache import AnswerCache
 from worker.redis.outbox import Outbox
 from worker.service.core import TicketService
 from worker.service.hooks.standard import live_cost, standard_hooks
@@ -105,7 +106,10 @@ class Runtime:
         self.metrics = metrics
         routing = Routing.of(classifier, settings)
         hooks = standard_hooks(settings, classifier, metrics, routing, live_cost(settings, classifier, metrics))
-        self.service = TicketService(settings, classifier, Outbox.from_settings(client, settings), hooks, routing)
+        cache = AnswerCache(client, settings.answer_cache_s, settings.answer_cache_entries) \
+            if settings.answer_cache_s else None
+        self.service = TicketService(settings, classifier, Outbox.from_settings(client, settings), hooks, routing,
+                                     cache)  # fmt: skip
         wait_for_writes(client)
         return self.service
 

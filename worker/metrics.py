@@ -269,6 +269,9 @@ class Metrics:
             c.M_DEDUPLICATED, "Tickets answered with an identical ticket's answer in the same run (the same token "
             "ids and schema), not computed.", lambda: RUNS.deduplicated,
         ))  # fmt: skip
+        self.answer_cache = Counter(c.M_ANSWER_CACHE, "Tickets looked up in the answer cache "
+                                    "(TICKETQ_ANSWER_CACHE_S), by result: hit (answered from it) or miss.",
+                                    ["result"], registry=r)  # fmt: skip
         self._bounds: Callable[[], Mapping[str, tuple[str, float]]] = dict
         r.register(BoundsCollector(lambda: self._bounds()))
         self.flushes = Counter(c.M_FLUSHES, "Buffer drains (micro-batches handed to the engine).", registry=r)
@@ -299,6 +302,8 @@ class Metrics:
             self.dead_letters.labels(reason=reason)
         for near_tie in ("true", "false"):
             self.shadow_disagreed.labels(near_tie=near_tie)
+        for result in ("hit", "miss"):
+            self.answer_cache.labels(result=result)
 
     def watch_bounds(self, bounds: Callable[[], Mapping[str, tuple[str, float]]]) -> None:
         """Export the classifier's re-check bounds (schema -> (precision, bound)) at scrape time."""

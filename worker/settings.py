@@ -55,6 +55,15 @@ class Settings(ClientSettings):
         "on a machine, cached in ~/.cache/ticketq/precision), so every label is float32's. The float32 copy of the "
         "model costs memory (none more for int8). Off: the fast precision's answers as they come (inexact).",
     )
+    answer_cache_s: float = Field(
+        0.0, ge=0, description="Keep each computed answer in Redis this many seconds, keyed by a hash of the "
+        "ticket's canonical text, its schema and the model as run: a re-sent duplicate is answered from it, not "
+        "computed. 0: off.",
+    )
+    answer_cache_entries: int = Field(
+        100_000, ge=1, description="The answer cache's bound: past it the oldest entries are deleted (an entry is a "
+        "few hundred bytes, more for a schema's answer).",
+    )
     dedup: bool = Field(
         True,
         description="Tickets encoded alike (the same token ids, the same schema) in one run are computed once "

@@ -1,7 +1,8 @@
 """A real worker in a fast precision, re-checked (TICKETQ_DTYPE=int8, TICKETQ_RECHECK on by default),
 on the tiny stand-in: every label is the float32 reference's, every result says which precision
-answered it, and /metrics counts the answers by precision, the re-checks, the bound and the
-duplicates computed once. The tiny stand-in's int8 error is large, so many tickets are re-checked."""
+answered it, and /metrics counts the answers by precision, the re-checks, the bound, the
+duplicates computed once and the answer cache's hits (TICKETQ_ANSWER_CACHE_S). The tiny
+stand-in's int8 error is large, so many tickets are re-checked."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def checked_worker(tiny_model_dir, tmp_path_factory):
     queue = f"checked-{uuid.uuid4().hex[:8]}"
     cache = tmp_path_factory.mktemp("cache")
     env = worker_env(tiny_model_dir, REDIS_URL, queue, TICKETQ_DTYPE="int8", TICKETQ_SHADOW_RATE="1",
-                     XDG_CACHE_HOME=str(cache))  # fmt: skip
+                     TICKETQ_ANSWER_CACHE_S="600", XDG_CACHE_HOME=str(cache))  # fmt: skip
     worker = Worker(env, tmp_path_factory.mktemp("logs") / "checked.log")
     try:
         worker.wait_ready(timeout=180)
@@ -39,34 +40,42 @@ def checked_worker(tiny_model_dir, tmp_path_factory):
 
 def test_a_rechecked_worker_answers_with_float32s_labels(checked_worker, tiny_engine):
     worker, queue, cache = checked_worker
-    texts = [t["text"] for t in generate_tickets(60, seed=31)]
-    tickets = [{"id": f"c{i}", "text": text} for i, text in enumerate(texts)]
-    # exact copies in one packed message: one job, so computed once
+    run = uuid.uuid4().hex[:8]  # texts of this run only: the answer cache outlives a run on the shared Redis
+    texts = [f"{t['text']} (ref {run})" for t in generate_tickets(60, seed=31)]
+    # exact copies in one packed message (one job): computed once, each answered under its own id
     copies = [{"id": f"copy{i}", "text": texts[0]} for i in range(5)]
+    tickets = [{"id": f"c{i}", "text": text} for i, text in enumerate(texts)]  # c0: in the answer cache by now
+    resent = [{"id": f"again{i}", "text": text} for i, text in enumerate(texts[:10])]  # all ten in the cache
     producer = Producer(Settings(broker_url=REDIS_URL, queue=queue))
     try:
-        results = producer.wait(producer.submit_many(tickets), timeout=TIMEOUT_S)
-        results += producer.wait(producer.submit_many(copies, pack=len(copies)), timeout=TIMEOUT_S)
+        results = producer.wait(producer.submit_many(copies, pack=len(copies)), timeout=TIMEOUT_S)
+        results += producer.wait(producer.submit_many(tickets), timeout=TIMEOUT_S)
+        results += producer.wait(producer.submit_many(resent), timeout=TIMEOUT_S)
     finally:
         producer.close()
     by_id = {r["id"]: r for r in results}
     assert {r["status"] for r in results} == {"ok"}
-    for ticket in [*tickets, *copies]:
+    for ticket in [*copies, *tickets, *resent]:
         result = by_id[ticket["id"]]
         assert result["label"] == tiny_engine.reference(ticket["text"]).label, ticket["id"]
         assert result["precision"] in ("int8", "float32") and result["rechecked"] == (result["precision"] == "float32")
-    rechecked = sum(r["rechecked"] for r in results)
-    assert 0 < rechecked < len(results)  # the tiny model's near-ties: some, not all
+    for ticket in resent:  # answered from the cache: the same answer
+        original = by_id[ticket["id"].replace("again", "c")]
+        assert {k: by_id[ticket["id"]][k] for k in ("label", "probs", "precision")} == {
+            k: original[k] for k in ("label", "probs", "precision")}
+    assert 0 < sum(r["rechecked"] for r in results) < len(results)  # the tiny model's near-ties: some, not all
 
     def counted():
         metrics = worker.metrics()
         answers = sum(v for k, v in metrics.items() if k.startswith("ticketq_answers_total{"))
-        return metrics if answers == len(results) else None  # every result, copies too
+        return metrics if answers == len(results) else None  # every result, copies and cached ones too
 
     metrics = wait_for(counted, 30, "every answer counted by precision")
-    # computations re-checked: the 60 tickets' and the copies' one
-    assert metrics["ticketq_rechecked_tickets_total{}"] == rechecked - (len(copies) - 1) * by_id["copy0"]["rechecked"]
+    computed = [by_id["copy0"], *(by_id[t["id"]] for t in tickets[1:])]  # what the engine computed
+    assert metrics["ticketq_rechecked_tickets_total{}"] == sum(r["rechecked"] for r in computed)
     assert metrics["ticketq_deduplicated_tickets_total{}"] == len(copies) - 1
+    assert metrics["ticketq_answer_cache_lookups_total{result=hit}"] == 1 + len(resent)
+    assert metrics["ticketq_answer_cache_lookups_total{result=miss}"] == len(copies) + len(tickets) - 1
     assert metrics["ticketq_precision_error_bound{precision=int8,schema=default}"] > 0
     info = next(k for k in metrics if k.startswith("ticketq_model_info{"))
     assert "dtype=int8" in info and "recheck=true" in info

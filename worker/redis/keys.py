@@ -34,6 +34,10 @@ in its message, <consumer> one consuming channel, host:pid:random):
 - `ticketq:attempts:<task>` (counter, TTL = result expiry) — deliveries of an unfinished message;
   bounds crash loops on poison tickets, deleted when the message is finished.
   `Outbox.count_deliveries`, `Outbox.publish`; `forget_message` (operator requeue).
+- `ticketq:answer:<digest>` (string, TTL TICKETQ_ANSWER_CACHE_S) and `ticketq:answers` (sorted set:
+  entry key -> write time, ms) — the answer cache, off unless TICKETQ_ANSWER_CACHE_S is set: a
+  ticket's answer by a digest of its canonical text, schema and model; at most
+  TICKETQ_ANSWER_CACHE_ENTRIES, the oldest deleted past it. worker.redis.answer_cache (answer_cache.lua).
 - `celery-task-meta-<task>` (string, also PUBLISHed) — Celery's result in Celery's own format:
   what `AsyncResult.get()` waits on. `store_successes`, `mark_failed`.
 - `ticketq:fetching:<consumer>:<queue>` (list) — a message between its pop and its unacked
@@ -61,4 +65,6 @@ REQUEUED_KEY = "ticketq:requeued"
 PUBLISH_CALL_KEY = "ticketq:publish:{call}"
 # Longer than any retrying of one call, and than TCP holds an unsent command (tcp_retries2: ~15 min).
 PUBLISH_CALL_TTL_S = 1800
+ANSWER_KEY = "ticketq:answer:{digest}"
+ANSWERS_INDEX = "ticketq:answers"
 CANCELLED = b"cancelled"  # a publish call's key when the call gave up before it ran (`Outbox.landed`)

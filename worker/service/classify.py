@@ -11,6 +11,7 @@ from ticketq.contract import Reason, TicketRejected
 from ticketq.errors import TicketqError
 from ticketq.schema import TicketFields
 from worker.results import Prediction
+from worker.service.answer_cache import CachedAnswers
 from worker.service.answers import raw_ticket
 from worker.service.hooks import Hook
 from worker.service.publish import Publisher
@@ -24,8 +25,10 @@ class PublishFailed(TicketqError, RuntimeError):
 
 
 class Classify:
-    def __init__(self, routing: Routing, publisher: Publisher, hooks: Hook, max_retries: int) -> None:
+    def __init__(self, routing: Routing, publisher: Publisher, hooks: Hook, max_retries: int,
+                 cached: CachedAnswers | None = None) -> None:  # fmt: skip
         self.routing, self.publisher, self.hooks, self.max_retries = routing, publisher, hooks, max_retries
+        self.cached = cached  # the answer cache, where TICKETQ_ANSWER_CACHE_S keeps computed answers
 
     def run(self, work: Work, slots: list[Slot], more: Callable[[], list] | None = None) -> None:
         """Classify `slots` (and what `more` adds to them between forwards) and publish their results."""
@@ -55,13 +58,16 @@ class Classify:
         if rest:
             self.answered(work, [s for s, _ in rest], [a for _, a in rest])
 
-    def answered(self, work: Work, slots: list[Slot], answers: list[Prediction | TicketFields]) -> None:
-        """One forward batch is computed: its results go out now."""
+    def answered(self, work: Work, slots: list[Slot], answers: list[Prediction | TicketFields],
+                 computed: bool = True) -> None:  # fmt: skip
+        """One forward batch is computed (or its answers were cached: not `computed`): its results go out now."""
         now, build = time.time(), self.publisher.answers.answer
         for slot, answer in zip(slots, answers, strict=True):
             slot.result = build(slot, answer, now)
             self.hooks.on_answer(slot, answer)
         self.publisher.publish(work, slots)
+        if computed and self.cached is not None:
+            self.cached.remember(slots, answers)
 
     def _give_up(self, work: Work, slot: Slot, attempt: int, exc: Exception) -> None:
         rejection = TicketRejected(Reason.ENGINE_ERROR, f"{type(exc).__name__}: {exc} (after {attempt} attempts)")

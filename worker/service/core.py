@@ -15,7 +15,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ticketq.dead_letters import dead_letter_bound
+from worker.redis.answer_cache import AnswerCache
 from worker.service.admission import Admission
+from worker.service.answer_cache import CachedAnswers
 from worker.service.answers import Answers
 from worker.service.classify import Classify
 from worker.service.failing import Defence
@@ -31,16 +33,19 @@ class TicketService:
     """One worker's pipeline: a classifier, the outbox its results go out through, and its hooks."""
 
     def __init__(self, settings: Settings, classifier: Classifier, outbox: Outbox,
-                 hooks: Iterable[Hook] = (), routing: Routing | None = None) -> None:  # fmt: skip
+                 hooks: Iterable[Hook] = (), routing: Routing | None = None,
+                 cache: AnswerCache | None = None) -> None:  # fmt: skip
         """`hooks` observe the pipeline (`worker.service.hooks`); `routing` the schemas served
-        (built from TICKETQ_SCHEMAS on `classifier` when not given)."""
+        (built from TICKETQ_SCHEMAS on `classifier` when not given); `cache` the answer cache
+        (TICKETQ_ANSWER_CACHE_S), None: every ticket computed."""
         self.settings, self.classifier, self.outbox = settings, classifier, outbox
         self.hooks = Hooks(hooks)
         self.routing = routing or Routing.of(classifier, settings)
         self.answers = Answers(settings, classifier)
         self.publisher = Publisher(outbox, self.answers, self.hooks, dead_letter_bound(settings.max_ticket_bytes))
         self.admission = Admission(settings, outbox, self.routing, self.publisher)
-        self.classify = Classify(self.routing, self.publisher, self.hooks, settings.max_retries)
+        self.cached = CachedAnswers(cache, self.routing, classifier, settings) if cache is not None else None
+        self.classify = Classify(self.routing, self.publisher, self.hooks, settings.max_retries, self.cached)
         self.defence = Defence(outbox, self.publisher, self.hooks, settings.worst_batch_s)
         self.job_limit = 4 * settings.effective_prefetch  # tickets one job takes in before it ends
 
@@ -90,7 +95,18 @@ class TicketService:
         slots to classify."""
         slots = self.admission.admit(work, requests)
         self.publisher.publish(work, [s for s in slots if s.result is not None])
-        return [s for s in slots if s.result is None]
+        return self._from_cache(work, [s for s in slots if s.result is None])
+
+    def _from_cache(self, work: Work, slots: list[Slot]) -> list[Slot]:
+        """Answer the slots the answer cache knows; the others, to compute."""
+        if self.cached is None or not slots:
+            return slots
+        known = self.cached.lookup(slots)
+        hits = [(slot, answer) for slot, answer in zip(slots, known, strict=True) if answer is not None]
+        self.hooks.on_cache_lookup(len(hits), len(slots) - len(hits))
+        if hits:
+            self.classify.answered(work, [slot for slot, _ in hits], [answer for _, answer in hits], computed=False)
+        return [slot for slot, answer in zip(slots, known, strict=True) if answer is None]
 
     def _arrivals(self, work: Work, slots: list[Slot], redelivered: list[Any]) -> Callable[[], list]:
         """The engine's `more`: requests that arrived during the last forward join `slots` (so the

@@ -34,6 +34,9 @@ class Hook:
     def on_answer(self, slot: Any, answer: Any) -> None:
         """The engine answered `slot`'s ticket (a `Prediction`, or `TicketFields` for a schema)."""
 
+    def on_cache_lookup(self, hits: int, misses: int) -> None:
+        """The answer cache was asked for tickets: `hits` answered from it, `misses` to compute."""
+
     def on_publish(self, seconds: float) -> None:
         """One publish (stream, backend, acks) is done, in `seconds`."""
 
@@ -75,6 +78,10 @@ class Hooks(Hook):
     def on_answer(self, slot: Any, answer: Any) -> None:
         for hook in self.hooks:
             hook.on_answer(slot, answer)
+
+    def on_cache_lookup(self, hits: int, misses: int) -> None:
+        for hook in self.hooks:
+            hook.on_cache_lookup(hits, misses)
 
     def on_publish(self, seconds: float) -> None:
         for hook in self.hooks:

@@ -40,6 +40,10 @@ class MetricsHook(Hook):
             for label in result.labels or ("none",):  # a multi-label field: each label chosen
                 self.metrics.field_answers.labels(schema=answer.schema, field=name, label=label, review=review).inc()
 
+    def on_cache_lookup(self, hits: int, misses: int) -> None:
+        self.metrics.answer_cache.labels(result="hit").inc(hits)
+        self.metrics.answer_cache.labels(result="miss").inc(misses)
+
     def on_publish(self, seconds: float) -> None:
         self.metrics.publish.observe(seconds)
 
