@@ -111,11 +111,22 @@ def report(
     table.add_row("forward batches", f"{batches:.0f} (mean {len(ok) / batches:.1f} tickets, {forward_s:.2f} s)"
                   if batches else "-")  # fmt: skip
     table.add_row("first result", _first(first_result_s, forward_s))
+    table.add_row("precision", _precision(ran, ok))
     table.add_row("labels", ", ".join(f"{k}={v}" for k, v in labels.most_common()))
     console.print(table)
     if ok and ok[0].get("standin"):
         console.print("[yellow]stand-in model: labels are meaningless; speed is real[/]")
     console.print(f"metrics were served at {url} (the demo worker has now stopped; `ticketq worker` keeps one up)")
+
+
+def _precision(ran: dict[str, str], ok: list[dict]) -> str:
+    """What answered: the precision TICKETQ_DTYPE=auto chose and, re-checked, the share computed again."""
+    dtype = ran.get("dtype", "?")
+    if ran.get("recheck") != "true":
+        return dtype + (" (exact)" if dtype == "float32" else " (unchecked: labels may differ from float32's)")
+    again = sum(bool(r.get("rechecked")) for r in ok)
+    share = f" ({again / len(ok):.1%})" if ok else ""
+    return f"{dtype}, re-checked in float32: {again} of {len(ok)} tickets computed again{share}; labels are float32's"
 
 
 def _first(first_result_s: float | None, forward_s: float | None) -> str:

@@ -410,3 +410,12 @@ def test_demo_report_names_the_dtype_and_the_time_to_first_result():
     assert "ticketq demo — m on cpu/bfloat16" in text
     assert "2 (mean 3.0 tickets, 1.00 s)" in text, text
     assert "1.25 s after the first send (a forward pass: 1.00 s on average)" in text, text
+    assert "bfloat16 (unchecked: labels may differ from float32's)" in text, text
+    # re-checked: the share computed again in float32, from the results
+    worker_metrics.model.info({"model": "m", "standin": "true", "dtype": "int8", "device": "cpu", "recheck": "true"})
+    metrics = parse_metrics(generate_latest(registry).decode())
+    results = [{"status": "ok", "label": "billing", "rechecked": i < 2} for i in range(8)]
+    console = Console(record=True, width=250)
+    report(console, results, 1.5, metrics, "http://127.0.0.1:1/metrics", "m", first_result_s=1.25)
+    assert "int8, re-checked in float32: 2 of 8 tickets computed again (25.0%); labels are float32's" in (
+        console.export_text())
