@@ -198,3 +198,32 @@ def test_the_real_probe_writes_the_verdict_the_next_start_reads(monkeypatch, cac
     assert entry["key"][1] == {"rows": 16, "in": 896, "out": 4864, "reps": 1, "threshold": kernels.BF16_MIN_SPEEDUP}
     not_measuring(monkeypatch, "bf16_gemm_ratio")
     assert kernels.bf16_matmul_speedup(rows=16, reps=1) == first
+
+
+def test_auto_rechecked_picks_the_fastest_precision_the_machine_has(monkeypatch, bf16_cpu):
+    """bfloat16 where it measures fast; else int8 where its GEMM does; else float32, unchecked."""
+    monkeypatch.setattr(kernels, "int8_available", lambda: True)
+    monkeypatch.setattr(kernels, "bf16_gemm_ratio", lambda rows=256, reps=3: 2.9)
+    not_measuring(monkeypatch, "int8_gemm_ratio")
+    assert kernels.resolve_precision("auto", CPU, "torch", recheck=True) == ("bfloat16", True)
+
+
+def test_auto_rechecked_takes_int8_where_bf16_is_slow_and_int8_fast(monkeypatch, cache_dir):
+    monkeypatch.setattr(kernels, "cpu_has_native_bf16", lambda: False)  # an AVX2 CPU
+    monkeypatch.setattr(kernels, "int8_available", lambda: True)
+    ratios = iter([2.05, 1.63, 2.32])  # the int8 GEMM ratios seen on a 2-core AVX2 EPYC
+    monkeypatch.setattr(kernels, "int8_gemm_ratio", lambda rows=256, reps=3, onednn=False: next(ratios))
+    assert kernels.resolve_precision("auto", CPU, "torch", recheck=True) == ("int8", True)
+    assert [p.name.split("-")[0] for p in cache_dir.glob("*.json")] == ["int8"]  # settled and cached
+
+
+def test_auto_keeps_float32_where_nothing_is_faster_and_never_int8_unchecked(monkeypatch):
+    monkeypatch.setattr(kernels, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(kernels, "int8_available", lambda: True)
+    monkeypatch.setattr(kernels, "int8_gemm_ratio", lambda rows=256, reps=3, onednn=False: 1.1)
+    assert kernels.resolve_precision("auto", CPU, "torch", recheck=True) == ("float32", False)
+    not_measuring(monkeypatch, "int8_gemm_ratio")
+    assert kernels.resolve_precision("auto", CPU, "torch", recheck=False) == ("float32", False)
+    assert kernels.resolve_precision("int8", CPU, "torch", recheck=True) == ("int8", True)
+    assert kernels.resolve_precision("int8", CPU, "torch", recheck=False) == ("int8", False)
+    assert kernels.resolve_precision("float32", CPU, "torch", recheck=True) == ("float32", False)

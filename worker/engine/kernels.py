@@ -210,16 +210,18 @@ def int8_gemm_ratio(rows: int = 256, reps: int = 3, onednn: bool = False) -> flo
     quantized.set_weight_bias(torch.quantize_per_channel(
         linear.weight, linear.weight.abs().amax(1) / 127, torch.zeros(INTERMEDIATE, dtype=torch.long), 0, torch.qint8
     ), None)  # fmt: skip
-    timings = []
-    for layer in (PackedLinear(linear) if onednn else linear, quantized):
-        layer(x)  # warm-up: kernel selection, packing
-        best = float("inf")
-        for _ in range(reps):
-            start = time.perf_counter()
-            layer(x)
-            best = min(best, time.perf_counter() - start)
-        timings.append(best)
-    return timings[0] / timings[1]
+    return _best_time(PackedLinear(linear) if onednn else linear, x, reps) / _best_time(quantized, x, reps)
+
+
+def _best_time(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, reps: int) -> float:
+    """The fastest of `reps` calls of `layer(x)`, after one to warm up (kernel selection, packing)."""
+    layer(x)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        layer(x)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 # oneDNN must beat torch's float32 GEMM by this much on the probe to be worth packing the weights.
@@ -317,17 +319,7 @@ def onednn_gemm_ratio(rows: int = 256, reps: int = 3) -> float:
     """One measurement: torch's float32 `linear` time / oneDNN's, the best of `reps` each."""
     x = torch.randn(rows, HIDDEN)
     linear = torch.nn.Linear(HIDDEN, INTERMEDIATE, bias=False).requires_grad_(False)
-    packed = PackedLinear(linear)
-    timings = []
-    for layer in (linear, packed):
-        layer(x)  # warm-up: kernel selection
-        best = float("inf")
-        for _ in range(reps):
-            start = time.perf_counter()
-            layer(x)
-            best = min(best, time.perf_counter() - start)
-        timings.append(best)
-    return timings[0] / timings[1]
+    return _best_time(linear, x, reps) / _best_time(PackedLinear(linear), x, reps)
 
 
 def resolve_matmul(name: str, device: torch.device, dtype: torch.dtype) -> str:
