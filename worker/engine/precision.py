@@ -16,8 +16,8 @@ computed again in float32 (`worker.engine.recheck`); every other label equals fl
 as no ticket's error exceeds the bound. The bound only widens: every re-checked ticket and every
 live shadow check measures the error again, and one larger than any measured widens it at once.
 
-Cost: the calibration runs CALIBRATION_TEXTS once in each precision, at the first start on a
-machine for a model, prompt and precision (the verdict is cached, `cache_dir("precision")`).
+Cost: the calibration runs `calibration_texts()` (32 tickets) once in each precision, at the first
+start on a machine for a model, prompt and precision (the verdict is cached, `cache_dir("precision")`).
 No torch here: answers are the engine's plain records.
 """
 
@@ -79,6 +79,13 @@ CALIBRATION_TEXTS = (
         "Thank you in advance, Marie Dupont, accounts payable"
     ),
 )
+
+
+def calibration_texts() -> list[str]:
+    """The calibration batch: CALIBRATION_TEXTS, then each followed by the next (longer tickets: a
+    low precision's error grows with the tokens it runs over)."""
+    texts = list(CALIBRATION_TEXTS)
+    return texts + [f"{a}\n\n{b}" for a, b in zip(texts, texts[1:] + texts[:1], strict=True)]
 
 
 def _log_probs(probs: dict[str, float]) -> dict[str, float]:
@@ -179,9 +186,10 @@ class ErrorBound:
 
 
 def calibrate(precision: str, fast: Callable[[Sequence[str]], list], exact: Callable[[Sequence[str]], list],
-              texts: Iterable[str] = CALIBRATION_TEXTS) -> tuple[float, int]:  # fmt: skip
-    """(largest decision error, tickets) of `fast` against `exact` over `texts` (each a batch classifier)."""
-    texts = list(texts)
+              texts: Iterable[str] | None = None) -> tuple[float, int]:  # fmt: skip
+    """(largest decision error, tickets) of `fast` against `exact` over `texts` (default: `calibration_texts`),
+    each a batch classifier."""
+    texts = list(texts) if texts is not None else calibration_texts()
     started = time.perf_counter()
     errors = [decision_error(f, e) for f, e in zip(fast(texts), exact(texts), strict=True)]
     log.info("%s calibrated against float32 on %d tickets in %.1fs: largest decision error %.3g",
