@@ -63,10 +63,13 @@ def send_and_collect(producer: Producer, tickets: list[dict], rejected: int, opt
     """Send; with --wait or --out also collect and print the summary table.
 
     Ctrl-C while sending, or Redis lost for longer than --retry-for or refusing the writes, gives a
-    row for each ticket (`stopped_send`); Ctrl-C, --timeout or Redis lost while waiting, a `pending`
-    row for each ticket still without a result: `--resume` goes on from any of them.
+    row for each ticket (`stopped_send`); Ctrl-C once the send is done (its line still being printed,
+    or the wait), --timeout or Redis lost while waiting, a `pending` row for each ticket still
+    without a result: `--resume` goes on from any of them.
     """
-    settings = producer.settings
+    waiting = options.wait or options.out
+    collected = Collected()
+    interrupted, lost = False, ""
     started = time.monotonic()
     try:
         sent = producer.submit_many(tickets, pack=options.pack, progress=options.progress,
@@ -76,29 +79,20 @@ def send_and_collect(producer: Producer, tickets: list[dict], rejected: int, opt
     except SendStopped as stop:
         error(with_flags(str(stop)))
         return stopped_send(producer, tickets, stop, options, "Redis stopped the send")
-    elapsed = time.monotonic() - started
-    before = [result for result in sent if result.sent_before]
-    now = len(tickets) - sum(len(result.ticket_ids) for result in before)
-    again = f"; {len(tickets) - now} sent before, not sent again" if before else ""
-    out_console.print(
-        f"enqueued {now} tickets in {len(sent) - len(before)} messages to queue '{settings.queue}' at "
-        f"{mask_url(settings.broker_url)} in {elapsed:.2f} s ({now / max(elapsed, 1e-9):,.0f} tickets/s){again}; "
-        f"queue depth now {depth(producer)}",
-        highlight=False,
-        markup=False,
-    )
-    if not (options.wait or options.out):
-        return Outcome(None)
-
-    collected = Collected()
-    interrupted, lost = False, ""
     try:
+        # The enqueue line inside the try: a Ctrl-C that answers it can come while it is still being
+        # printed (the process preempted just after its write), and must find the rows as in the wait.
+        print_enqueued(producer, tickets, sent, time.monotonic() - started)
+        if not waiting:
+            return Outcome(None)
         results = producer.wait(sent, timeout=options.timeout, progress=options.progress, on_result=collected.add,
                                 resend_after=options.resend_after)  # fmt: skip
     except WaitStopped as stop:
         error(with_flags(str(stop)))
         results, lost = stop.results, f"Redis not reachable for {options.retry_for:g} s while waiting"
     except KeyboardInterrupt:
+        if not waiting:  # every ticket was sent, and none is waited for
+            return Outcome(None, interrupted=True)
         interrupted = True
         seen = {row.get("task_id") for row in collected.results}
         # Answers stored before the Ctrl-C that the wait had not read yet: one quick read, then pending.
@@ -147,6 +141,21 @@ def stopped_send(producer: Producer, tickets: list[dict], stop: SendInterrupted 
     if isinstance(stop, SendStopped) and not sure:
         status = EXIT_UNUSABLE
     return Outcome(rows if waiting else None, line, interrupted=isinstance(stop, SendInterrupted), status=status)
+
+
+def print_enqueued(producer: Producer, tickets: list[dict], sent: list[TicketResult], elapsed: float) -> None:
+    """The line saying what the send did: how many tickets, how fast, and how deep the queue is now."""
+    settings = producer.settings
+    before = [result for result in sent if result.sent_before]
+    now = len(tickets) - sum(len(result.ticket_ids) for result in before)
+    again = f"; {len(tickets) - now} sent before, not sent again" if before else ""
+    out_console.print(
+        f"enqueued {now} tickets in {len(sent) - len(before)} messages to queue '{settings.queue}' at "
+        f"{mask_url(settings.broker_url)} in {elapsed:.2f} s ({now / max(elapsed, 1e-9):,.0f} tickets/s){again}; "
+        f"queue depth now {depth(producer)}",
+        highlight=False,
+        markup=False,
+    )
 
 
 def depth(producer: Producer) -> str:

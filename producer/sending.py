@@ -42,19 +42,24 @@ class Sender:
         pipeline failed on a lost connection is sent again whole once Redis answers, under the
         same task ids (fixed here, before the first try): at worst a duplicate, published once.
         """
-        task_ids = [task_id or str(uuid.uuid4()) for task_id in task_ids]
-        results: list[TicketResult] = []
-        with tqdm(total=sum(map(len, chunks)), unit="ticket", desc="enqueue", disable=not progress) as bar:
-            for first in range(0, len(chunks), PUBLISH_BATCH):
-                block = range(first, min(first + PUBLISH_BATCH, len(chunks)))
-                results += self._send_block([chunks[i] for i in block], [task_ids[i] for i in block], packed, results)
-                bar.update(sum(len(chunks[index]) for index in block))
-        return results
+        sent: list[TicketResult] = []
+        try:
+            task_ids = [task_id or str(uuid.uuid4()) for task_id in task_ids]
+            with tqdm(total=sum(map(len, chunks)), unit="ticket", desc="enqueue", disable=not progress) as bar:
+                for first in range(0, len(chunks), PUBLISH_BATCH):
+                    block = range(first, min(first + PUBLISH_BATCH, len(chunks)))
+                    self._send_block([chunks[i] for i in block], [task_ids[i] for i in block], packed, sent)
+                    bar.update(sum(len(chunks[index]) for index in block))
+        except SendInterrupted:
+            raise
+        except KeyboardInterrupt:  # between two pipelines: Redis took `sent`, and nothing else
+            raise SendInterrupted(sent, []) from None
+        return sent
 
-    def _send_block(self, chunks: list, task_ids: list[str], packed: bool, before: list[TicketResult]
-                    ) -> list[TicketResult]:  # fmt: skip
-        """One pipeline of messages, tried again through an outage (`Outage`, up to `retry_for_s`);
-        `before`: what the run sent so far, for the exceptions that say so."""
+    def _send_block(self, chunks: list, task_ids: list[str], packed: bool, sent: list[TicketResult]) -> None:
+        """One pipeline of messages, tried again through an outage (`Outage`, up to `retry_for_s`),
+        added to `sent` (what the run sent so far, which the exceptions that stop it carry) once
+        Redis took it: here, so that no Ctrl-C falls between the flush and the count."""
         outage = Outage("sending", None, self.retry_for_s, refusals=False)
         maybe: list[TicketResult] = []  # the most of the block any try handed to Redis
         try:
@@ -66,17 +71,19 @@ class Sender:
                             attempted.append(self.send(chunk, packed, kombu_producer, task_id))
                             maybe = max(maybe, attempted, key=len)
                     outage.over()
-                    return attempted
+                    sent.extend(attempted)
+                    return
                 except (*CONNECTION_ERRORS, *BATCH_ERRORS) as exc:  # a pipeline flushed at the end of the block
                     self.broker.checked = False
                     if len(attempted) < len(chunks):  # the message whose publish met the error flushed the pipeline
                         at = len(attempted)
                         maybe = max(maybe, [*attempted, self.result_of(task_ids[at], chunks[at], packed)], key=len)
-                    error = self.broker.unreachable(exc, sent=len(before))
+                    error = self.broker.unreachable(exc, sent=len(sent))
                     if not outage.ride_out(error, raises=False):
-                        raise SendStopped(error, before, maybe) from None
+                        raise SendStopped(error, sent, maybe) from None
         except KeyboardInterrupt:
-            raise SendInterrupted(before, maybe) from None
+            taken = {result.id for result in sent}  # a Ctrl-C just after the block was counted: it is not a maybe
+            raise SendInterrupted(sent, [result for result in maybe if result.id not in taken]) from None
 
     def send(self, tickets: Sequence[Checked], packed: bool, producer: object = None,
              task_id: str | None = None) -> TicketResult:  # fmt: skip

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from commands import sigint_as_in_a_terminal
 from workers import ROOT, RedisServer, Worker, free_port, wait_for, worker_env
 
 from producer.api import Producer
@@ -50,7 +51,8 @@ def workers(tmp_path) -> Iterator[Callable[[RedisServer], Worker]]:
 
 
 class Produce:
-    """`ticketq-produce ARGS` in its own process, stdout and stderr to files the test can watch."""
+    """`ticketq-produce ARGS` in its own process, stdout and stderr to files the test can watch; SIGINT
+    is Ctrl-C."""
 
     def __init__(self, tmp_path: Path, server: RedisServer, *args: str, env: dict[str, str] | None = None) -> None:
         """`server`: anything with a broker `url` (a `SentinelSet` too); `env`: more settings."""
@@ -59,7 +61,8 @@ class Produce:
         self.stdout_path, self.stderr_path = tmp_path / "produce.out", tmp_path / "produce.err"
         with self.stdout_path.open("wb") as out, self.stderr_path.open("wb") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "producer.cli", *args, "--no-progress"],
-                                         env=env, cwd=ROOT, stdout=out, stderr=err)  # fmt: skip
+                                         env=env, cwd=ROOT, stdout=out, stderr=err,
+                                         preexec_fn=sigint_as_in_a_terminal)  # fmt: skip
 
     @property
     def stdout(self) -> str:
@@ -171,7 +174,7 @@ def test_sigint_while_waiting_writes_pending_rows_and_a_rerun_sends_nothing_twic
     produce.wait_output("enqueued 300 tickets in 300 messages", 60)
     assert "300 sent before, not sent again" in produce.stdout
     assert client.llen(QUEUE) == 300
-    produce.proc.send_signal(signal.SIGINT)
+    produce.proc.send_signal(signal.SIGINT)  # the enqueue line is printed where a Ctrl-C already gives the rows
     assert produce.finish(30) == 130, produce.stderr
     assert statuses(out) == {"ok": 300, "pending": 300}
     pending = [row for row in rows(out) if row["status"] == "pending"]

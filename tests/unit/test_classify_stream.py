@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from commands import engine_env, run
+from commands import engine_env, run, sigint_as_in_a_terminal
 
 from producer.synthetic import generate_tickets
 from producer.ticketfile import read_tickets
@@ -39,11 +39,12 @@ def stream_env(model_dir: Path, **extra: str) -> dict[str, str]:
 
 
 def start(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
-    """`ticketq classify ARGS` in the background, with the environment `run` gives it."""
+    """`ticketq classify ARGS` in the background, with the environment `run` gives it; SIGINT is Ctrl-C."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
     clean.update({"PYTHONUNBUFFERED": "1", "COLUMNS": "80", **env})
     return subprocess.Popen([sys.executable, "-m", "ticketq_cli.cli", "classify", *args], env=clean, cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_as_in_a_terminal)  # fmt: skip
 
 
 def wait_for(condition, process: subprocess.Popen, timeout: float = 120.0, every: float = 0.02):
