@@ -58,7 +58,7 @@ modes (run in this order on the same tickets, round after round):
                  float32)
   ticketq-bf16   the same in bfloat16, unchecked (inexact)
   ticketq-int8   the same, decoder linear layers in dynamic int8, unchecked
-                 (inexact, CPU; TICKETQ_DTYPE=int8 TICKETQ_RECHECK=false)
+                 (inexact, CPU; TICKETQ_DTYPE=int8 TICKETQ_RECHECK=never)
   ticketq-nodedup
                  ticketq computing every ticket, duplicates too
                  (TICKETQ_DEDUP=false; see --duplicates)

@@ -111,7 +111,7 @@ def _settings(options: Options, console: Console):
     overrides = {
         "model": options.model,
         "dtype": options.dtype or "float32",
-        "recheck": False,
+        "recheck": "never",
         "device": options.device,
         "threads": options.threads,
         "max_batch_tokens": options.max_batch_tokens,

@@ -48,12 +48,14 @@ class Settings(ClientSettings):
         "without it, auto never picks int8. int8: the decoder's linear layers in dynamic int8 (per-channel "
         "weights, the MLP down projection kept float32, 8-bit activations on AVX512-VNNI).",
     )
-    recheck: bool = Field(
-        True,
+    recheck: Literal["auto", "always", "never"] = Field(
+        "auto",
         description="With a fast precision (bfloat16, float16, int8): compute again in float32 every ticket whose "
-        "answer could differ from float32's (a decision gap within the error bound measured at the first start "
-        "on a machine, cached in ~/.cache/ticketq/precision), so every label is float32's. The float32 copy of the "
-        "model costs memory (none more for int8). Off: the fast precision's answers as they come (inexact).",
+        "answer could differ from float32's (a decision gap within the error bound measured at the first start on "
+        "a machine, cached in ~/.cache/ticketq/precision), so every label is float32's. auto: only where that "
+        "calibration predicts the checked answers >= 1.1x float32's speed, and while the live re-check share keeps "
+        "them faster; else float32. always: whatever it predicts. never: the fast precision's answers as they come "
+        "(inexact). The float32 copy of the model costs memory (none more for int8). true/false mean auto/never.",
     )
     answer_cache_s: float = Field(
         0.0, ge=0, description="Keep each computed answer in Redis this many seconds, keyed by a hash of the "
@@ -141,6 +143,16 @@ class Settings(ClientSettings):
         False, description="Start on a Redis whose maxmemory-policy evicts keys (it can drop queued tickets, "
         "unacked messages and results without a word); the safe policy is noeviction."
     )
+
+    @field_validator("recheck", mode="before")
+    @classmethod
+    def _recheck_words(cls, value: Any) -> Any:
+        """true/false (and 1/0, yes/no, on/off) as a switch is written: auto and never."""
+        words = {"true": "auto", "1": "auto", "yes": "auto", "on": "auto",
+                 "false": "never", "0": "never", "no": "never", "off": "never"}  # fmt: skip
+        if isinstance(value, bool):
+            return "auto" if value else "never"
+        return words.get(value.strip().lower(), value) if isinstance(value, str) else value
 
     @field_validator("schemas")
     @classmethod

@@ -28,7 +28,8 @@ def checked_worker(tiny_model_dir, tmp_path_factory):
     redis_or_skip(REDIS_URL)
     queue = f"checked-{uuid.uuid4().hex[:8]}"
     cache = tmp_path_factory.mktemp("cache")
-    env = worker_env(tiny_model_dir, REDIS_URL, queue, TICKETQ_DTYPE="int8", TICKETQ_SHADOW_RATE="1",
+    env = worker_env(tiny_model_dir, REDIS_URL, queue, TICKETQ_DTYPE="int8", TICKETQ_RECHECK="always",
+                     TICKETQ_SHADOW_RATE="1",
                      TICKETQ_ANSWER_CACHE_S="600", XDG_CACHE_HOME=str(cache))  # fmt: skip
     worker = Worker(env, tmp_path_factory.mktemp("logs") / "checked.log")
     try:

@@ -17,10 +17,11 @@ from worker.engine.cost import CostModel
 from worker.engine.precision import (
     FLOOR,
     SAFETY,
+    Calibration,
     ErrorBound,
     decision_error,
     decision_gap,
-    load_bound,
+    load_calibration,
 )
 from worker.engine.prompt import EncodedTicket
 from worker.engine.scheduler import DEFER_FORWARDS, PlannedRun, Ticketed, Unsettled
@@ -78,9 +79,16 @@ def test_the_bound_only_widens_and_is_saved_at_once(tmp_path):
     assert not bound.unsettled(prediction(normalised({"a": 0.25, "b": 0.0})))
     assert not bound.observe(0.05, "test") and bound.measured == 0.1  # smaller: kept
     assert bound.observe(0.3, "test") and bound.bound == pytest.approx(0.3 * SAFETY)
-    assert load_bound(path) == (0.3, 18)
+    assert load_calibration(path) == Calibration(0.3, 18, 0.0, 0.0)
     assert not bound.observe(math.nan, "test")
     assert ErrorBound("bfloat16", 0.0, 1).bound == FLOOR  # never under float32's own rounding
+
+
+def test_the_predicted_gain_counts_each_recheck_as_a_float32_answer():
+    assert Calibration(0.1, 32, 2.0, 0.0).gain == pytest.approx(2.0)
+    assert Calibration(0.1, 32, 2.0, 0.5).gain == pytest.approx(1.0)  # break-even: half re-checked at 2x
+    assert Calibration(0.1, 32, 1.36, 0.525).gain == pytest.approx(0.79, abs=0.01)  # int8 on the AVX2 stand-in
+    assert Calibration(0.1, 32, 0.0, 0.0).gain == 0.0  # not timed: never served
 
 
 def test_the_bound_is_widened_safely_from_two_threads(tmp_path):

@@ -36,7 +36,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def checked(tiny_settings, dtype: str = "int8", **changes) -> Engine:
-    return Engine.from_settings(tiny_settings.model_copy(update={"dtype": dtype, "recheck": True, **changes}))
+    return Engine.from_settings(tiny_settings.model_copy(update={"dtype": dtype, "recheck": "always", **changes}))
 
 
 @pytest.fixture
@@ -117,15 +117,45 @@ def test_every_field_of_a_schema_is_checked(cache, tmp_path, tiny_settings, tiny
 
 
 def test_off_the_fast_precision_answers_as_it_comes(cache, tiny_settings, texts):
-    engine = Engine.from_settings(tiny_settings.model_copy(update={"dtype": "int8", "recheck": False}))
+    engine = Engine.from_settings(tiny_settings.model_copy(update={"dtype": "int8", "recheck": "never"}))
     assert engine.recheck is None and not engine.info.recheck
     assert not any(isinstance(a, Unsettled) or a.rechecked for a in engine.classify(texts)[0])
     assert not list(cache.glob("*.json"))  # nothing measured
 
 
 def test_float32_is_never_rechecked(cache, tiny_settings):
-    assert Engine.from_settings(tiny_settings.model_copy(update={"recheck": True})).recheck is None
+    assert Engine.from_settings(tiny_settings.model_copy(update={"recheck": "always"})).recheck is None
 
 
-def test_settings_default_to_rechecked_and_deduplicated():
-    assert Settings.model_fields["recheck"].default is True and Settings.model_fields["dedup"].default is True
+def test_settings_default_to_rechecked_where_it_pays_and_deduplicated():
+    assert Settings.model_fields["recheck"].default == "auto" and Settings.model_fields["dedup"].default is True
+    assert [Settings(recheck=word).recheck for word in ("true", "0", "off", "always")] == [
+        "auto", "never", "never", "always"]
+
+
+@pytest.mark.parametrize(("speed", "share", "served"), [(3.0, 0.2, "int8"), (1.36, 0.52, "float32"),
+                                                        (1.05, 0.0, "float32")])
+def test_auto_serves_the_fast_precision_only_where_its_calibration_says_it_pays(cache, tiny_settings, monkeypatch,
+                                                                               speed, share, served):  # fmt: skip
+    """A fast precision 1.36x float32's with half its tickets re-checked runs at 0.81x: float32 is served."""
+    from worker.engine import recheck
+    from worker.engine.precision import Calibration
+
+    monkeypatch.setattr(recheck, "calibrate", lambda *args, **kwargs: Calibration(0.1, 32, speed, share))
+    engine = Engine.from_settings(tiny_settings.model_copy(update={"dtype": "int8", "recheck": "auto"}))
+    assert engine.precision == served and (engine.recheck is not None) == (served == "int8")
+
+
+def test_a_live_share_that_makes_the_check_cost_more_than_it_saves_turns_it_off(cache, tiny_settings, texts,
+                                                                                monkeypatch, caplog):  # fmt: skip
+    from worker.engine import recheck
+
+    monkeypatch.setattr(recheck, "LIVE_WINDOW", 40)
+    engine = checked(tiny_settings)
+    engine.recheck.bound.speed = 1.2  # break-even at 1/6 of the answers re-checked; the tiny model has more
+    with caplog.at_level(logging.WARNING, logger="worker.engine.recheck"):
+        answers, _ = engine.classify(texts)
+    assert not engine.recheck.pays and "answering in float32 from now on" in caplog.text
+    later, _ = engine.classify(texts[:20])
+    assert {a.precision for a in later} == {"float32"} and not any(a.rechecked for a in later)
+    assert [a.label for a in answers[:20]] == [a.label for a in later]

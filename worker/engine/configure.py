@@ -47,7 +47,7 @@ def load_configured(settings: Settings):
     if settings.threads:
         torch.set_num_threads(settings.threads)
     device = resolve_device(settings.device)
-    precision, recheck = resolve_precision(settings.dtype, device, settings.matmul, settings.recheck)
+    precision, recheck = resolve_precision(settings.dtype, device, settings.matmul, settings.recheck != "never")
     int8 = precision == INT8
     if int8 and device.type != "cpu":
         raise ValueError(f"TICKETQ_DTYPE=int8 runs on the CPU only (torch's dynamic int8 kernels), not {device}")
@@ -70,7 +70,7 @@ def load_configured(settings: Settings):
         log.info("dtype %s, re-checked: answers within its measured error bound are computed again in float32 "
                  "(TICKETQ_RECHECK), so the labels are float32's", precision)  # fmt: skip
     elif int8 or precision in ("bfloat16", "float16"):
-        log.warning("dtype %s unchecked (TICKETQ_RECHECK=false): the batched path is INEXACT; the reference stays "
+        log.warning("dtype %s unchecked (TICKETQ_RECHECK=never): the batched path is INEXACT; the reference stays "
                     "%s", precision, "float32" if int8 else precision)  # fmt: skip
     info = ModelInfo(settings.model, standin, str(device), precision, matmul, recheck=recheck)
     return model, tokenizer, info, exact

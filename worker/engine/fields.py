@@ -172,6 +172,8 @@ class FieldsEngine:
     @torch.inference_mode()
     def forward_batch(self, tickets: Sequence[EncodedTicket], width: int | None = None) -> list[TicketFields]:
         """One forward over `tickets` (shared part + every segment) right-padded to `width`, after the cached prefix."""
+        if self.recheck is not None and not self.recheck.pays:  # the re-checks cost more than they saved
+            return self.recheck.exact.forward_batch(tickets, width)
         device, P = self.device, self.prefix_len
         shared = torch.tensor([len(e.ids) for e in tickets], device=device)  # (B,)
         lengths = shared + len(self.segment_ids)  # (B,)

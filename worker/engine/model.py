@@ -80,6 +80,7 @@ class Engine:
         self.dedup = dedup  # a run computes duplicate tickets once (TICKETQ_DEDUP)
         self.recheck: Recheck | None = None  # the float32 twin of a fast precision (`check_with`)
         self.bounds: dict[str, ErrorBound] = {}  # schema name -> its runner's error bound, where re-checked
+        self._force_recheck = False  # re-checked whatever the calibration predicts (TICKETQ_RECHECK=always)
         self.float_decoder = model.get_decoder()  # the prefix cache is computed once, exactly, in float32
         self.decoder = quantize_linears_int8(self.float_decoder) if int8 else self.float_decoder
         # the batches' forward with the elementwise work inside oneDNN's GEMMs, where the weights
@@ -116,15 +117,21 @@ class Engine:
         if exact_model is not None:
             exact = cls(exact_model, tokenizer, info=replace(info, dtype="float32", recheck=False), cost=cost(),
                         **options)  # fmt: skip
-            engine.check_with(exact)
+            # float32 where the check would not pay (TICKETQ_RECHECK=auto)
+            return engine if engine.check_with(exact, force=settings.recheck == "always") else exact
         return engine
 
-    def check_with(self, exact: Engine) -> None:
+    def check_with(self, exact: Engine, force: bool = False) -> bool:
         """Re-check in `exact` (this model's float32 twin) every answer within this precision's error
-        bound, measured now or cached for this machine (`recheck.attach_recheck`)."""
+        bound, measured now or cached for this machine (`recheck.attach_recheck`). False (and this
+        engine left unchecked) where the calibration predicts it would not pay, unless `force`."""
         prompt = self.prompt
         key = [*prompt.prefix_ids, -1, *prompt.suffix_ids, -1, *sorted(prompt.trie.branches)]
-        self.bounds[self._own_schema] = attach_recheck(self, exact, self.precision, key, {}).bound
+        recheck = attach_recheck(self, exact, self.precision, key, {}, force)
+        self._force_recheck = force  # the schemas compiled later are held to the same rule
+        if recheck is not None:
+            self.bounds[self._own_schema] = recheck.bound
+        return recheck is not None
 
     def error_bounds(self) -> dict[str, tuple[str, float]]:
         """Each re-checked runner's (precision, bound) by schema name (the metrics read it)."""
@@ -178,11 +185,14 @@ class Engine:
     def compile(self, schema: Schema) -> FieldsEngine:
         """A new `FieldsEngine` for `schema` on this model, re-checked by the float32 twin's where this engine is."""
         runner = FieldsEngine(self, schema)
-        if self.recheck is not None:
-            exact = self.recheck.exact.compile(schema)
-            self.bounds[schema.name] = attach_recheck(
-                runner, exact, self.precision, [*runner.prompt.prefix_ids, -1, *runner.segment_ids], selects_of(schema)
-            ).bound
+        if self.recheck is None:
+            return runner
+        exact = self.recheck.exact.compile(schema)
+        key = [*runner.prompt.prefix_ids, -1, *runner.segment_ids]
+        recheck = attach_recheck(runner, exact, self.precision, key, selects_of(schema), self._force_recheck)
+        if recheck is None:  # the check would not pay for this schema: float32 answers it
+            return exact
+        self.bounds[schema.name] = recheck.bound
         return runner
 
     # ----- the model: prefix cache, batched decode, last-position logits --------------------
@@ -255,6 +265,8 @@ class Engine:
     @torch.inference_mode()
     def forward_batch(self, rows: Sequence[EncodedTicket], width: int | None = None) -> list[Prediction]:
         """One forward pass over `rows` right-padded to `width`, after the cached prefix."""
+        if self.recheck is not None and not self.recheck.pays:  # the re-checks cost more than they saved
+            return self.recheck.exact.forward_batch(rows, width)
         lengths = torch.tensor([len(r.ids) for r in rows], device=self.device)  # (B,)
         width = width or int(lengths.max())
         ids = padded_ids([row.ids for row in rows], width, self.pad_id, self.device)  # (B, W)

@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ticketq.schema import TicketFields
 from worker.results import Prediction
@@ -151,10 +151,12 @@ class ErrorBound:
     """
 
     def __init__(self, precision: str, measured: float, samples: int, path: Path | None = None,
-                 on_change: Callable[[ErrorBound], None] | None = None) -> None:  # fmt: skip
+                 on_change: Callable[[ErrorBound], None] | None = None, speed: float = 0.0,
+                 share: float = 0.0) -> None:  # fmt: skip
         self.precision = precision
         self.measured = measured
         self.samples = samples  # tickets measured so far (calibration and live)
+        self.speed, self.share = speed, share  # the calibration's (`Calibration`)
         self.path = path
         self.on_change = on_change
         self._lock = threading.Lock()
@@ -185,34 +187,65 @@ class ErrorBound:
         return True
 
 
+class Calibration(NamedTuple):
+    """A fast precision against float32 on the calibration batch."""
+
+    measured: float  # the largest decision error
+    samples: int  # tickets measured
+    speed: float  # the fast precision's items/s over float32's
+    share: float  # the tickets whose gap is within the bound (SAFETY x measured): computed twice
+
+    @property
+    def gain(self) -> float:
+        """The re-checked precision's items/s over float32's, predicted: every ticket at the fast speed,
+        the share again in float32."""
+        return expected_gain(self.speed, self.share)
+
+
+def expected_gain(speed: float, share: float) -> float:
+    return 1.0 / (1.0 / speed + share) if speed > 0 else 0.0
+
+
 def calibrate(precision: str, fast: Callable[[Sequence[str]], list], exact: Callable[[Sequence[str]], list],
-              texts: Iterable[str] | None = None) -> tuple[float, int]:  # fmt: skip
-    """(largest decision error, tickets) of `fast` against `exact` over `texts` (default: `calibration_texts`),
-    each a batch classifier."""
+              selects: dict[str, float] | None = None, texts: Iterable[str] | None = None) -> Calibration:  # fmt: skip
+    """`fast` (a batch classifier) against `exact` over `texts` (default: `calibration_texts`), each
+    timed after a warm-up on two tickets."""
     texts = list(texts) if texts is not None else calibration_texts()
+    fast(texts[:2]), exact(texts[:2])  # warm-up: kernel selection, oneDNN primitives
     started = time.perf_counter()
-    errors = [decision_error(f, e) for f, e in zip(fast(texts), exact(texts), strict=True)]
-    log.info("%s calibrated against float32 on %d tickets in %.1fs: largest decision error %.3g",
-             precision, len(texts), time.perf_counter() - started, max(errors))  # fmt: skip
-    return max(errors), len(errors)
+    answers = fast(texts)
+    between = time.perf_counter()
+    reference = exact(texts)
+    ended = time.perf_counter()
+    measured = max(decision_error(f, e) for f, e in zip(answers, reference, strict=True))
+    bound = max(measured * SAFETY, FLOOR)
+    share = sum(decision_gap(a, selects) < bound for a in answers) / len(answers)
+    calibration = Calibration(measured, len(texts), (ended - between) / max(between - started, 1e-9), share)
+    log.info("%s calibrated against float32 on %d tickets in %.1fs: largest decision error %.3g, %.2fx float32's "
+             "speed, %.0f%% within the bound: re-checked, %.2fx float32's speed predicted", precision, len(texts),
+             ended - started, measured, calibration.speed, 100 * share, calibration.gain)  # fmt: skip
+    return calibration
 
 
-def load_bound(path: Path) -> tuple[float, int] | None:
-    """(measured, samples) cached at `path`, or None (absent, unreadable)."""
+def load_calibration(path: Path) -> Calibration | None:
+    """The calibration cached at `path`, or None (absent, unreadable, or from before it was timed)."""
     try:
         entry = json.loads(path.read_text(encoding="utf-8"))
-        measured, samples = float(entry["measured"]), int(entry["samples"])
+        calibration = Calibration(float(entry["measured"]), int(entry["samples"]), float(entry["speed"]),
+                                  float(entry["share"]))  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return (measured, samples) if math.isfinite(measured) and measured >= 0 else None
+    return calibration if all(math.isfinite(x) and x >= 0 for x in calibration) else None
 
 
 def save_bound(path: Path, bound: ErrorBound) -> None:
-    """Write the bound's measurement atomically; never raises (a read-only cache only costs a calibration)."""
+    """Write the bound's measurement (and its calibration's speed and share) atomically; never raises
+    (a read-only cache only costs a calibration at the next start)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-        entry = {"precision": bound.precision, "measured": bound.measured, "samples": bound.samples, "at": time.time()}
+        entry = {"precision": bound.precision, "measured": bound.measured, "samples": bound.samples,
+                 "speed": bound.speed, "share": bound.share, "at": time.time()}  # fmt: skip
         partial.write_text(json.dumps(entry), encoding="utf-8")
         partial.replace(path)
     except OSError as exc:

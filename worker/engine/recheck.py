@@ -29,13 +29,22 @@ from worker.engine.precision import (
     bound_key_digest,
     calibrate,
     decision_error,
-    load_bound,
+    expected_gain,
+    load_calibration,
     save_bound,
 )
 from worker.engine.prompt import EncodedTicket
 from worker.engine.scheduler import Unsettled
 
 log = logging.getLogger(__name__)
+
+
+# The calibration must predict re-checked answers at least this much faster than float32's for a
+# fast precision to be served at all (the re-checks' batching and the float32 copy cost something).
+MIN_GAIN = 1.1
+# Served, the re-check share is judged again every LIVE_WINDOW answers: past the break-even share
+# (re-checked answers no faster than float32's) the runner answers in float32 until it restarts.
+LIVE_WINDOW = 500
 
 
 class Recheck:
@@ -47,6 +56,8 @@ class Recheck:
         self.exact = exact  # the float32 runner (an Engine or a FieldsEngine on the float32 model)
         self.bound = bound
         self.selects = selects or {}  # multi-label fields' select thresholds, for their decision gaps
+        self.pays = True  # False once a window's re-check share made the fast precision slower than float32
+        self._window = [0, 0]  # answers screened, unsettled among them, since the last judgement
 
     @property
     def max_batch_tokens(self) -> int:
@@ -64,29 +75,52 @@ class Recheck:
 
     def screen(self, answers: list) -> list:
         """The fast runner's answers, each within the bound wrapped as `Unsettled` for this twin."""
-        return [Unsettled(a, self) if self.bound.unsettled(a, self.selects) else a for a in answers]
+        screened = [Unsettled(a, self) if self.bound.unsettled(a, self.selects) else a for a in answers]
+        self._judge(len(answers), sum(isinstance(a, Unsettled) for a in screened))
+        return screened
 
     def settle(self, fast: Any, exact: Any) -> Any:
         """The ticket's answer: float32's, marked re-checked; their difference is measured."""
         self.bound.observe(decision_error(fast, exact), "re-check")
         return replace(exact, rechecked=True)
 
+    def _judge(self, answered: int, unsettled: int) -> None:
+        """Every LIVE_WINDOW answers: stop paying for a fast precision whose re-checks cost more than it saves."""
+        self._window[0] += answered
+        self._window[1] += unsettled
+        if self._window[0] < LIVE_WINDOW:
+            return
+        share, self._window = self._window[1] / self._window[0], [0, 0]
+        gain = expected_gain(self.bound.speed, share)
+        if gain < 1.0:
+            self.pays = False
+            log.warning("%s: %.0f%% of the last %d answers were re-checked in float32 (%.2fx float32's speed "
+                        "predicted): answering in float32 from now on, until the worker restarts",
+                        self.bound.precision, 100 * share, LIVE_WINDOW, gain)  # fmt: skip
 
-def attach_recheck(fast: Any, exact: Any, precision: str, prompt_ids: Sequence[int],
-                   selects: dict[str, float]) -> Recheck:  # fmt: skip
+
+def attach_recheck(fast: Any, exact: Any, precision: str, prompt_ids: Sequence[int], selects: dict[str, float],
+                   force: bool = False) -> Recheck | None:  # fmt: skip
     """Give `fast` (a runner in `precision`) its float32 twin `exact` and a measured error bound:
-    this machine's cached one, else `calibrate` now. `fast` must not be re-checked yet."""
+    this machine's cached calibration, else `calibrate` now. None (and `fast` left unchecked) where
+    the calibration predicts the re-checked precision under MIN_GAIN x float32's speed, unless `force`
+    (the bench shows what it would do). `fast` must not be re-checked yet."""
     path = cache_dir("precision") / f"{precision}-{bound_key_digest(_key(fast, precision, prompt_ids))}.json"
-    cached = load_bound(path)
-    if cached is not None:
-        bound = ErrorBound(precision, *cached, path)
+    calibration = load_calibration(path)
+    if calibration is not None:
         log.info("%s error bound: the largest error over %d tickets was %.3g, cached in %s (delete it to measure "
-                 "again)", precision, bound.samples, bound.measured, path)  # fmt: skip
+                 "again)", precision, calibration.samples, calibration.measured, path)  # fmt: skip
     else:
-        measured, samples = calibrate(precision, lambda texts: fast.classify(texts)[0],
-                                      lambda texts: exact.classify(texts)[0])  # fmt: skip
-        bound = ErrorBound(precision, measured, samples, path)
-        save_bound(path, bound)
+        calibration = calibrate(precision, lambda texts: fast.classify(texts)[0],
+                                lambda texts: exact.classify(texts)[0], selects)  # fmt: skip
+    bound = ErrorBound(precision, calibration.measured, calibration.samples, path, speed=calibration.speed,
+                       share=calibration.share)  # fmt: skip
+    save_bound(path, bound)
+    if calibration.gain < MIN_GAIN and not force:
+        log.warning("%s re-checked in float32 would run %.2fx float32's speed here (%s %.2fx float32's, %.0f%% of the "
+                    "calibration tickets within its bound, needs %.2fx): answering in float32", precision,
+                    calibration.gain, precision, calibration.speed, 100 * calibration.share, MIN_GAIN)  # fmt: skip
+        return None
     fast.recheck = Recheck(exact, bound, selects)
     log.info("%s answers with a decision gap under %.3g are re-checked in float32", precision, bound.bound)
     return fast.recheck
