@@ -34,7 +34,9 @@ def tiny_settings(tiny_model_dir):
     # (auto measures at each start-up); the oneDNN path has its own tests (test_engine.py).
     # TICKETQ_TEST_DEVICE=cuda runs the engine tests on a GPU (docs/bench/gpu.sh); CPU otherwise.
     device = os.environ.get("TICKETQ_TEST_DEVICE", "cpu")
-    return Settings(model=str(tiny_model_dir), dtype="float32", device=device, threads=1, matmul="torch")
+    # A precision a test names runs as named (TICKETQ_RECHECK=never); tests/unit/test_recheck.py re-checks.
+    return Settings(model=str(tiny_model_dir), dtype="float32", device=device, threads=1, matmul="torch",
+                    recheck="never")
 
 
 @pytest.fixture(scope="session")

@@ -461,7 +461,7 @@ def test_bf16_probe_measures_a_real_ratio():
 
 @pytest.fixture(scope="module")
 def int8_engine(tiny_settings):
-    return Engine.from_settings(tiny_settings.model_copy(update={"dtype": "int8"}))
+    return Engine.from_settings(tiny_settings.model_copy(update={"dtype": "int8", "recheck": "never"}))  # raw int8
 
 
 def test_int8_is_opt_in_and_says_so(tiny_engine, int8_engine):

@@ -219,9 +219,11 @@ class FieldsEngine:
             full = self.prompt.full_ids(encoded, question)
             for path, kids in question.trie.branches.items():
                 logprobs[(q, path)] = choice_logprobs(self.engine.last_logits([*full, *path]), kids)  # (C,)
-        return self._assemble(encoded, lambda branch, child: float(logprobs[branch][child]))
+        return self._assemble(encoded, lambda branch, child: float(logprobs[branch][child]),
+                              str(self.engine.dtype).removeprefix("torch."))  # the whole model's precision
 
-    def _assemble(self, encoded: EncodedTicket, choice: Callable[[Branch, int], float]) -> TicketFields:
+    def _assemble(self, encoded: EncodedTicket, choice: Callable[[Branch, int], float],
+                  precision: str | None = None) -> TicketFields:  # fmt: skip
         """Each question's answers' log-probs from its trie's choices, then each field's result."""
         per_question = []
         for q, question in enumerate(self.questions):
@@ -243,6 +245,6 @@ class FieldsEngine:
             tokens=encoded.ticket_tokens,
             ticket_tokens=encoded.total_tokens,
             truncation=encoded.truncation if encoded.truncated else None,
-            precision=self.engine.precision,
+            precision=precision or self.engine.precision,
         )
 

@@ -294,8 +294,10 @@ class Engine:
         keep = torch.full((rows, 1), len(path) - 1, device=self.device)  # the continuation's last token
         return self.decode(ids, mask, positions, cache, keep)[:, 0]  # (B, H)
 
-    def _prediction(self, encoded: EncodedTicket, choice) -> Prediction:
-        return make_prediction(label_logprobs(self.prompt.trie, self.labels, choice), encoded, self.precision)
+    def _prediction(self, encoded: EncodedTicket, choice, precision: str | None = None) -> Prediction:
+        """`precision`: what computed it (default: the batched path's)."""
+        return make_prediction(label_logprobs(self.prompt.trie, self.labels, choice), encoded,
+                               precision or self.precision)  # fmt: skip
 
     # ----- reference path ------------------------------------------------------------------
 
@@ -309,7 +311,12 @@ class Engine:
         full = self.prompt.full_ids(encoded)
         branch = {path: choice_logprobs(self.last_logits([*full, *path]), kids)  # (C,) per branch
                   for path, kids in self.prompt.trie.branches.items()}  # fmt: skip
-        return self._prediction(encoded, lambda path, child: float(branch[path][child]))
+        return self._prediction(encoded, lambda path, child: float(branch[path][child]), dtype_name(self.dtype))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """"float32" for torch.float32: the precision the reference path (the whole model) computes in."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _check_chat_template(tokenizer) -> None:

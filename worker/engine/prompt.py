@@ -23,6 +23,8 @@ the first half and the last half of the limit.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from itertools import pairwise
 
@@ -35,6 +37,10 @@ ANSWER_MARKER = "\x00ANSWER\x00"
 
 class InvalidTicket(TicketRejected):
     """A ticket text the engine refuses under the contract's text rule; `reason` and the message say why."""
+
+
+# Ticket texts whose encoding a prompt remembers (a few hundred bytes each).
+ENCODED_CACHE = 4096
 
 
 @dataclass(frozen=True)
@@ -155,6 +161,8 @@ class PromptTemplate:
         self.prefix_ids = tuple(self._encode_special(self.prefix_text))
         self.suffix_ids = tuple(self._encode_special(self.suffix_text))
         self.trie = self.label_trie(labels)
+        self._encoded: OrderedDict[str, EncodedTicket] = OrderedDict()  # canonical text -> its encoding, LRU
+        self._encoded_lock = threading.Lock()  # the shadow checker's thread encodes too
 
     def label_trie(self, labels: tuple[str, ...], lead: str = "") -> LabelTrie:
         """Each label's tokens (after `lead`, e.g. the space that follows `priority:`), then the end of the answer."""
@@ -185,15 +193,28 @@ class PromptTemplate:
         return [{"role": "system", "content": system or self.system}, {"role": "user", "content": ticket}]
 
     def encode(self, text: object) -> EncodedTicket:
-        whole = self._encode_plain(canonical_text(text))
+        """The ticket's row: its tokens (truncated) and the suffix's. The last ENCODED_CACHE texts'
+        encodings are remembered, so a duplicate (an outage's flood) is tokenized once."""
+        canonical = canonical_text(text)
+        with self._encoded_lock:
+            known = self._encoded.get(canonical)
+            if known is not None:
+                self._encoded.move_to_end(canonical)
+                return known
+        whole = self._encode_plain(canonical)
         ids = truncate(whole, self.max_ticket_tokens, self.truncation)
-        return EncodedTicket(
+        encoded = EncodedTicket(
             ids=(*ids, *self.suffix_ids),
             ticket_tokens=len(ids),
             truncated=len(whole) > len(ids),
             total_tokens=len(whole),
             truncation=self.truncation,
         )
+        with self._encoded_lock:
+            self._encoded[canonical] = encoded
+            if len(self._encoded) > ENCODED_CACHE:
+                self._encoded.popitem(last=False)
+        return encoded
 
     def full_ids(self, encoded: EncodedTicket) -> list[int]:
         """The reference path's input: prefix + ticket + suffix, nothing cached."""
