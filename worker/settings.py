@@ -54,7 +54,7 @@ class Settings(ClientSettings):
         "answer could differ from float32's (a decision gap within the error bound measured at the first start on "
         "a machine, cached in ~/.cache/ticketq/precision), so every label is float32's. auto: only where that "
         "calibration predicts the checked answers >= 1.1x float32's speed, and while the live re-check share keeps "
-        "them faster; else float32. always: whatever it predicts. never: the fast precision's answers as they come "
+        "them faster; else float32. always: whatever either predicts. never: the fast precision's answers as they come "
         "(inexact). The float32 copy of the model costs memory (none more for int8). true/false mean auto/never.",
     )
     answer_cache_s: float = Field(

@@ -152,6 +152,7 @@ def test_a_live_share_that_makes_the_check_cost_more_than_it_saves_turns_it_off(
 
     monkeypatch.setattr(recheck, "LIVE_WINDOW", 40)
     engine = checked(tiny_settings)
+    engine.recheck.judged = True  # as TICKETQ_RECHECK=auto serves it (the tiny model's calibration would not)
     engine.recheck.bound.speed = 1.2  # break-even at 1/6 of the answers re-checked; the tiny model has more
     with caplog.at_level(logging.WARNING, logger="worker.engine.recheck"):
         answers, _ = engine.classify(texts)
@@ -159,3 +160,7 @@ def test_a_live_share_that_makes_the_check_cost_more_than_it_saves_turns_it_off(
     later, _ = engine.classify(texts[:20])
     assert {a.precision for a in later} == {"float32"} and not any(a.rechecked for a in later)
     assert [a.label for a in answers[:20]] == [a.label for a in later]
+    kept = checked(tiny_settings)  # TICKETQ_RECHECK=always: kept whatever the share
+    kept.recheck.bound.speed = 1.2
+    kept.classify(texts)
+    assert kept.recheck.pays and any(a.rechecked for a in kept.classify(texts[:40])[0])

@@ -52,10 +52,12 @@ class Recheck:
 
     deferred = True  # the scheduler batches its tickets rather than running each re-check at once
 
-    def __init__(self, exact: Any, bound: ErrorBound, selects: dict[str, float] | None = None) -> None:
+    def __init__(self, exact: Any, bound: ErrorBound, selects: dict[str, float] | None = None,
+                 judged: bool = True) -> None:  # fmt: skip
         self.exact = exact  # the float32 runner (an Engine or a FieldsEngine on the float32 model)
         self.bound = bound
         self.selects = selects or {}  # multi-label fields' select thresholds, for their decision gaps
+        self.judged = judged  # False: kept whatever the share (TICKETQ_RECHECK=always, the bench)
         self.pays = True  # False once a window's re-check share made the fast precision slower than float32
         self._window = [0, 0]  # answers screened, unsettled among them, since the last judgement
 
@@ -88,7 +90,7 @@ class Recheck:
         """Every LIVE_WINDOW answers: stop paying for a fast precision whose re-checks cost more than it saves."""
         self._window[0] += answered
         self._window[1] += unsettled
-        if self._window[0] < LIVE_WINDOW:
+        if not self.judged or self._window[0] < LIVE_WINDOW:
             return
         share, self._window = self._window[1] / self._window[0], [0, 0]
         gain = expected_gain(self.bound.speed, share)
@@ -121,7 +123,7 @@ def attach_recheck(fast: Any, exact: Any, precision: str, prompt_ids: Sequence[i
                     "calibration tickets within its bound, needs %.2fx): answering in float32", precision,
                     calibration.gain, precision, calibration.speed, 100 * calibration.share, MIN_GAIN)  # fmt: skip
         return None
-    fast.recheck = Recheck(exact, bound, selects)
+    fast.recheck = Recheck(exact, bound, selects, judged=not force)
     log.info("%s answers with a decision gap under %.3g are re-checked in float32", precision, bound.bound)
     return fast.recheck
 
