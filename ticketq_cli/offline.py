@@ -217,7 +217,8 @@ def _answers(engine: Engine | FieldsEngine, tickets: list[TicketRow], summary: S
     info = getattr(engine, "engine", engine).info  # a FieldsEngine answers on its engine's model
     for row, prediction in zip(good, predictions, strict=True):
         answers[row.line] = {"id": row.result_id, "status": "ok", **_answer(prediction), "model": info.name,
-                             "standin": info.standin}  # fmt: skip
+                             "standin": info.standin, "precision": prediction.precision,
+                             "rechecked": prediction.rechecked}  # fmt: skip
     return answers
 
 
