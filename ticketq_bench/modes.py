@@ -95,6 +95,9 @@ class InProcessRun(ModeRun):
         bench, console, mode = self.context.bench, self.context.console, self.result.mode
         if mode == "ticketq-int8" and (reason := prepare_int8(bench, console)):
             self.result.skipped = reason
+        if mode == "ticketq-nodedup" and bench.nodedup_engine is None:  # the same model, plan and cost model
+            bench.nodedup_engine = bench.engine._sibling(bench.engine.model, bench.engine.info)
+            bench.nodedup_engine.dedup = False
         if mode in FAST_MODES and (reason := prepare_fast(bench, mode, console)):
             self.result.skipped = reason
         elif mode in FAST_MODES:
@@ -168,13 +171,6 @@ def _classify(engine, texts: list[str], bar: tqdm | None) -> tuple[list[Answer],
     return [Answer.of(p) for p in predictions], reports
 
 
-def _without_dedup(bench: Bench, texts: list[str], bar: tqdm | None) -> tuple[list[Answer], list[BatchReport]]:
-    engine = bench.engine
-    engine.dedup = False
-    try:
-        return _classify(engine, texts, bar)
-    finally:
-        engine.dedup = True
 
 
 def _full_prompt(bench: Bench, texts: list[str], bar: tqdm | None, *, planner: baselines.Planner):
@@ -190,7 +186,7 @@ RUNNERS: dict[str, Runner] = {
     "ticketq-int8": lambda bench, texts, bar: _classify(bench.int8_engine, texts, bar),
     "ticketq-checked": lambda bench, texts, bar: _classify(bench.fast_engines["ticketq-checked"], texts, bar),
     "ticketq-bf16": lambda bench, texts, bar: _classify(bench.fast_engines["ticketq-bf16"], texts, bar),
-    "ticketq-nodedup": _without_dedup,
+    "ticketq-nodedup": lambda bench, texts, bar: _classify(bench.nodedup_engine, texts, bar),
 }
 FAST_MODES = ("ticketq-checked", "ticketq-bf16")
 

@@ -154,6 +154,7 @@ class Bench:
     tuning: object | None = None  # worker.engine.autotune.Tuning
     int8_engine: object | None = None  # built on first use by ticketq-int8, sharing the model
     fast_engines: dict = field(default_factory=dict)  # mode -> its engine (ticketq-checked, ticketq-bf16), built once
+    nodedup_engine: object | None = None  # ticketq-nodedup's: the engine's sibling with dedup off, built once
     schema: object | None = None  # ticketq.schema.Schema of the multi-field and schemas modes (--schema)
     int8_tuning: object | None = None
     load_before: Load = None  # os.getloadavg() when the modes start

@@ -290,3 +290,23 @@ def test_llama_cpp_scores_shared_label_prefixes_like_the_reference(tiny_engine, 
         want = engine.reference(text)
         assert got.label == want.label and len(reports) == len(engine.prompt.trie.branches)
         assert max(abs(got.probs[k] - want.probs[k]) for k in want.probs) < 5e-3
+
+
+def test_duplicates_are_computed_once_with_the_labels_of_every_copy(tiny_model_dir, tmp_path, monkeypatch):
+    """--duplicates 0.5: ticketq computes each distinct text once, ticketq-nodedup every ticket, the
+    same labels ticket for ticket, and the reference's."""
+    for name in [k for k in os.environ if k.startswith("TICKETQ_") and not k.startswith("TICKETQ_TEST_")]:
+        monkeypatch.delenv(name)
+    argv = [
+        "--model", str(tiny_model_dir), "--dtype", "float32", "--device", "cpu", "--threads", "2",
+        "--tickets", "24", "--duplicates", "0.5", "--seed", "5", "--modes", "ticketq,ticketq-nodedup",
+        "--rounds", "2", "--warmup", "1", "--no-autotune", "--json", str(tmp_path / "dedup.json"),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    header, *rows = json.loads((tmp_path / "dedup.json").read_text())
+    by_mode = {row["mode"]: row for row in rows}
+    dedup, plain = by_mode["ticketq"], by_mode["ticketq-nodedup"]
+    assert dedup["agreement"] == plain["agreement"] == 1.0 and dedup["labels"] == plain["labels"]
+    assert plain["computed_tickets"] == [24, 24] and all(n <= 12 for n in dedup["computed_tickets"])
+    (line,) = [n for n in header["notes"] if n.startswith("deduplication:")]
+    assert "labels equal ticket for ticket: 24/24" in line

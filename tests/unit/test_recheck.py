@@ -78,9 +78,11 @@ def test_the_bound_is_measured_once_per_machine_then_read(cache, tiny_settings, 
     saved = json.loads(path.read_text())
     assert saved["measured"] == first.recheck.bound.measured > 0
     caplog.clear()
+    written = path.stat().st_mtime_ns
     with caplog.at_level(logging.INFO, logger="worker.engine"):
         second = checked(tiny_settings)
     assert "calibrated" not in caplog.text and second.recheck.bound.measured == first.recheck.bound.measured
+    assert path.stat().st_mtime_ns == written  # read, not written again at every start
 
 
 def test_a_larger_error_seen_live_widens_the_bound_at_once(cache, tiny_settings, texts):

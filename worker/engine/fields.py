@@ -34,6 +34,7 @@ import torch
 from ticketq.schema import FieldResult, Schema, TicketFields
 from worker.engine.batching import Plan, plan_optimal
 from worker.engine.cost import CostModel
+from worker.engine.kernels import dtype_name
 from worker.engine.layout import packed_mask, padded_ids
 from worker.engine.loading import prefix_cache
 from worker.engine.prompt import YES, EncodedTicket, FieldsPrompt, PromptTemplate, Question
@@ -220,7 +221,7 @@ class FieldsEngine:
             for path, kids in question.trie.branches.items():
                 logprobs[(q, path)] = choice_logprobs(self.engine.last_logits([*full, *path]), kids)  # (C,)
         return self._assemble(encoded, lambda branch, child: float(logprobs[branch][child]),
-                              str(self.engine.dtype).removeprefix("torch."))  # the whole model's precision
+                              dtype_name(self.engine.dtype))  # the whole model's precision
 
     def _assemble(self, encoded: EncodedTicket, choice: Callable[[Branch, int], float],
                   precision: str | None = None) -> TicketFields:  # fmt: skip

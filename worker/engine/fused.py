@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker.engine.kernels import PackedLinear
+from worker.engine.kernels import PackedLinear, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def _unsupported(decoder: torch.nn.Module) -> str | None:
     if not len(decoder.layers):
         return f"{type(decoder).__name__} has no layers"
     if decoder.embed_tokens.weight.dtype not in (torch.float32, torch.bfloat16):
-        return f"its weights are {str(decoder.embed_tokens.weight.dtype).removeprefix('torch.')}"
+        return f"its weights are {dtype_name(decoder.embed_tokens.weight.dtype)}"
     for layer in decoder.layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         linears = [getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]

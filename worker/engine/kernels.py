@@ -146,7 +146,7 @@ def resolve_dtype(name: str, device: torch.device, matmul: str = "torch") -> tor
         dtype = torch.bfloat16 if speedup >= BF16_MIN_SPEEDUP else torch.float32
         log.info("dtype auto: bfloat16 GEMM %.2fx float32's (torch), float32 through oneDNN %.2fx torch's: bfloat16 "
                  "%.2fx the faster float32 (needs %.2fx) -> %s", bf16, onednn, speedup, BF16_MIN_SPEEDUP,
-                 str(dtype).removeprefix("torch."))  # fmt: skip
+                 dtype_name(dtype))  # fmt: skip
         return dtype
     return torch.float32
 
@@ -168,7 +168,7 @@ def resolve_precision(name: str, device: torch.device, matmul: str = "torch", re
     if name != "auto":
         return name, recheck and name != "float32"
     if not recheck:
-        return str(resolve_dtype(name, device, matmul)).removeprefix("torch."), False
+        return dtype_name(resolve_dtype(name, device, matmul)), False
     if device.type == "cuda":
         return "bfloat16", True
     if device.type != "cpu":
@@ -402,8 +402,17 @@ def probe_cache_path(probe: str, shape: dict[str, int]) -> tuple[Path, list]:
     """Where `probe`'s verdict for this machine lives, and the key it is filed under."""
     key = [probe, shape, cpu_model(), sorted(cpu_flags()), platform.machine(), torch.__version__,
            torch.get_num_threads()]  # fmt: skip
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir("kernels") / f"{probe}-{digest}.json", key
+    return cache_dir("kernels") / f"{probe}-{cache_key_digest(key)}.json", key
+
+
+def cache_key_digest(key: list) -> str:
+    """A short, stable file name for a per-machine cache entry filed under `key`."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """"float32" for torch.float32: how settings, results and metrics name a precision."""
+    return str(dtype).removeprefix("torch.")
 
 
 def cache_dir(kind: str) -> Path:

@@ -34,6 +34,7 @@ from worker.engine.cost import CostModel
 from worker.engine.fields import FieldsEngine
 from worker.engine.fused import FusedDecoder
 from worker.engine.int8 import INT8, quantize_linears_int8
+from worker.engine.kernels import dtype_name
 from worker.engine.layout import padded_ids, prefix_mask
 from worker.engine.loading import ModelNotFound, cache_tensors, prefix_cache
 from worker.engine.precision import ErrorBound, decision_error, selects_of
@@ -312,11 +313,6 @@ class Engine:
         branch = {path: choice_logprobs(self.last_logits([*full, *path]), kids)  # (C,) per branch
                   for path, kids in self.prompt.trie.branches.items()}  # fmt: skip
         return self._prediction(encoded, lambda path, child: float(branch[path][child]), dtype_name(self.dtype))
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """"float32" for torch.float32: the precision the reference path (the whole model) computes in."""
-    return str(dtype).removeprefix("torch.")
 
 
 def _check_chat_template(tokenizer) -> None:

@@ -23,7 +23,6 @@ No torch here: answers are the engine's plain records.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -250,7 +249,3 @@ def save_bound(path: Path, bound: ErrorBound) -> None:
         partial.replace(path)
     except OSError as exc:
         log.debug("could not cache the error bound in %s (%s)", path, exc)
-
-
-def bound_key_digest(parts: Sequence[object]) -> str:
-    return hashlib.sha256(json.dumps(list(parts), sort_keys=True, default=str).encode()).hexdigest()[:16]

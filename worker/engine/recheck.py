@@ -23,10 +23,9 @@ from typing import Any
 
 import torch
 
-from worker.engine.kernels import cache_dir, cpu_flags, cpu_model
+from worker.engine.kernels import cache_dir, cache_key_digest, cpu_flags, cpu_model
 from worker.engine.precision import (
     ErrorBound,
-    bound_key_digest,
     calibrate,
     decision_error,
     expected_gain,
@@ -107,17 +106,19 @@ def attach_recheck(fast: Any, exact: Any, precision: str, prompt_ids: Sequence[i
     this machine's cached calibration, else `calibrate` now. None (and `fast` left unchecked) where
     the calibration predicts the re-checked precision under MIN_GAIN x float32's speed, unless `force`
     (the bench shows what it would do). `fast` must not be re-checked yet."""
-    path = cache_dir("precision") / f"{precision}-{bound_key_digest(_key(fast, precision, prompt_ids))}.json"
+    path = cache_dir("precision") / f"{precision}-{cache_key_digest(_key(fast, precision, prompt_ids))}.json"
     calibration = load_calibration(path)
     if calibration is not None:
         log.info("%s error bound: the largest error over %d tickets was %.3g, cached in %s (delete it to measure "
                  "again)", precision, calibration.samples, calibration.measured, path)  # fmt: skip
-    else:
+    fresh = calibration is None
+    if fresh:
         calibration = calibrate(precision, lambda texts: fast.classify(texts)[0],
                                 lambda texts: exact.classify(texts)[0], selects)  # fmt: skip
     bound = ErrorBound(precision, calibration.measured, calibration.samples, path, speed=calibration.speed,
                        share=calibration.share)  # fmt: skip
-    save_bound(path, bound)
+    if fresh:  # a cached one is already on disk; a widening saves itself
+        save_bound(path, bound)
     if calibration.gain < MIN_GAIN and not force:
         log.warning("%s re-checked in float32 would run %.2fx float32's speed here (%s %.2fx float32's, %.0f%% of the "
                     "calibration tickets within its bound, needs %.2fx): answering in float32", precision,
