@@ -54,9 +54,12 @@ def test_the_error_is_the_largest_change_of_a_difference_of_two_labels():
     assert decision_error(moved, exact) == pytest.approx(0.3, abs=1e-9)  # technical +0.2 against account -0.1
 
 
-def fields_answer(single: dict[str, float], multi: dict[str, float], precision: str = "int8") -> TicketFields:
-    category = Field("category", ("billing", "technical"))
-    tags = Field("tags", ("refund", "outage"), multi=True, select=0.5)
+CATEGORY = Field("category", ("billing", "technical"))
+TAGS = Field("tags", ("refund", "outage"), multi=True, select=0.5)
+
+
+def fields_answer(single: dict[str, float], multi: dict[str, float], precision: str = "int8",
+                  category: Field = CATEGORY, tags: Field = TAGS) -> TicketFields:  # fmt: skip
     return TicketFields("s", {"category": FieldResult.single(category, single),
                               "tags": FieldResult.several(tags, multi)}, 3, 3, None, precision=precision)  # fmt: skip
 
@@ -65,10 +68,59 @@ def test_a_schema_gap_is_its_closest_decision_over_every_field():
     answer = fields_answer({"billing": 0.7, "technical": 0.3}, {"refund": 0.9, "outage": 0.45})
     single = math.log(0.7) - math.log(0.3)
     multi = abs(math.log(0.45 / 0.55))  # outage's log-odds against select 0.5's (zero)
-    assert decision_gap(answer, {"tags": 0.5}) == pytest.approx(min(single, multi), abs=1e-9)
-    assert decision_gap(answer, {"tags": 0.9}) == pytest.approx(0.0, abs=1e-6)  # refund sits on select 0.9
+    assert decision_gap(answer, {"category": CATEGORY, "tags": TAGS}) == pytest.approx(min(single, multi), abs=1e-9)
+    at_select = replace(TAGS, select=0.9)  # refund sits on select 0.9
+    assert decision_gap(answer, {"tags": at_select}) == pytest.approx(0.0, abs=1e-6)
     exact = fields_answer({"billing": 0.7, "technical": 0.3}, {"refund": 0.9, "outage": 0.55}, "float32")
     assert decision_error(answer, exact) == pytest.approx(2 * abs(math.log(0.45 / 0.55)), abs=1e-6)
+
+
+def test_a_review_threshold_is_a_decision_too():
+    """confidence 0.4 (0.7 - 0.3) against threshold 0.35: settled while (0.7 + 0.3)(e^gap - 1) < 0.05."""
+    category = replace(CATEGORY, threshold=0.35)
+    answer = fields_answer({"billing": 0.7, "technical": 0.3}, {"refund": 0.99, "outage": 0.01}, category=category)
+    fields = {"category": category, "tags": TAGS}
+    assert not answer.fields["category"].review
+    assert decision_gap(answer, fields) == pytest.approx(math.log1p(0.05 / 1.0), abs=1e-9)
+    assert decision_gap(answer, {"category": CATEGORY, "tags": TAGS}) > 0.5  # no threshold: only the labels
+    tags = replace(TAGS, threshold=0.97)  # multi: min |p - 0.5| / 0.5 = 0.98, p(1-p) = 0.0099 at most
+    answer = fields_answer({"billing": 0.9, "technical": 0.1}, {"refund": 0.99, "outage": 0.01}, tags=tags)
+    gap = decision_gap(answer, {"category": CATEGORY, "tags": tags})
+    assert gap == pytest.approx(math.log1p(0.01 * 0.5 / 0.0099), abs=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_no_decision_changes_under_an_error_smaller_than_the_gap(seed):
+    """Random answers moved by random errors: wherever a label, a chosen label or a review flag
+    changed, the error measured was at least the answer's gap (the bound's promise)."""
+    import random
+
+    rng = random.Random(seed)
+    category = replace(CATEGORY, labels=("billing", "technical", "account"), threshold=0.2)
+    tags = replace(TAGS, threshold=0.3)
+    fields = {"category": category, "tags": tags}
+    changed = 0
+    for _ in range(2000):
+        logits = {name: rng.gauss(0, 1.5) for name in category.labels}
+        odds = {name: rng.gauss(0, 2.0) for name in tags.labels}
+        scale = rng.choice((0.01, 0.1, 0.5))
+        moved = {name: x + rng.uniform(-scale, scale) for name, x in logits.items()}
+        moved_odds = {name: x + rng.uniform(-scale, scale) for name, x in odds.items()}
+        exact = _schema_answer(logits, odds, category, tags, "float32")
+        fast = _schema_answer(moved, moved_odds, category, tags, "int8")
+        differs = any(fast.fields[n].labels != exact.fields[n].labels or fast.fields[n].review != exact.fields[n].review
+                      for n in fields)  # fmt: skip
+        if differs:
+            changed += 1
+            assert decision_error(fast, exact) >= decision_gap(fast, fields) - 1e-9
+    assert changed > 20  # the test saw decisions change
+
+
+def _schema_answer(logits: dict[str, float], odds: dict[str, float], category: Field, tags: Field,
+                   precision: str) -> TicketFields:  # fmt: skip
+    probs = {name: math.exp(lp) for name, lp in normalised(logits).items()}
+    yes = {name: 1.0 / (1.0 + math.exp(-x)) for name, x in odds.items()}
+    return fields_answer(probs, yes, precision, category=category, tags=tags)
 
 
 def test_the_bound_only_widens_and_is_saved_at_once(tmp_path):

@@ -37,7 +37,7 @@ from worker.engine.int8 import INT8, quantize_linears_int8
 from worker.engine.kernels import dtype_name
 from worker.engine.layout import padded_ids, prefix_mask
 from worker.engine.loading import ModelNotFound, cache_tensors, prefix_cache
-from worker.engine.precision import ErrorBound, decision_error, selects_of
+from worker.engine.precision import ErrorBound, decision_error, fields_of
 from worker.engine.prompt import EncodedTicket, PromptTemplate, system_text
 from worker.engine.recheck import Recheck, attach_recheck
 from worker.engine.scheduler import AnswersCallback, BatchCallback, MoreCallback, run_planned
@@ -190,7 +190,7 @@ class Engine:
             return runner
         exact = self.recheck.exact.compile(schema)
         key = [*runner.prompt.prefix_ids, -1, *runner.segment_ids]
-        recheck = attach_recheck(runner, exact, self.precision, key, selects_of(schema), self._force_recheck)
+        recheck = attach_recheck(runner, exact, self.precision, key, fields_of(schema), self._force_recheck)
         if recheck is None:  # the check would not pay for this schema: float32 answers it
             return exact
         self.bounds[schema.name] = recheck.bound

@@ -6,7 +6,9 @@ can only change where the fast answer's *gap* is smaller than the error a gap ca
 - single-label (the engine's own field, a schema's single-label field): the gap between the top
   label's log-probability and each other label's (for one-token labels, a difference of two
   logits; for multi-token labels, of sums over every step of the label trie, so every step counts);
-- multi-label: each label's yes/no log-odds against the field's `select` threshold's.
+- multi-label: each label's yes/no log-odds against the field's `select` threshold's;
+- a field's review flag (confidence < `threshold`): the error under which the confidence cannot
+  cross the threshold (`_review_gap`), in the same space.
 
 `decision_error(fast, exact)` is the largest change of any such gap between two answers for the
 same ticket; `decision_gap(answer)` the smallest gap in one answer. An `ErrorBound` holds the
@@ -29,11 +31,11 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ticketq.schema import TicketFields
+from ticketq.schema import Field, FieldResult, TicketFields
 from worker.results import Prediction
 
 log = logging.getLogger(__name__)
@@ -109,18 +111,37 @@ def _single_error(fast: dict[str, float], exact: dict[str, float]) -> float:
     return max(moved) - min(moved) if len(moved) > 1 else 0.0
 
 
-def decision_gap(answer: Prediction | TicketFields, selects: dict[str, float] | None = None) -> float:
-    """The smallest margin, in log space, of any decision in `answer`. `selects`: each multi-label
-    field's `select` threshold (by field name; a schema's `Field.select`)."""
+def _review_gap(result: FieldResult, spec: Field) -> float:
+    """The largest error under which `result.review` (confidence < `spec.threshold`) cannot change.
+
+    An error e in log space moves each probability by a factor within [exp(-e), exp(e)]: a
+    single-label confidence p1 - p2 by at most (p1 + p2)(exp(e) - 1), and a yes-probability p
+    (its log-odds moved by e) by at most p(1 - p)(exp(e) - 1), so a multi-label confidence by the
+    largest of those over `reach`. The flag is settled while that is under |confidence - threshold|.
+    """
+    margin = abs(result.confidence - spec.threshold)
+    if result.multi:
+        scale = max((p * (1.0 - p) for p in result.probs.values()), default=0.0) / max(spec.select, 1 - spec.select)
+    else:
+        scale = sum(sorted(result.probs.values(), reverse=True)[:2])
+    return math.log1p(margin / scale) if scale > 0 else math.inf
+
+
+def decision_gap(answer: Prediction | TicketFields, fields: Mapping[str, Field] | None = None) -> float:
+    """The smallest margin, in log space, of any decision in `answer`. `fields`: the schema's fields
+    by name (`fields_of`), for each multi-label field's `select` and each field's review `threshold`."""
     if isinstance(answer, Prediction):
         return _single_gap(answer.probs)
     gaps = [math.inf]
     for name, result in answer.fields.items():
+        spec = (fields or {}).get(name)
         if result.multi:
-            select = _log_odds((selects or {}).get(name, 0.5))
+            select = _log_odds(spec.select if spec is not None else 0.5)
             gaps += [abs(_log_odds(p) - select) for p in result.probs.values()]
         else:
             gaps.append(_single_gap(result.probs))
+        if spec is not None and spec.threshold > 0:
+            gaps.append(_review_gap(result, spec))
     return min(gaps)
 
 
@@ -138,9 +159,9 @@ def decision_error(fast: Prediction | TicketFields, exact: Prediction | TicketFi
     return max(errors)
 
 
-def selects_of(schema: Any) -> dict[str, float]:
-    """A schema's multi-label fields' `select` thresholds by field name (none for a plain label set)."""
-    return {spec.name: spec.select for spec in getattr(schema, "fields", ()) if spec.multi}
+def fields_of(schema: Any) -> dict[str, Field]:
+    """A schema's fields by name, whose thresholds make decisions too (none for a plain label set)."""
+    return {spec.name: spec for spec in getattr(schema, "fields", ())}
 
 
 class ErrorBound:
@@ -164,9 +185,9 @@ class ErrorBound:
     def bound(self) -> float:
         return max(self.measured * SAFETY, FLOOR)
 
-    def unsettled(self, answer: Prediction | TicketFields, selects: dict[str, float] | None = None) -> bool:
+    def unsettled(self, answer: Prediction | TicketFields, fields: Mapping[str, Field] | None = None) -> bool:
         """Whether float32 could answer `answer`'s ticket otherwise: its smallest gap is within the bound."""
-        return decision_gap(answer, selects) < self.bound
+        return decision_gap(answer, fields) < self.bound
 
     def observe(self, error: float, source: str) -> bool:
         """One more measured error (a re-check, a shadow check); widens the bound at once if it is the largest yet."""
@@ -206,7 +227,8 @@ def expected_gain(speed: float, share: float) -> float:
 
 
 def calibrate(precision: str, fast: Callable[[Sequence[str]], list], exact: Callable[[Sequence[str]], list],
-              selects: dict[str, float] | None = None, texts: Iterable[str] | None = None) -> Calibration:  # fmt: skip
+              fields: Mapping[str, Field] | None = None,
+              texts: Iterable[str] | None = None) -> Calibration:  # fmt: skip
     """`fast` (a batch classifier) against `exact` over `texts` (default: `calibration_texts`), each
     timed after a warm-up on two tickets."""
     texts = list(texts) if texts is not None else calibration_texts()
@@ -218,7 +240,7 @@ def calibrate(precision: str, fast: Callable[[Sequence[str]], list], exact: Call
     ended = time.perf_counter()
     measured = max(decision_error(f, e) for f, e in zip(answers, reference, strict=True))
     bound = max(measured * SAFETY, FLOOR)
-    share = sum(decision_gap(a, selects) < bound for a in answers) / len(answers)
+    share = sum(decision_gap(a, fields) < bound for a in answers) / len(answers)
     calibration = Calibration(measured, len(texts), (ended - between) / max(between - started, 1e-9), share)
     log.info("%s calibrated against float32 on %d tickets in %.1fs: largest decision error %.3g, %.2fx float32's "
              "speed, %.0f%% within the bound: re-checked, %.2fx float32's speed predicted", precision, len(texts),

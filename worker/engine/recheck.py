@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import logging
 import platform
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
 
+from ticketq.schema import Field
 from worker.engine.kernels import cache_dir, cache_key_digest, cpu_flags, cpu_model
 from worker.engine.precision import (
     ErrorBound,
@@ -51,11 +52,11 @@ class Recheck:
 
     deferred = True  # the scheduler batches its tickets rather than running each re-check at once
 
-    def __init__(self, exact: Any, bound: ErrorBound, selects: dict[str, float] | None = None,
+    def __init__(self, exact: Any, bound: ErrorBound, fields: Mapping[str, Field] | None = None,
                  judged: bool = True) -> None:  # fmt: skip
         self.exact = exact  # the float32 runner (an Engine or a FieldsEngine on the float32 model)
         self.bound = bound
-        self.selects = selects or {}  # multi-label fields' select thresholds, for their decision gaps
+        self.fields = fields or {}  # a schema's fields: their select and review thresholds decide too
         self.judged = judged  # False: kept whatever the share (TICKETQ_RECHECK=always, the bench)
         self.pays = True  # False once a window's re-check share made the fast precision slower than float32
         self._window = [0, 0]  # answers screened, unsettled among them, since the last judgement
@@ -76,7 +77,7 @@ class Recheck:
 
     def screen(self, answers: list) -> list:
         """The fast runner's answers, each within the bound wrapped as `Unsettled` for this twin."""
-        screened = [Unsettled(a, self) if self.bound.unsettled(a, self.selects) else a for a in answers]
+        screened = [Unsettled(a, self) if self.bound.unsettled(a, self.fields) else a for a in answers]
         self._judge(len(answers), sum(isinstance(a, Unsettled) for a in screened))
         return screened
 
@@ -100,13 +101,13 @@ class Recheck:
                         self.bound.precision, 100 * share, LIVE_WINDOW, gain)  # fmt: skip
 
 
-def attach_recheck(fast: Any, exact: Any, precision: str, prompt_ids: Sequence[int], selects: dict[str, float],
+def attach_recheck(fast: Any, exact: Any, precision: str, prompt_ids: Sequence[int], fields: Mapping[str, Field],
                    force: bool = False) -> Recheck | None:  # fmt: skip
     """Give `fast` (a runner in `precision`) its float32 twin `exact` and a measured error bound:
     this machine's cached calibration, else `calibrate` now. None (and `fast` left unchecked) where
     the calibration predicts the re-checked precision under MIN_GAIN x float32's speed, unless `force`
     (the bench shows what it would do). `fast` must not be re-checked yet."""
-    path = cache_dir("precision") / f"{precision}-{cache_key_digest(_key(fast, precision, prompt_ids))}.json"
+    path = cache_dir("precision") / f"{precision}-{cache_key_digest(_key(fast, precision, prompt_ids, fields))}.json"
     calibration = load_calibration(path)
     if calibration is not None:
         log.info("%s error bound: the largest error over %d tickets was %.3g, cached in %s (delete it to measure "
@@ -114,7 +115,7 @@ def attach_recheck(fast: Any, exact: Any, precision: str, prompt_ids: Sequence[i
     fresh = calibration is None
     if fresh:
         calibration = calibrate(precision, lambda texts: fast.classify(texts)[0],
-                                lambda texts: exact.classify(texts)[0], selects)  # fmt: skip
+                                lambda texts: exact.classify(texts)[0], fields)  # fmt: skip
     bound = ErrorBound(precision, calibration.measured, calibration.samples, path, speed=calibration.speed,
                        share=calibration.share)  # fmt: skip
     if fresh:  # a cached one is already on disk; a widening saves itself
@@ -124,16 +125,17 @@ def attach_recheck(fast: Any, exact: Any, precision: str, prompt_ids: Sequence[i
                     "calibration tickets within its bound, needs %.2fx): answering in float32", precision,
                     calibration.gain, precision, calibration.speed, 100 * calibration.share, MIN_GAIN)  # fmt: skip
         return None
-    fast.recheck = Recheck(exact, bound, selects, judged=not force)
+    fast.recheck = Recheck(exact, bound, fields, judged=not force)
     log.info("%s answers with a decision gap under %.3g are re-checked in float32", precision, bound.bound)
     return fast.recheck
 
 
-def _key(fast: Any, precision: str, prompt_ids: Sequence[int]) -> list:
-    """What the error depends on: the machine, torch, the model's weights, the prompt, the precision."""
+def _key(fast: Any, precision: str, prompt_ids: Sequence[int], fields: Mapping[str, Field]) -> list:
+    """What the calibration depends on: the machine, torch, the model's weights, the prompt, the
+    precision, and the thresholds that decide with the labels (the share within the bound)."""
     host = getattr(fast, "engine", fast)
     head, norm = host.label_head.weight, host.model.get_decoder().norm.weight
     weights = [float(head[:64].detach().double().sum()), float(norm.detach().double().sum())]  # a checksum
     return [cpu_model(), sorted(cpu_flags()), platform.machine(), torch.__version__, torch.get_num_threads(),
             getattr(host.model, "name_or_path", "?"), weights, precision, getattr(host.info, "matmul", ""),
-            list(prompt_ids)]  # fmt: skip
+            list(prompt_ids), sorted((name, f.select, f.threshold) for name, f in fields.items())]  # fmt: skip
