@@ -1,9 +1,9 @@
 """A real worker in a fast precision, re-checked (TICKETQ_DTYPE=int8, TICKETQ_RECHECK on by default),
 on the tiny stand-in: every label is the float32 reference's, every result says which precision
 answered it, and /metrics counts the answers by precision, the re-checks, the bound, the
-duplicates computed once, the answer cache's hits (TICKETQ_ANSWER_CACHE_S), and a backlog on a loaded
-machine answered whole. The tiny
-stand-in's int8 error is large, so many tickets are re-checked."""
+duplicates computed once and the answer cache's hits (TICKETQ_ANSWER_CACHE_S); a backlog on a
+loaded machine is answered whole. The tiny stand-in's int8 error is large, so many tickets are
+re-checked."""
 
 from __future__ import annotations
 
