@@ -133,7 +133,7 @@ class Producer:
         chunks = [checked[start : start + pack] for start in range(0, len(checked), pack)]
         if not idempotent:
             results = self._sender.send_chunks(chunks, [None] * len(chunks), packed, progress)
-            self._broker.confirm_replicas(results)
+            self._confirm_sent(results)
             return results
         task_ids = [idempotent_task_id(self.settings.queue, [i for i, *_ in chunk], packed) for chunk in chunks]
         skipped = self._sender.answered(task_ids) | (set(already_sent) & set(task_ids))
@@ -147,9 +147,17 @@ class Producer:
         except (SendInterrupted, SendStopped) as stop:
             stop.results[:0] = before  # what an earlier run sent is sent too
             raise
-        self._broker.confirm_replicas(sent)
+        self._confirm_sent(sent, before)
         by_id = {result.id: result for result in (*before, *sent)}
         return [by_id[task_id] for task_id in task_ids]
+
+    def _confirm_sent(self, sent: list[TicketResult], before: Sequence[TicketResult] = ()) -> None:
+        """TICKETQ_REPLICA_ACKS' wait for `sent`; Ctrl-C during it is a `SendInterrupted` holding
+        every message (Redis took them all: only their replication was not confirmed)."""
+        try:
+            self._broker.confirm_replicas(sent)
+        except KeyboardInterrupt:
+            raise SendInterrupted([*before, *sent], []) from None
 
     def _validate_all(self, tickets: Iterable[Ticket], schema: str | None) -> list[Checked]:
         """Every ticket checked, ids unique; one `ValueError` naming the first bad ones, else all of them."""

@@ -359,3 +359,21 @@ def test_a_full_redis_mid_send_writes_a_row_for_every_ticket_and_resume_answers_
         assert client.xlen(names.RESULTS_STREAM) == n
     finally:
         server.kill()
+
+
+def test_sigint_while_waiting_for_replicas_writes_a_row_for_every_ticket(tmp_path, redis_server):
+    """TICKETQ_REPLICA_ACKS=1 on a Redis without a replica: every ticket is sent, then the producer
+    waits in WAIT for a replica. Ctrl-C there writes every ticket as pending (Redis took them all;
+    only their replication was unconfirmed) and exits 130, as during the send."""
+    n = 50
+    client = redis_server.client()
+    tickets, out = ticket_file(tmp_path / "t.jsonl", n), tmp_path / "r.jsonl"
+    produce = Produce(tmp_path, redis_server, "file", str(tickets), "--out", str(out),
+                      env={"TICKETQ_REPLICA_ACKS": "1", "TICKETQ_REPLICA_TIMEOUT_S": "120"})  # fmt: skip
+    wait_for(lambda: client.llen(QUEUE) >= n or produce.proc.poll() is not None, 60, "every ticket queued")
+    wait_for(lambda: any(c.get("cmd") == "wait" for c in client.client_list()) or produce.proc.poll() is not None,
+             30, "the producer waiting for a replica")  # fmt: skip
+    produce.proc.send_signal(signal.SIGINT)
+    assert produce.finish(30) == 130, produce.stderr
+    assert statuses(out) == {"pending": n}
+    assert "interrupted" in produce.stderr
