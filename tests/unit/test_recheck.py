@@ -22,6 +22,7 @@ name = "triage"
 [fields.category]
 instruction = "Which team should handle the ticket?"
 labels = ["billing", "technical", "account"]
+threshold = 0.2
 [fields.tags]
 instruction = "Which of these does the ticket mention?"
 labels = ["refund", "outage", "login"]
@@ -113,9 +114,22 @@ def test_every_field_of_a_schema_is_checked(cache, tmp_path, tiny_settings, tiny
     assert runner.recheck is not None and "triage" in engine.error_bounds()
     answers, _ = runner.classify(texts)
     expected, _ = exact.classify(texts)
-    for got, want in zip(answers, expected, strict=True):
-        assert {n: f.labels for n, f in got.fields.items()} == {n: f.labels for n, f in want.fields.items()}
+    for got, want in zip(answers, expected, strict=True):  # the labels and the review flags are float32's
+        assert {n: (f.labels, f.review) for n, f in got.fields.items()} == {
+            n: (f.labels, f.review) for n, f in want.fields.items()}
     assert any(a.rechecked for a in answers) and {a.precision for a in answers} <= {"int8", "float32"}
+
+
+def test_a_checked_worker_measures_its_schemas_bounds_before_its_first_job(cache, tmp_path, tiny_settings):
+    from worker.service.routing import Routing
+
+    path = tmp_path / "triage.toml"
+    path.write_text(SCHEMA)
+    settings = tiny_settings.model_copy(update={"dtype": "int8", "recheck": "always", "schemas": str(path)})
+    engine = Engine.from_settings(settings)
+    routing = Routing.of(engine, settings)
+    assert routing.schemas.prefixes_computed == 1 and "triage" in engine.error_bounds()
+    assert len(list(cache.glob("int8-*.json"))) == 2  # the engine's own field's bound and the schema's
 
 
 def test_off_the_fast_precision_answers_as_it_comes(cache, tiny_settings, texts):
