@@ -95,9 +95,8 @@ class InProcessRun(ModeRun):
         bench, console, mode = self.context.bench, self.context.console, self.result.mode
         if mode == "ticketq-int8" and (reason := prepare_int8(bench, console)):
             self.result.skipped = reason
-        if mode == "ticketq-nodedup" and bench.nodedup_engine is None:  # the same model, plan and cost model
-            bench.nodedup_engine = bench.engine._sibling(bench.engine.model, bench.engine.info)
-            bench.nodedup_engine.dedup = False
+        if mode == "ticketq-nodedup":
+            prepare_nodedup(bench)
         if mode in FAST_MODES and (reason := prepare_fast(bench, mode, console)):
             self.result.skipped = reason
         elif mode in FAST_MODES:
@@ -172,7 +171,6 @@ def _classify(engine, texts: list[str], bar: tqdm | None) -> tuple[list[Answer],
 
 
 
-
 def _full_prompt(bench: Bench, texts: list[str], bar: tqdm | None, *, planner: baselines.Planner):
     return baselines.full_prompt(bench.engine, texts, planner, bench.options.batch_size, bar)
 
@@ -241,6 +239,13 @@ def describe_fast(mode: str, engine) -> str:
                 f"{engine.precision} {bound.speed:.2f}x float32's speed, {bound.share:.0%} of its tickets re-checked, "
                 f"{gain:.2f}x predicted: {served}")  # fmt: skip
     return f"{mode}: answers in {engine.precision} as they come (unchecked, inexact)"
+
+
+def prepare_nodedup(bench: Bench) -> None:
+    """Build (once) ticketq-nodedup's engine: the same model, prompt, plan and cost model, dedup off."""
+    if bench.nodedup_engine is None:
+        bench.nodedup_engine = bench.engine._sibling(bench.engine.model, bench.engine.info)
+        bench.nodedup_engine.dedup = False
 
 
 def prepare_int8(bench: Bench, console: Console) -> str | None:

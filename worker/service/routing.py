@@ -78,6 +78,6 @@ def _schema_set(classifier: Any, settings: Settings) -> Any:
     schema_set = SchemaSet(classifier, schemas, settings.schema_cache)
     log.info("schemas served: %s (tickets naming none: %s)", ", ".join(schema_set.names), schema_set.default)
     if getattr(classifier, "recheck", None) is not None:  # a fast precision: each schema's bound before any job
-        for name in schema_set.names[: settings.schema_cache]:
+        for name in schema_set.names[: schema_set.capacity]:
             schema_set.runner(name)  # calibrated at the first start on a machine, read from the cache after
     return schema_set
