@@ -39,11 +39,13 @@ def worker(
     from worker.app import CannotStart, run_worker
 
     try:
-        run_worker(settings, loglevel, name)
+        status = run_worker(settings, loglevel, name)
     except CannotStart as exc:  # Redis or the memory policy, before Celery's banner; the model's is logged
         if exc.logged:
             raise typer.Exit(EXIT_USAGE) from None
         fail(str(exc))
+    if status:  # an unrecoverable error (logged by Celery): never exit 0, or a supervisor leaves it down
+        raise typer.Exit(status)
 
 
 @cli.command()

@@ -101,6 +101,7 @@ class Ops:
             "queue": self.settings.queue,
             "queue_depth": self.producer.queue_depth(),
             "in_flight": self.in_flight(),
+            "fetching": self.fetching(),
             "leases": self.leases(),
             "workers": workers,
             **({"workers_unknown": unknown} if unknown else {}),
@@ -153,6 +154,13 @@ class Ops:
                 continue
             count += routing_key == self.settings.queue
         return count
+
+    def fetching(self) -> int:
+        """Messages of the ticket queue moved into a consumer's fetching list and not yet recorded
+        as unacked: normally 0 between two fetches; more while Redis refuses writes or a fetch reply
+        was lost (each is delivered by its consumer, or requeued once its lease runs out)."""
+        pattern = names.FETCHING_KEY.format(consumer="*", queue=self.settings.queue)
+        return sum(self.redis.llen(key) for key in self.redis.scan_iter(match=pattern, count=1000))
 
     def leases(self) -> dict[str, int]:
         """Consumers of the ticket queue (worker.transport's atomic fetch): holding a lease, or expired

@@ -32,8 +32,7 @@ from ticketq.dead_letters import raw_entry
 from ticketq.errors import TicketqError
 from ticketq.exits import EXIT_USAGE
 from ticketq.names import TASK_CLASSIFY
-from worker.health import refusals
-from worker.health.progress import CLASSIFYING
+from worker.health import progress, refusals
 from worker.metrics import Metrics
 from worker.nullclassifier import NullClassifier
 from worker.redis import celery_results
@@ -44,7 +43,7 @@ from worker.service.hooks.standard import live_cost, standard_hooks
 from worker.service.ports import Classifier
 from worker.service.routing import Routing
 from worker.settings import Settings, load_settings
-from worker.transport import batches, guards
+from worker.transport import TRANSPORT_OPTIONS, batches, guards
 from worker.transport.consumer import GuardedConsumer
 
 log = logging.getLogger(__name__)
@@ -78,6 +77,7 @@ class Runtime:
         self.service: TicketService | None = None
         self.metrics: Metrics | None = None
         self.consumer_running = False  # between worker_ready and worker_shutting_down: /readyz
+        self.controller: Any = None  # Celery's WorkController (worker_init's sender): its exit code
 
     def start(self) -> TicketService:
         """Check the libraries and Redis, build the classifier, serve metrics: the worker's start-up."""
@@ -117,10 +117,8 @@ class Runtime:
         problems = refusals.write_problems()  # Redis refusing writes, results not on the replicas yet
         if not self.consumer_running:
             problems.insert(0, "consumer not running")
-        stalled = CLASSIFYING.stalled_for()  # its lease is no longer renewed meanwhile (worker.transport.lease)
-        if stalled:
-            problems.append(f"classifying stalled for {stalled:.0f} s (work in hand, no progress for longer than "
-                            f"TICKETQ_WORST_BATCH_S={CLASSIFYING.bound_s:g}s)")  # fmt: skip
+        # Its lease is no longer renewed meanwhile (worker.transport.lease), unless Redis refuses writes.
+        problems.extend(str(stall) for stall in progress.stalls())
         return "; ".join(problems) or None
 
 
@@ -198,6 +196,7 @@ def create_app(settings: Settings, classifier_factory: ClassifierFactory | None 
     broker_transport = {
         **transport,
         **connections.transport_options(settings.broker_url, **settings.sentinel),  # the master's name
+        **(TRANSPORT_OPTIONS if settings.fetch == "atomic" else {}),
         "ticketq_lease_s": settings.lease_s,
         "ticketq_stream_maxlen": settings.stream_maxlen,
         # kombu sweeps the unacked set for messages past the visibility timeout only every
@@ -248,8 +247,10 @@ def run_worker(
     loglevel: str = "INFO",
     name: str | None = None,
     classifier_factory: ClassifierFactory | None = None,
-) -> None:
-    """Run one worker process (one model replica) on the ticket queue until it is stopped."""
+) -> int:
+    """Run one worker process (one model replica) on the ticket queue until it is stopped; its exit
+    status: 0 for a warm or cold shutdown, non-zero after an unrecoverable error (a supervisor that
+    restarts only failures must restart it)."""
     connections.close(preflight(settings))  # a clear one-line error before Celery's banner; start-up connects again
     app = create_app(settings, classifier_factory)
     app.worker_main([
@@ -263,6 +264,9 @@ def run_worker(
         "--without-mingle",
         "--without-heartbeat",  # see worker.transport.consumer.GuardedConsumer
     ])  # fmt: skip
+    # worker_main returns nothing (Celery 5.6 drops click's status): the controller keeps it.
+    controller = runtime_of(app).controller
+    return int(getattr(controller, "exitcode", 0) or 0)
 
 
 def runtime_of(app: Celery) -> Runtime:
@@ -362,6 +366,7 @@ def _connect_signals(app: Celery) -> None:
     def on_worker_init(sender: Any = None, **_: Any) -> None:
         if getattr(sender, "app", None) is not app:
             return
+        runtime.controller = sender
         # Celery logs and swallows exceptions from signal handlers; a worker without a model must stop.
         try:
             with _startup_logging():

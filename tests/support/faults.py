@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -97,7 +98,8 @@ def main() -> None:
     marker, delay_s = os.environ.get(POISON_MARKER_ENV), float(os.environ.get(DELAY_ENV, "0"))
     hang = (os.environ[HANG_MARKER_ENV], Path(os.environ[RELEASE_FILE_ENV])) if HANG_MARKER_ENV in os.environ else None
     settings = load_settings()
-    run_worker(settings, classifier_factory=lambda s: FaultyClassifier(s.label_names, marker, delay_s, hang))
+    sys.exit(run_worker(settings, classifier_factory=lambda s: FaultyClassifier(s.label_names, marker, delay_s,
+                                                                                hang)))
 
 
 if __name__ == "__main__":

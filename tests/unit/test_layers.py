@@ -16,7 +16,8 @@ layers below it. Bottom first:
 
 The graph is read from the source (the AST of every file), so an import inside a function counts
 as much as one at the top, and importing `a.b.c` counts as importing the packages `a` and `a.b` too
-(their `__init__` runs first). Imports under `if TYPE_CHECKING:` never run and are left out. The
+(their `__init__` runs first). Imports under `if TYPE_CHECKING:` never run: the layer rules leave
+them out, the cycle check counts them (a circle of types is a circle of knowledge all the same). The
 third-party rules (no Celery in the engine, no torch in the transport) are checked in a fresh
 interpreter per layer, so nothing imported by another test hides a violation.
 """
@@ -84,15 +85,16 @@ def _is_type_checking(node: ast.AST) -> bool:
     return isinstance(test, ast.Name | ast.Attribute) and ast.unparse(test).endswith("TYPE_CHECKING")
 
 
-def _import_nodes(tree: ast.AST) -> Iterable[ast.Import | ast.ImportFrom]:
-    """Every import statement, at any depth (in functions too), but those under `if TYPE_CHECKING:`."""
+def _import_nodes(tree: ast.AST, type_checking: bool = False) -> Iterable[ast.Import | ast.ImportFrom]:
+    """Every import statement, at any depth (in functions too); those under `if TYPE_CHECKING:` only
+    with `type_checking`."""
     stack = [tree]
     while stack:
         node = stack.pop()
         if isinstance(node, ast.Import | ast.ImportFrom):
             yield node
         children = list(ast.iter_child_nodes(node))
-        if _is_type_checking(node):
+        if _is_type_checking(node) and not type_checking:
             children = list(node.orelse)
         stack.extend(children)
 
@@ -109,21 +111,22 @@ def _named(node: ast.Import | ast.ImportFrom, importer: str, is_package: bool) -
     return [base, *(f"{base}.{alias.name}" for alias in node.names)]
 
 
-def imports_of(importer: str, path: Path, modules: Mapping[str, Path]) -> set[str]:
+def imports_of(importer: str, path: Path, modules: Mapping[str, Path], type_checking: bool = False) -> set[str]:
     """The repo modules `importer` makes Python run: each named module and the packages above it,
     less its own packages (initialised before it runs) and itself."""
     own = {".".join(importer.split(".")[:i]) for i in range(1, importer.count(".") + 1)}
     found = set()
-    for node in _import_nodes(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+    for node in _import_nodes(ast.parse(path.read_text(encoding="utf-8"), str(path)), type_checking):
         for name in _named(node, importer, path.name == "__init__.py"):
             parts = name.split(".")
             found |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
     return {name for name in found if name in modules and name not in own and name != importer}
 
 
-def import_graph(root: Path = ROOT, packages: Iterable[str] = PACKAGES) -> dict[str, set[str]]:
+def import_graph(root: Path = ROOT, packages: Iterable[str] = PACKAGES, type_checking: bool = False,
+                 ) -> dict[str, set[str]]:  # fmt: skip
     modules = repo_modules(root, packages)
-    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+    return {name: imports_of(name, path, modules, type_checking) for name, path in modules.items()}
 
 
 # ----- the checks ------------------------------------------------------------------------------
@@ -204,8 +207,8 @@ def violations(graph: Mapping[str, Iterable[str]]) -> list[str]:
     return bad
 
 
-def test_no_import_cycle_module_level_or_lazy():
-    graph = import_graph()
+def test_no_import_cycle_module_level_lazy_or_for_types():
+    graph = import_graph(type_checking=True)
     found = [(" -> ".join(_cycle_in(graph, group)), sorted(group)) for group in tangles(graph)]
     assert found == [], "import cycles:\n" + "\n".join(f"{cycle}   (tangled: {group})" for cycle, group in found)
 
@@ -263,6 +266,8 @@ def test_the_graph_sees_lazy_imports_and_package_inits(tmp_path):
     assert graph["pkg.relative"] == {"pkg.transport", "pkg.transport.lua", "pkg.typed"}
     assert graph["pkg.transport.fetch"] == {"pkg.store"}, "lazy, and `pkg` itself is already importing"
     assert cycles(graph) == [["pkg.store", "pkg.transport", "pkg.transport.fetch", "pkg.store"]]
+    typed = import_graph(tmp_path, ["pkg"], type_checking=True)
+    assert typed["pkg.typed"] == {"pkg.store"}, "the cycle check sees a TYPE_CHECKING import"
 
 
 @pytest.mark.parametrize("layer", list(NOT_LOADED))

@@ -3,7 +3,10 @@
 - `guards` — the tested version ranges and every private name relied on, checked at start-up.
 - `fetch` — the atomic fetch: kombu's Redis transport (`Transport`, `Channel`, `QoS`), and the
   same through Redis Sentinel (`SentinelTransport`, `SentinelChannel`).
-- `lease` — each consumer's lease and the recovery of consumers whose lease ran out.
+- `qos` — kombu's unacked record for the atomic fetch: recorded per batch, acked per turn, swept by
+  Redis's clock.
+- `lease` — each consumer's lease, renewed while both loops move.
+- `recovery` — the recovery of consumers whose lease ran out.
 - `batches` — celery-batches' task base, feeding the running job between forwards.
 - `state` — the fetch's and leases' Redis state, one script (`worker_state.lua`; `fetch_more.lua`
   beside `fetch`).
@@ -17,6 +20,6 @@ imports nothing of the worker above it: only `ticketq` and `worker.health`.
 so that a failover to the next sentinel keeps it).
 """
 
-from worker.transport.fetch import AMQP, SentinelTransport, Transport
+from worker.transport.fetch import AMQP, TRANSPORT_OPTIONS, SentinelTransport, Transport
 
-__all__ = ["AMQP", "SentinelTransport", "Transport"]
+__all__ = ["AMQP", "TRANSPORT_OPTIONS", "SentinelTransport", "Transport"]

@@ -13,7 +13,6 @@ from celery import signals
 from celery.concurrency.thread import TaskPool as ThreadTaskPool
 
 from worker.transport.fetch import Channel as AtomicChannel
-from worker.transport.state import WorkerState
 
 if TYPE_CHECKING:
     from worker.transport.events import WorkerEvents
@@ -118,9 +117,7 @@ class Batches(celery_batches.Batches):
                     by_channel.setdefault(channel, []).append(request.message.delivery_tag)
         lost: set[str] = set()
         for channel, tags in by_channel.items():
-            with channel.conn_or_acquire() as client:
-                owned = WorkerState.owned(client, channel.consumer, tags)
-            lost.update(tag for tag, flag in zip(tags, owned, strict=True) if not flag)
+            lost.update(tag for tag, flag in zip(tags, channel.owns(tags), strict=True) if not flag)
         return {task_id for task_id, held in requests.items()
                 if held and all(request.message.delivery_tag in lost for request in held)}  # fmt: skip
 

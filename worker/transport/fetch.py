@@ -5,11 +5,18 @@ in between loses the message (celery/kombu#305, celery#7950). Here one Redis com
 message from the queue list into this consumer's own `fetching` list (BLMOVE, as Sidekiq's
 reliable fetch and RQ do), and one script call moves it from there into kombu's unacked record
 (`worker.transport.state`: every change to the fetch and lease state is one command of
-lua/worker_state.lua). A crash
-at any instant leaves the message in the queue, in a fetching list or in the unacked record,
-never nowhere. A fetch takes up to 64 messages (within the prefetch window) in two round trips,
-and acks are written once per event-loop turn (see QoS). Each consuming channel holds a lease
-(`worker.transport.lease`). Producers and plain Celery clients are unchanged: same queue list,
+worker_state.lua). A crash at any instant leaves the message in the queue, in a fetching list or
+in the unacked record, never nowhere. A fetch takes up to 64 messages (within the prefetch window)
+in two round trips, and acks are written once per event-loop turn (`worker.transport.qos`). Each
+consuming channel holds a lease (`worker.transport.lease`).
+
+Nothing waits in a fetching list without an owner that is fetching: a fetch whose reply never came
+(kombu drops a stale connection and the channel fetches again under the same consumer) or whose
+record Redis refused is delivered from the list before the next fetch; a record claims only what
+is still in the list (another worker may have recovered it). Every command has a socket timeout
+(COMMAND_TIMEOUT_S), and every turn of the event loop that finds no fetch reply overdue marks the
+fetching loop's progress (`worker.health.progress.FETCHING`): a loop stuck on Redis stops renewing
+the lease and answers 503 on /readyz. Producers and plain Celery clients are unchanged: same queue list,
 same message format. Keys: ticketq.names (FETCHING_KEY, OWNED_KEY, ALIVE_KEY, CONSUMERS_KEY), each
 listed with its meaning in worker.redis.keys.
 
@@ -32,7 +39,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from queue import Empty
 from typing import Any
@@ -41,9 +48,8 @@ import kombu
 import redis
 from celery.app.amqp import AMQP as CeleryAMQP
 from kombu.transport import redis as kombu_redis
-from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
-from kombu.utils.json import dumps
+from kombu.utils.json import dumps, loads
 
 from ticketq import codec, connections
 from ticketq.contract import Reason
@@ -52,14 +58,26 @@ from ticketq.errors import TicketqError
 from ticketq.lua import script
 from ticketq.names import DEAD_LETTER_STREAM, FETCHING_KEY, OWNED_KEY
 from worker.health import refusals
+from worker.health.progress import FETCH_STALL_S, FETCHING
 from worker.transport.guards import REDIS_MIN, IncompatibleLibrary
-from worker.transport.lease import Lease
-from worker.transport.state import WorkerState
+from worker.transport.lease import Lease, LeaseHolder
+from worker.transport.qos import QoS
+from worker.transport.recovery import Recovery
+from worker.transport.state import PushRecorder
 
 log = logging.getLogger(__name__)
 
 FETCH_MORE = script(__package__, "fetch_more")  # beside this module: fetch_more.lua
 REFUSED_PAUSE_S = 1.0  # after a refused write, fetching waits this long before it tries again
+# Every command on a worker connection answers within this, or the connection counts as lost (kombu's
+# channel sets no socket timeout: a half-open connection held the event loop for good). The fetch's
+# own block (kombu's brpop_timeout, 1 s) is far inside it.
+COMMAND_TIMEOUT_S = 10.0
+# kombu's checks of the fetch and pub/sub connections run this often: a fetch whose reply is overdue
+# by more than brpop_timeout + this is dropped and sent again, within brpop_timeout + 2x this (11 s).
+HEALTH_CHECK_S = 5
+# A fetch reply this late past its block is overdue: the turn that finds it so is no progress.
+FETCH_REPLY_GRACE_S = 1.0
 
 
 class WritesRefused(TicketqError, redis.ConnectionError):
@@ -70,96 +88,6 @@ class WritesRefused(TicketqError, redis.ConnectionError):
 def new_consumer_id() -> str:
     """host:pid:random, one per consuming channel (Celery opens a new channel on every reconnect)."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-
-
-class QoS(kombu_redis.QoS):
-    """kombu's unacked record, written in the same script call that empties the fetching list.
-
-    Per fetched batch, not per message: the channel records every message of a fetch as unacked
-    in one call (`record`: the worker-state script's `claim`) before it hands any of them to
-    kombu. An ack updates kombu's in-memory state at once; its Redis removal waits for the end of
-    the event loop's turn (`flush_acks`, on every tick), where every ack of that turn goes in one
-    call (without an event loop, as in a plain kombu consumer, an ack is written at once). A
-    worker killed before a tick's flush has those messages redelivered; their results are
-    published once (worker.redis.outbox).
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._acked: list[str] = []  # acked in memory; removed from Redis at the next tick
-        self.last_appended: str | None = None
-
-    def append(self, message: Any, delivery_tag: str) -> None:
-        if not self.channel.recorded:  # not fetched by Channel's fetch (basic_get): record it now, as kombu does
-            delivery = message.delivery_info
-            self.record([(delivery_tag, dumps([message._raw, delivery["exchange"], delivery["routing_key"]]), None)])
-        virtual.QoS.append(self, message, delivery_tag)  # the in-memory bookkeeping of kombu's QoS
-        self.last_appended = delivery_tag
-
-    @property
-    def state(self) -> WorkerState:
-        return WorkerState(self.unacked_index_key, self.unacked_key)
-
-    def record(self, records: Sequence[tuple[str, str, bytes | None]], queue: str = "") -> None:
-        """(delivery tag, kombu's record, fetched item) as unacked, owned by this consumer, and gone
-        from its fetching list for `queue`: one script call."""
-        if not records:
-            return
-        with self.channel.conn_or_acquire() as client:
-            self.state.claim(client, self.channel.consumer, queue, time.time(), records)
-
-    def can_consume(self) -> bool:
-        """kombu's prefetch check, and no fetch while Redis refuses writes or before the lease is held."""
-        return self.channel.may_fetch() and super().can_consume()
-
-    def ack(self, delivery_tag: str) -> None:
-        self._acked.append(delivery_tag)
-        virtual.QoS.ack(self, delivery_tag)
-        if not self.channel.connection.acks_per_tick:
-            self.flush_acks()
-
-    def flush_acks(self) -> None:
-        """Remove the records of every message acked since the last flush, in one script call."""
-        tags, self._acked = self._acked, []
-        if not tags:
-            return
-        try:
-            with self.channel.conn_or_acquire() as client:
-                acked = self.state.ack(client, self.channel.consumer, tags)
-        except redis.ResponseError as exc:
-            self._acked[:0] = tags  # tried again at the next tick, and at close
-            if not self.channel.refused(exc, "acks"):
-                raise
-        except Exception:
-            self._acked[:0] = tags
-            raise
-        if acked < len(tags):
-            log.warning(
-                "%d of %d acked message(s) were no longer this consumer's (%s): its lease lapsed and "
-                "another worker took them over; theirs to answer and ack", len(tags) - acked, len(tags),
-                self.channel.consumer,
-            )  # fmt: skip
-
-    def restore_visible(self, *args: Any, **kwargs: Any) -> Any:
-        """kombu's sweep of messages past the visibility timeout; skipped while Redis refuses writes
-        (its mutex is a write: a full Redis stopped the worker at start-up)."""
-        try:
-            return super().restore_visible(*args, **kwargs)
-        except redis.ResponseError as exc:
-            if not self.channel.refused(exc, "the visibility-timeout sweep"):
-                raise
-            return None
-
-    def restore_unacked(self, client: Any = None) -> Any:
-        try:  # acked messages must not be restored from records their flush has not removed yet
-            self.flush_acks()
-        except redis.RedisError as exc:
-            log.warning("could not remove the records of %d acked messages (%s); they may be redelivered",
-                        len(self._acked), exc)  # fmt: skip
-        return super().restore_unacked(client)
-
-    def _remove_from_indices(self, delivery_tag: str, pipe: Any = None) -> Any:
-        return super()._remove_from_indices(delivery_tag, pipe).srem(self.channel.owned_key, delivery_tag)
 
 
 class Channel(kombu_redis.Channel):
@@ -174,6 +102,9 @@ class Channel(kombu_redis.Channel):
     ticketq_lease_s = 10.0
     ticketq_stream_maxlen = 100_000
     ticketq_fetch_max = 64  # messages one fetch takes at most (and never more than the prefetch room)
+    socket_timeout = COMMAND_TIMEOUT_S
+    socket_connect_timeout = COMMAND_TIMEOUT_S
+    health_check_interval = HEALTH_CHECK_S
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -190,7 +121,9 @@ class Channel(kombu_redis.Channel):
         self.consumer = new_consumer_id()
         self.owned_key = OWNED_KEY.format(consumer=self.consumer)
         self.recorded = False  # True while a fetched batch, recorded already, is handed to kombu
-        self._fetch_queue: str | None = None
+        self._fetch_queue: str | None = None  # the queue of the last fetch sent
+        self._awaiting = False  # that fetch's reply has not been read
+        self._judged = False  # on an event loop, whose turns are the fetching loop's progress
         self._lease: Lease | None = None
         self._shared_client: redis.Redis | None = None
         self._refused_until = 0.0  # monotonic: no fetch before this, after a refused write
@@ -203,7 +136,7 @@ class Channel(kombu_redis.Channel):
         result = super().basic_consume(queue, *args, **kwargs)
         if self._lease is None and queue in self.active_queues:  # fetches with BLMOVE (not a fanout queue)
             _check_redis_version(self.client)
-            self._lease = Lease(self)
+            self._lease = Lease(self._lease_holder())
             try:  # registered before its first fetch, or nobody would look (may_fetch waits for it)
                 with self.conn_or_acquire() as client:
                     self._lease.beat(client)
@@ -212,6 +145,55 @@ class Channel(kombu_redis.Channel):
                     raise
             self._lease.start()
         return result
+
+    def _lease_holder(self) -> LeaseHolder:
+        state = self.qos.state
+        return LeaseHolder(consumer=self.consumer, lease_s=float(self.ticketq_lease_s), state=state,
+                           connect=self.own_client, queues=lambda: self.active_queues,
+                           recovery=Recovery(self.consumer, state, self.restore_owned))  # fmt: skip
+
+    def restore_owned(self, client: redis.Redis, consumer: str, tag: str) -> bool:
+        """Put one unacked message of a dead consumer back in its queue, if that consumer still owns it.
+
+        kombu's restore (`_do_restore_message`: the redelivered flag, the priority list) is worked
+        out here, and made in one script call that checks ownership (`WorkerState.restore`): of two
+        workers recovering the same consumer one restores the message; a message restored, fetched
+        again and recorded by a live consumer (same delivery tag) is the live one's.
+        """
+        record = client.hget(self.qos.unacked_key, tag)
+        pushes = PushRecorder()
+        if record is not None:
+            message, exchange, routing_key = loads(bytes_to_str(record))
+            self._do_restore_message(message, exchange, routing_key, pushes)
+            if not pushes.pushes:  # kombu could not work it out (it logged why): keep the record
+                log.error("unacked message %s of consumer %s kept: it could not be restored", tag, consumer)
+                return False
+        return self.qos.state.restore(client, consumer, tag, pushes.pushes)
+
+    def owns(self, tags: list[str]) -> list[bool]:
+        """Whether this consumer still owns each of these delivery tags (another worker may have
+        recovered them while its lease lapsed). Raises Redis's errors."""
+        with self.conn_or_acquire() as client:
+            return self.qos.state.owned(client, self.consumer, tags)
+
+    def queue_declare(self, *args: Any, **kwargs: Any) -> Any:
+        with self._refusal_is_an_outage("declaring a queue"):
+            return super().queue_declare(*args, **kwargs)
+
+    def queue_bind(self, *args: Any, **kwargs: Any) -> Any:
+        with self._refusal_is_an_outage("binding a queue"):
+            return super().queue_bind(*args, **kwargs)
+
+    @contextmanager
+    def _refusal_is_an_outage(self, what: str) -> Iterator[None]:
+        """A write Redis refuses while Celery's consumer starts (its control queue's declare) is a
+        lost connection to Celery, which connects again, not an unrecoverable error."""
+        try:
+            yield
+        except redis.ResponseError as exc:
+            if not self.refused(exc, what):
+                raise
+            raise WritesRefused(f"Redis refuses writes ({exc}); ticketq waits until it takes them again") from exc
 
     def may_fetch(self) -> bool:
         """Not while Redis refuses writes (for REFUSED_PAUSE_S after a refusal), nor before this
@@ -251,23 +233,41 @@ class Channel(kombu_redis.Channel):
             params.update(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         return params
 
+    def _lost_reply(self) -> None:
+        """If kombu dropped the connection of the fetch in flight (no reply within its health
+        check), what that fetch moved waits in the fetching list: deliver it from there."""
+        connection = self._in_poll
+        if not self._awaiting or (connection and connection._sock is not None):
+            return
+        log.warning("the reply to a fetch from %r never came (connection dropped): what it moved into the "
+                    "fetching list of consumer %s is delivered from there", self._fetch_queue, self.consumer)
+        if self._fetch_queue is not None:
+            self._held.add(self._fetch_queue)
+        self._awaiting, self._in_poll = False, None
+
     def _brpop_start(self, timeout: float | None = None) -> None:
+        self._lost_reply()
+        if self._redeliver_held():
+            return  # the next turn fetches: the delivered messages may have filled the prefetch window
         # BLMOVE reads one list; with several queues the cycle watches each in turn (1 s each).
         queues = self._queue_cycle.consume(len(self.active_queues))
         if not queues:
             return
         queue = self._fetch_queue = queues[0]
+        self._awaiting = True
         self._in_poll = self.client.connection
         self._brpop_sent_at = time.monotonic()
         command = ("BLMOVE", queue, self.fetching_key(queue), "RIGHT", "LEFT", timeout or self.brpop_timeout or 0)
         self.client.connection.send_command(*command)
 
     def _brpop_read(self, **options: Any) -> bool:
-        queue = self._fetch_queue
+        queue, awaiting, self._awaiting = self._fetch_queue, self._awaiting, False
         try:
             try:
                 item = self.client.parse_response(self.client.connection, "BLMOVE", **options)
             except self.connection_errors:
+                if awaiting and queue is not None:  # the reply is lost: what the fetch moved waits in the list
+                    self._held.add(queue)
                 self.client.connection.disconnect()  # the next poll reconnects, as kombu's BRPOP does
                 raise
             except redis.ResponseError as exc:
@@ -316,19 +316,34 @@ class Channel(kombu_redis.Channel):
         yield self._shared_client
 
     def flush_acks(self) -> None:
-        """Every turn of the event loop: the turn's acks, and fetched messages a refused write left
-        unrecorded, once Redis may take writes again."""
+        """Every turn of the event loop: the turn's acks, fetched messages left unrecorded (a refused
+        write, a lost reply), and the fetching loop's progress when no fetch reply is overdue."""
         if self._lease is None:  # not a consuming channel
             return
         self.qos.flush_acks()
-        if self._held and time.monotonic() >= self._refused_until:
-            for queue in sorted(self._held):
-                self._held.discard(queue)
-                # LPUSHed by the fetch, so the oldest is last: delivered first, as it would have been.
-                with self.conn_or_acquire() as client:
-                    items = client.lrange(self.fetching_key(queue), 0, -1)
-                if items:
-                    self._deliver_batch(queue, items[::-1])
+        self._lost_reply()
+        self._redeliver_held()
+        sent_at = self._brpop_sent_at if self._awaiting else None
+        if not self._judged:  # the first turn: from now on a loop that stops turning is stalled
+            FETCHING.begin(FETCH_STALL_S)
+            self._judged = True
+        elif sent_at is None or time.monotonic() - sent_at <= self.brpop_timeout + FETCH_REPLY_GRACE_S:
+            FETCHING.advanced()
+
+    def _redeliver_held(self) -> bool:
+        """Deliver what waits in this consumer's fetching lists (fetched, then its record refused or
+        its reply lost), once Redis may take writes again and while no fetch is in flight (one would
+        add to the list under the read). True when it tried."""
+        if not self._held or self._in_poll or time.monotonic() < self._refused_until:
+            return False
+        for queue in sorted(self._held):
+            self._held.discard(queue)
+            # LPUSHed by the fetch, so the oldest is last: delivered first, as it would have been.
+            with self.conn_or_acquire() as client:
+                items = client.lrange(self.fetching_key(queue), 0, -1)
+            if items:
+                self._deliver_batch(queue, items[::-1])
+        return True
 
     def _deliver_batch(self, queue: str, items: list[bytes]) -> None:
         """Record every readable fetched item as unacked (one script call), then hand each to kombu.
@@ -342,12 +357,16 @@ class Channel(kombu_redis.Channel):
         """
         try:
             batch, records = self._readable(queue, items)
-            self.qos.record(records, queue)
+            claimed = self.qos.record(records, queue)
         except redis.ResponseError as exc:
             if not self.refused(exc, "recording fetched messages"):
                 raise
             self._held.add(queue)
             return
+        if not all(claimed):
+            log.warning("%d fetched message(s) were no longer in the fetching list of consumer %s: another worker "
+                        "recovered them, and answers them", claimed.count(False), self.consumer)  # fmt: skip
+            batch = [entry for entry, flag in zip(batch, claimed, strict=True) if flag]
         self.recorded = True
         try:
             while batch:
@@ -409,6 +428,8 @@ class Channel(kombu_redis.Channel):
                 log.warning("could not remove the records of acked messages (%s); they may be redelivered", exc)
         self._shared_client = None
         if lease is not None:
+            if self._judged:
+                FETCHING.end()
             lease.stop()
             client = self._create_client()  # kombu's close drops the channel's connection and pools
         super().close()  # kombu puts this channel's unacked messages back in the queue
@@ -440,7 +461,8 @@ class SentinelChannel(Channel, kombu_redis.SentinelChannel):
 
 
 class Transport(kombu_redis.Transport):
-    """kombu's Redis transport with the atomic fetch (`broker_transport = "worker.transport:Transport"`)."""
+    """kombu's Redis transport with the atomic fetch (`broker_transport = "worker.transport:Transport"`).
+    `TRANSPORT_OPTIONS` go with it in `broker_transport_options`: kombu reads some from there only."""
 
     Channel = Channel
     acks_per_tick = False  # True once on an event loop (Celery's worker): acks are written once per turn
@@ -456,6 +478,11 @@ class Transport(kombu_redis.Transport):
     def _flush_acks(self) -> None:
         for channel in list(self.channels):
             channel.flush_acks()
+
+
+# Socket timeouts on every connection and kombu's connection checks at HEALTH_CHECK_S.
+TRANSPORT_OPTIONS = {"socket_timeout": COMMAND_TIMEOUT_S, "socket_connect_timeout": COMMAND_TIMEOUT_S,
+                     "health_check_interval": HEALTH_CHECK_S}
 
 
 class SentinelTransport(Transport):

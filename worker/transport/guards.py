@@ -19,6 +19,7 @@ from typing import Any
 
 import celery_batches
 import kombu
+import redis.connection
 from celery.app.amqp import AMQP
 from celery.backends.base import BaseBackend
 from celery.worker import state as worker_state
@@ -50,9 +51,14 @@ REQUIRED: dict[Any, tuple[str, ...]] = {
         "sep",
         "priority_steps",
         "from_transport_options",
+        "socket_timeout",
+        "socket_connect_timeout",
+        "health_check_interval",
     ),
     kombu_redis.QoS: ("_remove_from_indices", "restore_unacked", "restore_by_tag", "ack",
-                      "restore_visible", "unacked_key", "unacked_index_key"),
+                      "restore_visible", "unacked_key", "unacked_index_key", "unacked_mutex_key",
+                      "unacked_mutex_expire", "visibility_timeout"),
+    kombu_redis: ("Mutex", "MutexHeld"),  # qos.QoS.restore_visible: kombu's sweep mutex
     kombu_redis.Transport: ("register_with_event_loop", "connection_errors"),
     # fetch.SentinelChannel leaves building its pools to kombu's: the master from the sentinels.
     kombu_redis.SentinelChannel: ("_get_pool", "_sentinel_managed_pool", "from_transport_options"),
@@ -77,10 +83,11 @@ ASSIGNED: dict[tuple[Any, str], tuple[str, ...]] = {
     (virtual.Message, "__init__"): ("_raw",),  # the message as fetched: kombu's unacked record
     (celery_batches.Batches, "__init__"): ("_tref", "_buffer"),  # the flush timer; the buffered requests
     (celery_batches.Batches, "Strategy"): ("_pool",),  # the worker's pool
-    (kombu_redis.Channel, "__init__"): ("_queue_cycle",),
+    (kombu_redis.Channel, "__init__"): ("_queue_cycle", "brpop_timeout"),
     (kombu_redis.Transport, "__init__"): ("cycle",),  # the poller a channel is taken out of
     (kombu.Connection, "__init__"): ("alt",),  # the `;`-separated URLs: the sentinels' addresses
     (kombu.Connection, "_init_params"): ("transport_cls",),
+    (redis.connection.AbstractConnection, "disconnect"): ("_sock",),  # fetch.Channel._lost_reply: dropped?
 }
 
 REDIS_MIN = (6, 2)  # BLMOVE

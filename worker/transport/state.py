@@ -28,6 +28,10 @@ class WorkerState:
 
     def _call(self, client: redis.Redis, command: str, consumer: str, queue: str = "", *args: Any,
               targets: Sequence[str] = ()) -> int:  # fmt: skip
+        return int(self._script(client, command, consumer, queue, *args, targets=targets))
+
+    def _script(self, client: redis.Redis, command: str, consumer: str, queue: str = "", *args: Any,
+                targets: Sequence[str] = ()) -> Any:  # fmt: skip
         keys = (
             self.unacked_index_key,
             self.unacked_key,
@@ -38,14 +42,15 @@ class WorkerState:
             queue,  # "" for the commands that use no queue: they never touch KEYS[7]
             *targets,
         )
-        return int(client.eval(WORKER_STATE, len(keys), *keys, command, consumer, *args))
+        return client.eval(WORKER_STATE, len(keys), *keys, command, consumer, *args)
 
-    def claim(self, client: redis.Redis, consumer: str, queue: str, now: float,
-              records: Sequence[tuple[str, str, bytes | None]]) -> int:  # fmt: skip
+    def claim(self, client: redis.Redis, consumer: str, queue: str,
+              records: Sequence[tuple[str, str, bytes | None]]) -> list[bool]:  # fmt: skip
         """(delivery tag, kombu's record, fetched item or None) recorded unacked and owned by
-        `consumer`, each item taken from its fetching list for `queue`."""
+        `consumer`, each item taken from its fetching list for `queue`; per record, whether it was
+        recorded (a fetched item no longer in the list is another worker's now)."""
         args = [part for tag, record, item in records for part in (tag, record, b"" if item is None else item)]
-        return self._call(client, "claim", consumer, queue, now, *args)
+        return [bool(flag) for flag in self._script(client, "claim", consumer, queue, *args)]
 
     def ack(self, client: redis.Redis, consumer: str, tags: Sequence[str]) -> int:
         """Forget the records of acked messages that `consumer` still owns; returns how many. A

@@ -12,8 +12,10 @@
 --   KEYS[8…] restore only: the lists a restored message goes to (kombu's per-priority lists)
 --
 -- ARGV[1] the command, ARGV[2] the consumer <c>, then its arguments:
---   claim    now, (tag, record, item)…   record fetched messages unacked and owned by <c>, and take
---                                        each from <c>'s fetching list (item '' when not fetched)
+--   claim    (tag, record, item)…        record fetched messages unacked (at Redis's TIME) and owned by
+--                                        <c>, each taken from <c>'s fetching list (item '' when not
+--                                        fetched); an item no longer there and not <c>'s already
+--                                        (recovered by another worker) is not recorded
 --   ack      tag…                        forget acked messages <c> still owns (deletions only: a full
 --                                        Redis runs it)
 --   beat     ttl_ms, info                renew <c>'s lease and its consumer entry
@@ -23,22 +25,28 @@
 --                                        KEYS[8…], in order), only while <c> still owns it and its
 --                                        record exists; the tag leaves <c>'s set either way
 --   forget                               drop <c>'s owned set and consumer entry (after its recovery)
--- Each returns a count: messages claimed, acked, moved or restored (1 for release, forget; for
--- beat 1 when <c> was not registered: its first beat, or it was recovered as dead meanwhile).
+-- claim returns one flag per record (1: recorded); the others a count: messages acked, moved or
+-- restored (1 for release, forget; for beat 1 when <c> was not registered: its first beat, or it
+-- was recovered as dead meanwhile).
 
 local command, consumer = ARGV[1], ARGV[2]
 
 if command == 'claim' then
-  local now, claimed = ARGV[3], 0
-  for i = 4, #ARGV, 3 do
+  -- Redis's clock, not the worker's: the visibility sweep compares these with Redis's TIME too.
+  local time = redis.call('TIME')
+  local now = tonumber(time[1]) + tonumber(time[2]) / 1000000
+  local claimed = {}
+  for i = 3, #ARGV, 3 do
     local tag, record, item = ARGV[i], ARGV[i + 1], ARGV[i + 2]
-    redis.call('ZADD', KEYS[1], now, tag)
-    redis.call('HSET', KEYS[2], tag, record)
-    redis.call('SADD', KEYS[3], tag)
-    if item ~= '' then
-      redis.call('LREM', KEYS[4], 1, item)
+    -- Already <c>'s: this call is a retry of one whose reply was lost (redis-py retries on a timeout).
+    if item == '' or redis.call('LREM', KEYS[4], 1, item) == 1 or redis.call('SISMEMBER', KEYS[3], tag) == 1 then
+      redis.call('ZADD', KEYS[1], string.format('%.6f', now), tag)
+      redis.call('HSET', KEYS[2], tag, record)
+      redis.call('SADD', KEYS[3], tag)
+      claimed[#claimed + 1] = 1
+    else
+      claimed[#claimed + 1] = 0
     end
-    claimed = claimed + 1
   end
   return claimed
 
