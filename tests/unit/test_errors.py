@@ -17,7 +17,7 @@ from ticketq.errors import TicketqError
 from ticketq.exits import EXIT_USAGE
 
 ROOT = Path(__file__).resolve().parents[2]
-NOT_ERRORS = {"producer.errors.SendInterrupted", "worker.app.CannotStart"}  # a Ctrl-C and an exit
+NOT_ERRORS = {"producer.errors.SendInterrupted", "worker.errors.CannotStart"}  # a Ctrl-C and an exit
 
 
 def _project_modules() -> list[str]:

@@ -10,7 +10,7 @@ layers below it. Bottom first:
     worker/engine/      tensors: health, the contract, and the worker's settings and result records
     worker/*.py         the core records and services: metrics, settings, result records, shadow
     worker/service/     the pipeline (stages and hooks): the core, the store, the engine
-    worker/app.py       the Celery glue that builds a worker: everything above but the tools
+    worker/app/         the Celery glue that builds a worker: everything above but the tools
     ticketq_bench/      the benchmark, its peers, the load test, the worker-process harness
     ticketq_cli/        the `ticketq` command and the operator's tools: above everything, imported by nothing
 
