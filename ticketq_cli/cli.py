@@ -30,7 +30,7 @@ def worker(
     name: Annotated[str | None, typer.Option(help="Worker node name (default ticketq-<pid>@<host>).")] = None,
 ) -> None:
     """Start one worker process (one model replica) consuming the ticket queue. Configure with TICKETQ_*."""
-    from worker.metrics import port_problem
+    from worker.httpserver import port_problem
 
     settings = read_settings()
     check_model(settings)

@@ -54,7 +54,7 @@ def exporter(
     every worker down."""
     from ticketq.connections import RedisUnavailable, connect
     from ticketq_cli.exporter import exporter_server
-    from worker.metrics import MetricsPortInUse
+    from worker.httpserver import MetricsPortInUse
 
     settings = read_settings()
     try:

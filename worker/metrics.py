@@ -1,4 +1,4 @@
-"""Prometheus metrics of one worker process, and its HTTP endpoints: every series takes an injected registry.
+"""Prometheus metrics of one worker process: every series takes an injected registry.
 
 Padding ratio in PromQL: `rate(ticketq_tokens_padded_total[1m]) / rate(ticketq_tokens_computed_total[1m])`.
 Items/s per queue: `sum by (queue) (rate(ticketq_tickets_total{outcome="ok"}[1m]))`.
@@ -7,7 +7,7 @@ A worker consumes one queue (TICKETQ_QUEUE), given at construction: the per-tick
 queue depth carry it as their `queue` label, and `target_info{queue}` names it for the rest (join
 `* on (instance) group_left (queue) target_info`). One value per process: no series multiplies.
 
-The server on TICKETQ_METRICS_PORT answers `/metrics` with the series (ticketq's, plus the
+The server on TICKETQ_METRICS_PORT (`worker.httpserver`) answers `/metrics` with the series (ticketq's, plus the
 process and platform collectors: memory, CPU, open fds), `/healthz` with 200 while the process
 serves HTTP (liveness), `/readyz` with 200 only when every readiness check passes (Redis
 reachable, model loaded, plus the caller's own check, e.g. the consumer running and Redis taking
@@ -19,14 +19,12 @@ caller's `about` reports (Redis's maxmemory-policy), and any other path with 404
 from __future__ import annotations
 
 import math
-import socket
 import threading
 from bisect import bisect_left
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Mapping
-from socketserver import ThreadingMixIn
 from typing import Generic, TypeVar
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
     PLATFORM_COLLECTOR,
@@ -42,11 +40,11 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from ticketq.errors import TicketqError
 from ticketq.names import QUEUE
 from worker import constants as c
 from worker.health.data_loss import DATA_LOST
 from worker.health.progress import CLASSIFYING
+from worker.httpserver import Check, health_app, wsgi_server
 from worker.results import RUNS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -55,32 +53,7 @@ TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 PUBLISH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
 
 
-Check = Callable[[], "str | None"]  # a readiness check: None when fine, else why not
 M = TypeVar("M")
-
-
-class MetricsPortInUse(TicketqError, OSError):
-    """The metrics port is taken; the message names the port and TICKETQ_METRICS_PORT."""
-
-
-def port_problem(host: str, port: int) -> str | None:
-    """Why the metrics server could not listen on host:port, or None; checked before the model loads."""
-    if not port:
-        return None
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the HTTP server will
-            probe.bind((host, port))
-    except OSError as exc:
-        return _port_message(host, port, exc)
-    return None
-
-
-def _port_message(host: str, port: int, exc: OSError) -> str:
-    why = "already in use" if isinstance(exc, OSError) and exc.errno in (98, 48) else (exc.strerror or str(exc))
-    return (f"TICKETQ_METRICS_PORT={port}: cannot listen on {host}:{port} ({why}); set TICKETQ_METRICS_PORT to "
-            "a free port (each worker on a host needs its own), or 0 to turn metrics off")
 
 
 def queue_depth_family(depths: Mapping[str, float]) -> GaugeMetricFamily:
@@ -367,14 +340,6 @@ class Metrics:
         return None if any(sample.labels for sample in samples) else "model not loaded"
 
 
-def wsgi_server(host: str, port: int, app: Callable) -> WSGIServer:
-    """A threading HTTP server for `app` on host:port, not yet serving; `MetricsPortInUse` names the port."""
-    try:
-        return make_server(host, port, app, _server_class(host, port), handler_class=_QuietHandler)
-    except OSError as exc:
-        raise MetricsPortInUse(exc.errno, _port_message(host, port, exc)) from None
-
-
 def build_versions() -> dict[str, str]:
     """The `ticketq_build_info` labels: installed versions, read from package metadata (no imports)."""
     import platform
@@ -389,59 +354,3 @@ def build_versions() -> dict[str, str]:
     return versions
 
 
-def health_app(metrics_app: Callable, checks: Iterable[Check], about: Callable[[], str] | None = None) -> Callable:
-    """WSGI: /metrics, /healthz (alive), /readyz (every check passes, else 503 with reasons; then
-    `about`'s line), else 404."""
-    checks = list(checks)
-
-    def app(environ: dict, start_response: Callable) -> list[bytes]:
-        path = environ.get("PATH_INFO", "")
-        if path == "/healthz":
-            return _reply(start_response, "200 OK", "ok")
-        if path == "/readyz":
-            problems = [problem for problem in map(_run_check, checks) if problem]
-            status, text = ("503 Service Unavailable", "not ready: " + "; ".join(problems)) if problems \
-                else ("200 OK", "ready")  # fmt: skip
-            line = _about(about)
-            return _reply(start_response, status, f"{text}\n{line}" if line else text)
-        if path == "/metrics":
-            return metrics_app(environ, start_response)
-        return _reply(start_response, "404 Not Found", "not found: try /metrics, /healthz or /readyz")
-
-    return app
-
-
-def _about(about: Callable[[], str] | None) -> str:
-    if about is None:
-        return ""
-    try:
-        return about()
-    except Exception:  # the answer stands without it (Redis away: a check says so)
-        return ""
-
-
-def _run_check(check: Check) -> str | None:
-    try:
-        return check()
-    except Exception as exc:  # a broken check is a reason not to be ready, not a crashed probe
-        return f"readiness check failed ({type(exc).__name__}: {exc})"
-
-
-def _reply(start_response: Callable, status: str, text: str) -> list[bytes]:
-    body = (text + "\n").encode()
-    start_response(status, [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))])
-    return [body]
-
-
-class _ThreadingServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True  # a hung scrape must not keep the worker from exiting
-
-
-def _server_class(host: str, port: int) -> type[WSGIServer]:
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]  # IPv6 hosts ("::") too
-    return type("MetricsServer", (_ThreadingServer,), {"address_family": family})
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:
-        pass  # a scrape every few seconds would flood the worker's log

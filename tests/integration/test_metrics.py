@@ -13,7 +13,8 @@ import redis
 from prometheus_client import CollectorRegistry, generate_latest
 
 from worker.constants import NEAR_TIE
-from worker.metrics import Metrics, health_app
+from worker.httpserver import health_app
+from worker.metrics import Metrics
 from worker.results import Prediction
 from worker.shadow import ShadowChecker
 

@@ -73,7 +73,7 @@ def test_healthz_readyz_and_metrics():
 
 
 def test_metrics_port_in_use_names_the_setting():
-    from worker.metrics import MetricsPortInUse, port_problem
+    from worker.httpserver import MetricsPortInUse, port_problem
 
     metrics = Metrics()
     port = free_port()
