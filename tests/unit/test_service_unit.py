@@ -49,11 +49,12 @@ def ticket(n: int, tag: str = "t") -> dict:
 class Run:
     """A service on a fresh outbox and registry; `value` reads a metric."""
 
-    def __init__(self, classifier=None, hooks: Sequence[Hook] = (), **settings) -> None:
+    def __init__(self, classifier=None, hooks: Sequence[Hook] = (), outbox: MemoryOutbox | None = None,
+                 **settings) -> None:  # fmt: skip
         self.settings = Settings(broker_url=NO_REDIS, metrics_port=0, max_retries=1, max_ticket_bytes=MAX_TICKET_BYTES,
                                  **settings)  # fmt: skip
         self.classifier = classifier or NullClassifier(LABELS)
-        self.outbox, self.metrics = MemoryOutbox(), Metrics(CollectorRegistry())
+        self.outbox, self.metrics = outbox or MemoryOutbox(), Metrics(CollectorRegistry())
         attached = [*standard_hooks(self.settings, self.classifier, self.metrics), *hooks]
         self.service = TicketService(self.settings, self.classifier, self.outbox, attached)
 
@@ -283,13 +284,28 @@ def test_hooks_hear_the_job_its_forwards_answers_results_and_dead_letters_in_ord
                                "results 2", "end"]  # fmt: skip
 
 
-def test_a_failing_job_still_ends_and_fails_what_it_left_open():
+def test_a_hook_that_raises_is_logged_and_counted_and_the_job_carries_on(caplog):
     class Broken(Hook):
         def on_answer(self, slot, answer) -> None:
             raise RuntimeError("a hook that breaks")
 
     recording = Recording()
     run = Run(hooks=[Broken(), recording])
+    requests = [request(ticket(n, "broken")) for n in range(3)]
+    run.process(*requests)
+    assert recording.calls[-1] == "end" and recording.calls.count("answer") == 3  # the hooks after it still hear
+    assert {run.outbox.stored[r.id][0] for r in requests} == {"SUCCESS"} and not run.outbox.dead_letters
+    assert run.service.hooks.errors == {("Broken", "on_answer"): 3} and run.service.hooks.error_count == 3
+    assert "hook Broken failed in on_answer" in caplog.text
+
+
+def test_a_failing_job_still_ends_and_fails_what_it_left_open():
+    class Broken(MemoryOutbox):
+        def count_deliveries(self, task_ids):
+            raise RuntimeError("a bug outside the engine")
+
+    recording = Recording()
+    run = Run(hooks=[recording], outbox=Broken())
     requests = [request(ticket(n, "broken")) for n in range(3)]
     run.process(*requests)
     assert recording.calls[-1] == "end"

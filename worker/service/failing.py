@@ -11,7 +11,7 @@ from typing import Any
 import redis
 
 from ticketq.contract import Reason, TicketRejected
-from worker.redis.outbox import Unconfirmed
+from ticketq.publishing import Unconfirmed
 from worker.service.classify import PublishFailed
 from worker.service.hooks import Hook
 from worker.service.ports import Feed, Outbox

@@ -1,12 +1,14 @@
 """What the service needs of the things around it: the classifier, Celery's result backend, the
 running job's feed of arrivals, and the outbox its results go out through (`worker.redis.outbox.Outbox`
-on Redis; `worker.service.memory.MemoryOutbox` in the unit tests)."""
+on Redis; `worker.service.memory.MemoryOutbox` in the unit tests). The records an outbox answers
+with (`Published`, `Unconfirmed`) are the contract's (`ticketq.publishing`), not an adapter's."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
+from ticketq.publishing import Published, Unconfirmed
 from worker.results import BatchReport, Prediction
 
 
@@ -64,9 +66,9 @@ class Outbox(Protocol):
     def count_deliveries(self, task_ids: Sequence[str]) -> int: ...
 
     def publish(self, slots: Sequence[tuple], finished: Sequence[str],
-                review: Collection[tuple[str, int]] = ()) -> Any: ...  # fmt: skip
+                review: Collection[tuple[str, int]] = ()) -> Published: ...  # fmt: skip
 
-    def landed(self, unconfirmed: Any) -> Any: ...
+    def landed(self, unconfirmed: Unconfirmed) -> Published | None: ...
 
     def stream_results(self, encoded: Sequence[bytes]) -> None: ...
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ticketq.contract import Ticket
-from worker.redis.outbox import payload_digest
+from ticketq.publishing import payload_digest
 
 
 @dataclass(frozen=True, slots=True)
