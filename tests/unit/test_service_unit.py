@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry
 
+from worker.engine.batching import Batch, Plan
 from worker.metrics import Metrics
 from worker.nullclassifier import NullClassifier
 from worker.redis.outbox import Outbox as RedisOutbox
@@ -76,17 +77,17 @@ class Run:
 
 
 class Scripted(NullClassifier):
-    """The null classifier, recording each call's texts; a call holding a text `fail` picks raises."""
+    """The null classifier, recording each forward's texts; a forward holding a text `fail` picks raises."""
 
     def __init__(self, fail=lambda text: False) -> None:
         super().__init__(LABELS)
         self.fail, self.calls = fail, []
 
-    def classify(self, texts, on_batch=None, on_predictions=None, more=None):
-        self.calls.append(list(texts))
-        if any(self.fail(text) for text in texts):
+    def forward_batch(self, tickets, width=None):
+        self.calls.append(list(tickets))
+        if any(self.fail(text) for text in tickets):
             raise RuntimeError("scripted engine fault")
-        return super().classify(texts, on_batch, on_predictions, more)
+        return super().forward_batch(tickets, width)
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,6 +217,29 @@ def test_an_engine_error_is_retried_in_halves_and_the_bad_ticket_dead_lettered_a
     (letter,) = run.letters(requests[-1].id)
     assert letter["reason"] == "engine_error" and "after 2 attempts" in letter["error"]
     assert len(classifier.calls) <= 2 * 3 + 1 + 1, "halves down to the bad ticket, then max_retries alone"
+
+
+def test_an_engine_error_retries_only_the_forward_that_failed():
+    """The halves retry applies to one failed forward: the job's other forwards run once each."""
+
+    class Pairs(Scripted):  # two tickets a forward, in order
+        def plan(self, encoded):
+            lengths = [len(text) // 4 + 1 for text in encoded]
+            return Plan(tuple(Batch(tuple(range(i, min(i + 2, len(encoded)))), tuple(lengths[i:i + 2]),
+                                    max(lengths[i:i + 2])) for i in range(0, len(encoded), 2)))  # fmt: skip
+
+    poison = "poison"
+    classifier = Pairs(fail=lambda text: poison in text)
+    run = Run(classifier)
+    tickets = [ticket(n, "pairs") for n in range(6)]
+    tickets[3]["text"] = f"{poison} pill"
+    requests = [request(t) for t in tickets]
+    run.process(*requests)
+    assert [run.outbox.stored[r.id][0] for r in requests] == ["SUCCESS"] * 3 + ["FAILURE"] + ["SUCCESS"] * 2
+    texts = [t["text"] for t in tickets]
+    computed = [text for call in classifier.calls for text in call]
+    assert [computed.count(text) for text in texts] == [1, 1, 2, 3, 1, 1], "the failed pair alone, then the pill"
+    assert [letter["reason"] for letter in run.letters(requests[3].id)] == ["engine_error"]
 
 
 def test_a_re_execution_publishes_nothing_twice_and_a_reused_task_id_is_answered():

@@ -12,8 +12,8 @@ import redis
 
 from ticketq.contract import Reason, TicketRejected
 from ticketq.publishing import Unconfirmed
-from worker.service.classify import PublishFailed
 from worker.service.hooks import Hook
+from worker.service.loop import PublishFailed
 from worker.service.ports import Feed, Outbox
 from worker.service.publish import Publisher
 from worker.service.records import Message, Work
