@@ -13,8 +13,10 @@ from __future__ import annotations
 import inspect
 import itertools
 import json
+import re
 from collections.abc import Sequence
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -28,6 +30,7 @@ from worker.service.core import TicketService
 from worker.service.hooks import Hook
 from worker.service.hooks.standard import standard_hooks
 from worker.service.memory import MemoryOutbox
+from worker.service.ports import Classifier as ClassifierPort
 from worker.service.ports import Outbox as OutboxPort
 from worker.settings import Settings
 
@@ -101,6 +104,25 @@ def test_the_memory_outbox_has_every_method_the_service_uses_as_the_redis_one_do
         wanted = list(inspect.signature(getattr(OutboxPort, name)).parameters)
         for outbox in (MemoryOutbox, RedisOutbox):
             assert list(inspect.signature(getattr(outbox, name)).parameters) == wanted, (outbox, name)
+
+
+def test_the_null_classifier_implements_the_whole_classifier_port():
+    wanted = set()
+    for port in ClassifierPort.__mro__:
+        if port.__module__.startswith("worker."):  # the port and the BatchEngine it extends
+            wanted |= {name for name in vars(port) if not name.startswith("_")} | set(port.__annotations__)
+    assert {"forward_batch", "plan", "encode", "deferred", "info", "schema", "dedup", "cost"} <= wanted
+    null = NullClassifier(LABELS)
+    assert [name for name in sorted(wanted) if not hasattr(null, name)] == []
+
+
+def test_no_getattr_reads_a_port_member_in_the_service_or_the_scheduler():
+    """The service and the scheduler read their ports through declared members only (Celery's
+    requests, which are not ports, may lack `request_dict` or `ignore_result`)."""
+    root = Path(__file__).resolve().parents[2]
+    sources = [*sorted((root / "worker" / "service").rglob("*.py")), root / "worker" / "engine" / "scheduler.py"]
+    reads = [(path.name, call) for path in sources for call in re.findall(r"getattr\((\w+)", path.read_text())]
+    assert {name for _, name in reads} <= {"request"}, reads
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 from Redis, not computed.
 
 A ticket's digest is a hash of what its answer depends on: its canonical text
-(`worker.engine.prompt.canonical_text`), the schema it is answered with (the whole schema, so a
+(`ticketq.contract.canonical_text`), the schema it is answered with (the whole schema, so a
 changed label or instruction is another entry) and the model as this worker runs it (name,
 precision and whether it is re-checked, ticket budget and truncation). Two workers that agree on
 all of that share entries; any difference is a miss, never a wrong answer. Looked up once per
@@ -18,8 +18,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from ticketq.contract import canonical_text
 from ticketq.schema import FieldResult, TicketFields
-from worker.engine.prompt import canonical_text
 from worker.redis.answer_cache import AnswerCache
 from worker.results import Prediction
 from worker.service.ports import Classifier
