@@ -162,6 +162,12 @@ def check_text(text: object) -> str:
     return text
 
 
+def canonical_text(text: object) -> str:
+    """The text a ticket is classified (and its answer cached) by: the text rule (`check_text`),
+    surrounding whitespace removed (it only moves token boundaries). `TicketRejected` if invalid."""
+    return check_text(text).strip()
+
+
 def _text_of_type(text: object) -> str:
     if not isinstance(text, str):
         raise TicketRejected(Reason.WRONG_TYPE, f"'text' must be a string, got {type(text).__name__}")

@@ -8,20 +8,47 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Sequence
+from typing import Any
 
+from ticketq.schema import Schema
+from worker.engine.batching import Batch, Plan
+from worker.engine.scheduler import run_planned
 from worker.results import BatchReport, Prediction
 
 
 class NullClassifier:
-    """The classifier interface of `worker.engine.Engine`, answering in microseconds."""
+    """The whole classifier port (`worker.service.ports.Classifier`), answering in microseconds:
+    every waiting ticket in one "forward", no model, no schemas, no cost model, no re-check."""
 
-    info = None
+    info = None  # no model
+    schema: Schema | None = None  # its own labels, with no schema behind them
+    compiles = False  # answers its own labels only: TICKETQ_SCHEMAS is ignored
+    dedup = False  # a copy costs what computing it again costs
+    deferred = False
+    cost = None  # it plans without a cost model
+    recheck = None  # no fast precision to re-check
 
     def __init__(self, labels: tuple[str, ...]) -> None:
         self.labels = labels
         # One probabilities dict per label, shared by its answers (read only): at tens of thousands
-        # of tickets a second, building one per ticket was a sixth of the worker's model thread.
+        # of tickets a second, one built per ticket would cost a sixth of the model thread.
         self._probs = [{name: float(name == label) for name in labels} for label in labels]
+
+    def encode(self, texts: Sequence[object]) -> list[Any]:
+        return list(texts)
+
+    def plan(self, encoded: Sequence[Any]) -> Plan:
+        """One batch of every ticket, its width the longest's token count."""
+        if not encoded:
+            return Plan(())
+        lengths = tuple(len(text) // 4 + 1 for text in encoded)
+        return Plan((Batch(tuple(range(len(encoded))), lengths, max(lengths)),))
+
+    def forward_batch(self, tickets: Sequence[Any], width: int | None = None) -> list[Prediction]:
+        return [self.reference(text) for text in tickets]
+
+    def compile(self, schema: Schema) -> Any:
+        raise TypeError("the null classifier answers its own labels only")
 
     def classify(
         self,
@@ -30,24 +57,8 @@ class NullClassifier:
         on_predictions: Callable[[Sequence[int], list[Prediction]], None] | None = None,
         more: Callable[[], Sequence[str]] | None = None,
     ) -> tuple[list[Prediction], list[BatchReport]]:
-        """One "forward batch" of every text, then one of whatever `more()` brings, until it is empty."""
-        texts, predictions, reports = list(texts), [], []
-        start = 0
-        while start < len(texts):
-            new = texts[start:]
-            batch = [self.reference(text) for text in new]
-            lengths = [len(text) // 4 + 1 for text in new]
-            report = BatchReport(rows=len(batch), width=max(lengths), real_tokens=sum(lengths), seconds=0.0)
-            predictions += batch
-            reports.append(report)
-            if on_batch:
-                on_batch(report)
-            if on_predictions:
-                on_predictions(range(start, len(texts)), batch)
-            start = len(texts)
-            if more:
-                texts += more()
-        return predictions, reports
+        """Offline: every text, then whatever `more()` brings between forwards (`scheduler.run_planned`)."""
+        return run_planned(self, self.encode(texts), None, on_batch, on_predictions, more)
 
     def reference(self, text: str) -> Prediction:
         index = zlib.crc32(text.encode("utf-8", "surrogatepass")) % len(self.labels)

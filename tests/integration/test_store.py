@@ -14,8 +14,9 @@ from workers import redis_or_skip
 
 from ticketq.dead_letters import DEAD_LETTER_MIN_BYTES, dead_letter_bound, raw_entry, ticket_entry
 from ticketq.names import ATTEMPTS_KEY, RESULTS_STREAM, REVIEW_STREAM
+from ticketq.publishing import payload_digest
 from worker.redis.keys import DIGEST_KEY, DONE_KEY
-from worker.redis.outbox import Outbox, payload_digest
+from worker.redis.outbox import Outbox
 from worker.redis.requeue import keep_failure
 
 pytestmark = pytest.mark.integration

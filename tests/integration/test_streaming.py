@@ -1,6 +1,6 @@
 """Results stream out per forward batch: the engine's callback, the service's publishing, expiry.
 
-Two tiers: the engine on the tiny stand-in (its `on_predictions` callback), and `TicketService` in
+Two tiers: the engine on the tiny stand-in (its offline `on_predictions` callback), and `TicketService` in
 process against the real Redis at 127.0.0.1:6379 (database 3, never flushed: every check filters
 by its own task ids) with Celery's real Redis result backend. A scripted classifier checks, at the
 moment it starts forward batch k, what the service has already published for batches < k: the
@@ -23,6 +23,7 @@ from workers import celery_results_app, redis_or_skip
 
 from ticketq import names
 from ticketq.names import ATTEMPTS_KEY
+from worker.engine.batching import Batch, Plan
 from worker.metrics import Metrics
 from worker.nullclassifier import NullClassifier
 from worker.redis.outbox import Outbox
@@ -75,38 +76,34 @@ def app(client) -> Iterator[Celery]:
     app.close()
 
 
-class ScriptedClassifier:
-    """The null classifier's answers, `batch` texts per forward; `before(k, texts)` runs before forward k.
+class ScriptedClassifier(NullClassifier):
+    """The null classifier's answers, `batch` texts per forward, in order; `before(k, texts)` runs
+    before forward k.
 
     `fail_once_at`: forward batch k raises once (an engine error after earlier batches succeeded).
     """
 
-    info = None
-    labels = LABELS
-
     def __init__(self, batch: int, before=None, fail_once_at: int | None = None) -> None:
+        super().__init__(LABELS)
         self.batch, self.before, self.fail_once_at = batch, before, fail_once_at
-        self.null = NullClassifier(LABELS)
         self.computed: list[str] = []
+        self.forwards = 0
 
-    def classify(self, texts, on_batch=None, on_predictions=None, more=None):  # takes no arrivals
-        answers = []
-        for k, start in enumerate(range(0, len(texts), self.batch)):
-            if self.before:
-                self.before(k, texts)
-            if k == self.fail_once_at:
-                self.fail_once_at = None
-                raise RuntimeError("scripted engine fault")
-            indices = list(range(start, min(start + self.batch, len(texts))))
-            predictions = [self.null.reference(texts[i]) for i in indices]
-            self.computed += [texts[i] for i in indices]
-            answers += predictions
-            if on_predictions:
-                on_predictions(indices, predictions)
-        return answers, []
+    def plan(self, encoded):
+        lengths = [len(text) // 4 + 1 for text in encoded]
+        cuts = range(0, len(encoded), self.batch)
+        return Plan(tuple(Batch(tuple(range(i, min(i + self.batch, len(encoded)))), tuple(lengths[i:i + self.batch]),
+                                max(lengths[i:i + self.batch])) for i in cuts))  # fmt: skip
 
-    def reference(self, text: str) -> Prediction:
-        return self.null.reference(text)
+    def forward_batch(self, tickets, width=None):
+        k, self.forwards = self.forwards, self.forwards + 1
+        if self.before:
+            self.before(k, tickets)
+        if k == self.fail_once_at:
+            self.fail_once_at = None
+            raise RuntimeError("scripted engine fault")
+        self.computed += tickets
+        return super().forward_batch(tickets, width)
 
 
 def _service(classifier, client: redis.Redis, metrics: Metrics | None = None) -> TicketService:
@@ -367,30 +364,39 @@ def test_a_running_job_takes_held_requests_and_acks_each_once_its_result_is_out(
 
 
 def test_flushes_held_while_the_model_is_busy_become_one_job(client, tmp_path):
-    """40 single messages reach a worker whose classifier takes 0.5 s a call, window 4.
+    """40 single messages reach a worker whose classifier takes 0.5 s a forward, window 4.
 
     Stock celery-batches made each 4-message flush its own pool job: 10 jobs of 4, queued behind
     each other. Here flushes that come while a job runs are held and the running job takes them
     between two forwards, so the engine plans over nearly all of them at once: 1-2 jobs, one
-    forward holding most tickets.
+    forward holding most tickets. The first ticket's forward hangs until the other 39 are fetched,
+    so they arrive during a forward (the job takes what is waiting before its first one too).
     """
     import sys
 
-    from faults import COMMAND, DELAY_ENV
-    from workers import worker_env
+    from faults import COMMAND, DELAY_ENV, HANG_MARKER_ENV, RELEASE_FILE_ENV
+    from workers import wait_for, worker_env
 
     from producer.api import Producer
     from ticketq_bench.procs import WorkerProcess
 
     queue = f"stream-held-{uuid.uuid4().hex[:8]}"
+    release, marker = tmp_path / "release", "held-first-forward"
     env = worker_env(None, REDIS_URL, queue, TICKETQ_BATCH_WINDOW="4", TICKETQ_MAX_WAIT_MS="20",
-                     TICKETQ_PREFETCH_MULTIPLIER="64", **{DELAY_ENV: "0.5"})  # fmt: skip
-    worker = WorkerProcess(env, tmp_path / "worker.log", command=[sys.executable, *COMMAND])
+                     TICKETQ_PREFETCH_MULTIPLIER="64",
+                     **{DELAY_ENV: "0.5", HANG_MARKER_ENV: marker, RELEASE_FILE_ENV: str(release)})  # fmt: skip
+    log = tmp_path / "worker.log"
+    worker = WorkerProcess(env, log, command=[sys.executable, *COMMAND])
     producer = Producer(Settings(broker_url=REDIS_URL, queue=queue))
     try:
         worker.wait_ready(120)
         with producer:
-            results = producer.wait(producer.submit_many([_ticket(i, "held") for i in range(40)]), timeout=60)
+            first = producer.submit_many([{**_ticket(0, "held"), "text": f"{marker}: my invoice is wrong"}])
+            wait_for(lambda: "forward hung" in log.read_text(), 60, "the first forward running")
+            rest = producer.submit_many([_ticket(i, "held") for i in range(1, 40)])
+            wait_for(lambda: client.llen(queue) == 0, 60, "the other 39 fetched while the first forward runs")
+            release.touch()
+            results = producer.wait([*first, *rest], timeout=60)
         metrics = worker.metrics()
     finally:
         worker.stop()

@@ -43,12 +43,14 @@ from workers import celery_results_app, redis_or_skip, wait_for
 
 from ticketq import names
 from ticketq.names import ALIVE_KEY, OWNED_KEY
+from worker.engine.batching import Batch, Plan
 from worker.health.progress import CLASSIFYING, Progress
 from worker.metrics import Metrics
 from worker.nullclassifier import NullClassifier
 from worker.redis.outbox import Outbox
 from worker.results import BatchReport
 from worker.service.core import TicketService
+from worker.service.hooks import Hook
 from worker.service.hooks.standard import standard_hooks
 from worker.settings import Settings
 from worker.transport import fetch
@@ -98,39 +100,38 @@ def app(client) -> Iterator[Celery]:
     app.close()
 
 
-class SlowSecondForward:
+class SlowSecondForward(NullClassifier, Hook):
     """The null classifier's answers, one forward per text; before its second forward it waits until
-    the progress record says stalled (the test's stand-in for a forward that takes too long)."""
-
-    info = None
-    labels = LABELS
+    the progress record says stalled (the test's stand-in for a forward that takes too long). As a
+    hook after the standard ones, it records the progress record once each forward is computed."""
 
     def __init__(self) -> None:
-        self.null = NullClassifier(LABELS)
-        self.seen: list[tuple[float, float, float]] = []  # (bound in hand, stalled for) before a forward, and after
+        super().__init__(LABELS)
+        self.before: list[tuple[float, float]] = []  # (bound in hand, stalled for) before each forward
+        self.after: list[float] = []  # stalled for, once each forward's hooks ran
 
-    def classify(self, texts, on_batch=None, on_predictions=None, more=None):  # takes no arrivals
-        answers = []
-        for k, text in enumerate(texts):
-            if k == 1:
-                wait_for(CLASSIFYING.stalled_for, 60, "the loop seen stalled before its second forward")
-            before = (CLASSIFYING.bound_s, CLASSIFYING.stalled_for())
-            prediction = self.null.reference(text)
-            on_batch(BatchReport(rows=1, width=len(text) // 4 + 1, real_tokens=len(text) // 4 + 1, seconds=0.0))
-            self.seen.append((*before, CLASSIFYING.stalled_for()))  # recorded, not asserted: the service retries errors
-            on_predictions([k], [prediction])
-            answers.append(prediction)
-        return answers, []
+    @property
+    def seen(self) -> list[tuple[float, float, float]]:
+        return [(*before, after) for before, after in zip(self.before, self.after, strict=True)]
 
-    def reference(self, text: str):
-        return self.null.reference(text)
+    def plan(self, encoded):
+        return Plan(tuple(Batch((i,), (len(text) // 4 + 1,), len(text) // 4 + 1) for i, text in enumerate(encoded)))
+
+    def forward_batch(self, tickets, width=None):
+        if len(self.before) == 1:
+            wait_for(CLASSIFYING.stalled_for, 60, "the loop seen stalled before its second forward")
+        self.before.append((CLASSIFYING.bound_s, CLASSIFYING.stalled_for()))
+        return super().forward_batch(tickets, width)
+
+    def on_forward(self, report: BatchReport) -> None:
+        self.after.append(CLASSIFYING.stalled_for())  # recorded, not asserted: the service retries errors
 
 
 def test_the_service_holds_work_from_job_start_to_end_and_marks_each_forward(client, app):
     bound = 2.0
     settings = Settings(broker_url=REDIS_URL, metrics_port=0, worst_batch_s=bound)
     classifier = SlowSecondForward()
-    hooks = standard_hooks(settings, classifier, Metrics())
+    hooks = [*standard_hooks(settings, classifier, Metrics()), classifier]
     service = TicketService(settings, classifier, Outbox.from_settings(client, settings), hooks)
     requests = [_request({"id": f"wd-{n}", "text": f"watchdog ticket {n}: my invoice is wrong"}) for n in range(3)]
     service.process(requests, app.backend)

@@ -18,11 +18,11 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from worker.nullclassifier import NullClassifier
-from worker.results import BatchReport, Prediction
+from worker.results import Prediction
 
 POISON_MARKER_ENV = "TICKETQ_TEST_POISON_MARKER"
 DELAY_ENV = "TICKETQ_TEST_DELAY_S"
@@ -48,24 +48,11 @@ class FaultyClassifier(NullClassifier):
         if hang:
             log.warning("fault injection: batches with a ticket containing %r hang until %s exists", *hang)
 
-    def classify(
-        self,
-        texts: Sequence[str],
-        on_batch: Callable[[BatchReport], None] | None = None,
-        on_predictions: Callable[[Sequence[int], list[Prediction]], None] | None = None,
-        more: Callable[[], Sequence[str]] | None = None,
-    ) -> tuple[list[Prediction], list[BatchReport]]:
+    def forward_batch(self, tickets: Sequence[str], width: int | None = None) -> list[Prediction]:
+        """Each forward costs the delay, and may meet a poisoned ticket."""
         time.sleep(self.delay_s)
-        self._check(texts)
-
-        def checked_more() -> Sequence[str]:
-            arrived = more() if more else ()
-            if arrived:  # the next "forward" costs the delay too, and may meet a poisoned ticket
-                time.sleep(self.delay_s)
-                self._check(arrived)
-            return arrived
-
-        return super().classify(texts, on_batch, on_predictions, checked_more)
+        self._check(tickets)
+        return super().forward_batch(tickets, width)
 
     def _check(self, texts: Sequence[str]) -> None:
         self._hang(texts)
@@ -79,7 +66,6 @@ class FaultyClassifier(NullClassifier):
         if poisoned:
             log.warning("fault injection: engine fault on a batch of %d texts (%d poisoned)", len(texts), poisoned)
             raise EngineFault(f"injected engine fault ({poisoned} poisoned ticket(s) in a batch of {len(texts)})")
-
 
     def _hang(self, texts: Sequence[str]) -> None:
         if not self.hang or not any(self.hang[0] in text for text in texts):

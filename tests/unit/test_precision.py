@@ -24,7 +24,7 @@ from worker.engine.precision import (
     load_calibration,
 )
 from worker.engine.prompt import EncodedTicket
-from worker.engine.scheduler import DEFER_FORWARDS, PlannedRun, Ticketed, Unsettled
+from worker.engine.scheduler import DEFER_FORWARDS, PlannedRun, Ticketed, Unsettled, drain
 from worker.results import RUNS, Prediction
 
 
@@ -190,9 +190,9 @@ class FakeRecheck(FakeEngine):
 
 def run(engine, texts, dedup=True):
     answered: list[tuple[int, object]] = []
-    planned = PlannedRun(on_answers=lambda idx, ans: answered.extend(zip(idx, ans, strict=True)), dedup=dedup)
+    planned = PlannedRun(dedup=dedup)
     planned.add([Ticketed(engine, e) for e in engine.encode(texts)])
-    results, reports = planned.run()
+    results, reports = drain(planned, on_answers=lambda idx, ans: answered.extend(zip(idx, ans, strict=True)))
     return planned, results, reports, answered
 
 
@@ -214,10 +214,11 @@ def test_duplicates_are_computed_once_and_each_gets_its_answer():
 def test_a_duplicate_arriving_after_its_twin_was_answered_gets_it_at_once():
     engine = FakeEngine("fast")
     answered = []
-    planned = PlannedRun(on_answers=lambda idx, ans: answered.extend(idx))
+    planned = PlannedRun()
     arrivals = [["outage"], []]
     planned.add([Ticketed(engine, e) for e in engine.encode(["outage"])])
-    results, _ = planned.run(lambda: [Ticketed(engine, e) for e in engine.encode(arrivals.pop(0))] if arrivals else [])
+    more = lambda: [Ticketed(engine, e) for e in engine.encode(arrivals.pop(0))] if arrivals else []  # noqa: E731
+    results, _ = drain(planned, on_answers=lambda idx, ans: answered.extend(idx), more=more)
     assert results == [("outage", "fast")] * 2 and len(engine.forwards) == 1 and sorted(answered) == [0, 1]
 
 

@@ -16,7 +16,7 @@ import pytest
 from producer.synthetic import generate_tickets
 from ticketq.schema import TicketFields, load_schema
 from ticketq_bench.procs import ROOT
-from worker.engine.scheduler import PlannedRun
+from worker.engine.scheduler import PlannedRun, Ticketed, drain
 from worker.engine.schemas import SchemaSet, UnknownSchema
 from worker.results import Prediction
 
@@ -125,8 +125,8 @@ def test_planned_run_with_one_engine_is_the_engines_own_classify(tiny_engine):
     batch = texts(10, seed=11)
     want, want_reports = tiny_engine.classify(batch)
     run = PlannedRun()
-    run.add([(tiny_engine, encoded) for encoded in tiny_engine.encode(batch)])
-    got, reports = run.run()
+    run.add([Ticketed(tiny_engine, encoded) for encoded in tiny_engine.encode(batch)])
+    got, reports = drain(run)
     assert [p.label for p in got] == [p.label for p in want]
     assert [(r.rows, r.width) for r in reports] == [(r.rows, r.width) for r in want_reports]
 

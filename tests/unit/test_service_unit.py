@@ -13,13 +13,16 @@ from __future__ import annotations
 import inspect
 import itertools
 import json
+import re
 from collections.abc import Sequence
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry
 
+from worker.engine.batching import Batch, Plan
 from worker.metrics import Metrics
 from worker.nullclassifier import NullClassifier
 from worker.redis.outbox import Outbox as RedisOutbox
@@ -27,6 +30,7 @@ from worker.service.core import TicketService
 from worker.service.hooks import Hook
 from worker.service.hooks.standard import standard_hooks
 from worker.service.memory import MemoryOutbox
+from worker.service.ports import Classifier as ClassifierPort
 from worker.service.ports import Outbox as OutboxPort
 from worker.settings import Settings
 
@@ -49,11 +53,12 @@ def ticket(n: int, tag: str = "t") -> dict:
 class Run:
     """A service on a fresh outbox and registry; `value` reads a metric."""
 
-    def __init__(self, classifier=None, hooks: Sequence[Hook] = (), **settings) -> None:
+    def __init__(self, classifier=None, hooks: Sequence[Hook] = (), outbox: MemoryOutbox | None = None,
+                 **settings) -> None:  # fmt: skip
         self.settings = Settings(broker_url=NO_REDIS, metrics_port=0, max_retries=1, max_ticket_bytes=MAX_TICKET_BYTES,
                                  **settings)  # fmt: skip
         self.classifier = classifier or NullClassifier(LABELS)
-        self.outbox, self.metrics = MemoryOutbox(), Metrics(CollectorRegistry())
+        self.outbox, self.metrics = outbox or MemoryOutbox(), Metrics(CollectorRegistry())
         attached = [*standard_hooks(self.settings, self.classifier, self.metrics), *hooks]
         self.service = TicketService(self.settings, self.classifier, self.outbox, attached)
 
@@ -75,17 +80,17 @@ class Run:
 
 
 class Scripted(NullClassifier):
-    """The null classifier, recording each call's texts; a call holding a text `fail` picks raises."""
+    """The null classifier, recording each forward's texts; a forward holding a text `fail` picks raises."""
 
     def __init__(self, fail=lambda text: False) -> None:
         super().__init__(LABELS)
         self.fail, self.calls = fail, []
 
-    def classify(self, texts, on_batch=None, on_predictions=None, more=None):
-        self.calls.append(list(texts))
-        if any(self.fail(text) for text in texts):
+    def forward_batch(self, tickets, width=None):
+        self.calls.append(list(tickets))
+        if any(self.fail(text) for text in tickets):
             raise RuntimeError("scripted engine fault")
-        return super().classify(texts, on_batch, on_predictions, more)
+        return super().forward_batch(tickets, width)
 
 
 # --------------------------------------------------------------------------------------------
@@ -99,6 +104,25 @@ def test_the_memory_outbox_has_every_method_the_service_uses_as_the_redis_one_do
         wanted = list(inspect.signature(getattr(OutboxPort, name)).parameters)
         for outbox in (MemoryOutbox, RedisOutbox):
             assert list(inspect.signature(getattr(outbox, name)).parameters) == wanted, (outbox, name)
+
+
+def test_the_null_classifier_implements_the_whole_classifier_port():
+    wanted = set()
+    for port in ClassifierPort.__mro__:
+        if port.__module__.startswith("worker."):  # the port and the BatchEngine it extends
+            wanted |= {name for name in vars(port) if not name.startswith("_")} | set(port.__annotations__)
+    assert {"forward_batch", "plan", "encode", "deferred", "info", "schema", "dedup", "cost"} <= wanted
+    null = NullClassifier(LABELS)
+    assert [name for name in sorted(wanted) if not hasattr(null, name)] == []
+
+
+def test_no_getattr_reads_a_port_member_in_the_service_or_the_scheduler():
+    """The service and the scheduler read their ports through declared members only (Celery's
+    requests, which are not ports, may lack `request_dict` or `ignore_result`)."""
+    root = Path(__file__).resolve().parents[2]
+    sources = [*sorted((root / "worker" / "service").rglob("*.py")), root / "worker" / "engine" / "scheduler.py"]
+    reads = [(path.name, call) for path in sources for call in re.findall(r"getattr\((\w+)", path.read_text())]
+    assert {name for _, name in reads} <= {"request"}, reads
 
 
 # --------------------------------------------------------------------------------------------
@@ -217,6 +241,29 @@ def test_an_engine_error_is_retried_in_halves_and_the_bad_ticket_dead_lettered_a
     assert len(classifier.calls) <= 2 * 3 + 1 + 1, "halves down to the bad ticket, then max_retries alone"
 
 
+def test_an_engine_error_retries_only_the_forward_that_failed():
+    """The halves retry applies to one failed forward: the job's other forwards run once each."""
+
+    class Pairs(Scripted):  # two tickets a forward, in order
+        def plan(self, encoded):
+            lengths = [len(text) // 4 + 1 for text in encoded]
+            return Plan(tuple(Batch(tuple(range(i, min(i + 2, len(encoded)))), tuple(lengths[i:i + 2]),
+                                    max(lengths[i:i + 2])) for i in range(0, len(encoded), 2)))  # fmt: skip
+
+    poison = "poison"
+    classifier = Pairs(fail=lambda text: poison in text)
+    run = Run(classifier)
+    tickets = [ticket(n, "pairs") for n in range(6)]
+    tickets[3]["text"] = f"{poison} pill"
+    requests = [request(t) for t in tickets]
+    run.process(*requests)
+    assert [run.outbox.stored[r.id][0] for r in requests] == ["SUCCESS"] * 3 + ["FAILURE"] + ["SUCCESS"] * 2
+    texts = [t["text"] for t in tickets]
+    computed = [text for call in classifier.calls for text in call]
+    assert [computed.count(text) for text in texts] == [1, 1, 2, 3, 1, 1], "the failed pair alone, then the pill"
+    assert [letter["reason"] for letter in run.letters(requests[3].id)] == ["engine_error"]
+
+
 def test_a_re_execution_publishes_nothing_twice_and_a_reused_task_id_is_answered():
     run = Run()
     first = ticket(0, "twice")
@@ -283,13 +330,28 @@ def test_hooks_hear_the_job_its_forwards_answers_results_and_dead_letters_in_ord
                                "results 2", "end"]  # fmt: skip
 
 
-def test_a_failing_job_still_ends_and_fails_what_it_left_open():
+def test_a_hook_that_raises_is_logged_and_counted_and_the_job_carries_on(caplog):
     class Broken(Hook):
         def on_answer(self, slot, answer) -> None:
             raise RuntimeError("a hook that breaks")
 
     recording = Recording()
     run = Run(hooks=[Broken(), recording])
+    requests = [request(ticket(n, "broken")) for n in range(3)]
+    run.process(*requests)
+    assert recording.calls[-1] == "end" and recording.calls.count("answer") == 3  # the hooks after it still hear
+    assert {run.outbox.stored[r.id][0] for r in requests} == {"SUCCESS"} and not run.outbox.dead_letters
+    assert run.service.hooks.errors == {("Broken", "on_answer"): 3} and run.service.hooks.error_count == 3
+    assert "hook Broken failed in on_answer" in caplog.text
+
+
+def test_a_failing_job_still_ends_and_fails_what_it_left_open():
+    class Broken(MemoryOutbox):
+        def count_deliveries(self, task_ids):
+            raise RuntimeError("a bug outside the engine")
+
+    recording = Recording()
+    run = Run(hooks=[recording], outbox=Broken())
     requests = [request(ticket(n, "broken")) for n in range(3)]
     run.process(*requests)
     assert recording.calls[-1] == "end"

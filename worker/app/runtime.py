@@ -49,7 +49,7 @@ class Runtime:
         client = preflight(settings)
         metrics = Metrics(queue=settings.queue)
         classifier = self.classifier_factory(settings)
-        info = getattr(classifier, "info", None)
+        info = classifier.info
         metrics.model.info(
             {"model": info.name, "standin": str(info.standin).lower(), "dtype": info.dtype, "device": info.device,
              "matmul": getattr(info, "matmul", "torch"), "recheck": str(getattr(info, "recheck", False)).lower()}

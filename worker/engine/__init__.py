@@ -3,7 +3,8 @@
 - `model` — `Engine`: the model, its cached prefix, the optimised path and the unbatched reference.
 - `fields` — `FieldsEngine`: several closed questions (a schema) per ticket in one pass.
 - `schemas` — the schemas one worker serves, their `FieldsEngine`s kept LRU-bounded.
-- `scheduler` — `PlannedRun`: tickets of one or more engines, one planned forward at a time (no torch).
+- `scheduler` — `PlannedRun`: tickets of one or more engines, one planned forward at a time: `add`,
+  `schedule`, `update` (no torch, no callbacks; the loop is its caller's).
 - `scoring` — trie-constrained label scoring: the softmax over the allowed tokens.
 - `layout` — a batch's tensors after the cached prefix: padded ids, the additive 4D masks.
 - `batching` — planning and padding arithmetic (plain Python, no torch).

@@ -78,6 +78,8 @@ class FieldsHost(Protocol):
 class FieldsEngine:
     """A schema on an engine's model: `classify` (every field in one pass per batch) and `reference`."""
 
+    deferred = False  # its tickets run when planned (`scheduler.BatchEngine`); a re-check's wait
+
     def __init__(self, engine: FieldsHost, schema: Schema) -> None:
         self.engine = engine
         self.schema = schema

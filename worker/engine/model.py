@@ -57,6 +57,9 @@ class NoChatTemplate(ModelNotFound):
 class Engine:
     """A loaded model + prompt, ready to classify. Build with `Engine.from_settings`."""
 
+    deferred = False  # its tickets run when planned (`scheduler.BatchEngine`); a re-check's wait
+    compiles = True  # `compile(schema)` answers a schema's fields on this model (`schemas.SchemaSet`)
+
     def __init__(self, model, tokenizer, *, labels: tuple[str, ...], system: str, max_ticket_tokens: int = 512,
                  max_batch_tokens: int = 1024, max_batch_size: int = 64, cost: CostModel | None = None,
                  info: ModelInfo | None = None, int8: bool = False, truncation: str = "head",

@@ -28,7 +28,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-from ticketq.contract import TicketRejected, check_text
+from ticketq import contract
+from ticketq.contract import TicketRejected
 from ticketq.schema import TRUNCATIONS, Schema
 
 TICKET_MARKER = "\x00TICKET\x00"
@@ -67,13 +68,13 @@ def truncate(ids: list[int], limit: int, mode: str = "head") -> list[int]:
 
 
 def canonical_text(text: object) -> str:
-    """The text both paths classify: surrounding whitespace removed (it only moves token boundaries).
+    """The text both paths classify (`ticketq.contract.canonical_text`), an invalid one `InvalidTicket`.
 
     Validity is the contract's text rule (`ticketq.contract.check_text`), less the byte limit that
     the edges apply: the engine reads at most `max_ticket_tokens` tokens of any text instead.
     """
     try:
-        return check_text(text).strip()
+        return contract.canonical_text(text)
     except TicketRejected as exc:
         raise InvalidTicket(exc.reason, exc.detail) from None
 

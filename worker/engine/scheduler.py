@@ -2,15 +2,17 @@
 
 An engine is anything with `encode`, `plan` and `forward_batch` (`BatchEngine`): the single-field
 `model.Engine`, or one `fields.FieldsEngine` per schema, each with its own cached prefix. Plain
-records cross the boundary: `Ticketed` (engine, encoded ticket) in, a `Forward` (one engine's
-batch) chosen by `schedule`, the engine's answers and a `BatchReport` per forward out. The step
-loop is three calls: `schedule`, `engine.forward_batch`, `finish`.
+records cross the boundary: `Ticketed` (engine, encoded ticket, key) in, a `Forward` (one
+engine's batch) chosen by `schedule`, and a `Step` per forward out: its `BatchReport` and the
+answers it finished, keyed by ticket. The step is three calls, made by the loop's owner
+(`worker.service.loop` in a worker, `drain` offline): `schedule`, `engine.forward_batch`, `update`.
+The scheduler never calls out: arrivals come in through `add`, answers go out as `update` returns.
 
 Two things happen between a forward and its answers going out:
 
 - **Duplicates are computed once.** A ticket encoded exactly as one already in the run, for the
   same engine (the same token ids: the same computation), is not planned; it gets that ticket's
-  answer when it has one. Each keeps its own index, so each gets its own result.
+  answer when it has one, under its own key.
 - **Unsettled answers are computed again.** An engine may answer `Unsettled(answer, recheck)`:
   a fast precision's answer within its error bound (`worker.engine.precision`). The ticket then
   waits for `recheck` (a `deferred` engine, float32) and its answer is `recheck.settle(fast,
@@ -24,30 +26,47 @@ No torch: the scheduler is plain Python over the planner (`batching`).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 from worker.engine.batching import Batch, Plan
-from worker.engine.prompt import EncodedTicket
 from worker.results import RUNS, BatchReport
 
 Answer = TypeVar("Answer", covariant=True)
 
 BatchCallback = Callable[[BatchReport], None]
-# on_answers(indices into the run's tickets, their answers): one call per forward
+# on_answers(indices into the run's tickets, their answers): one call per forward (`drain`)
 AnswersCallback = Callable[[Sequence[int], Sequence[Any]], None]
 MoreCallback = Callable[[], Sequence[object]]  # tickets that arrived since the last call (or the start)
 
 
 class BatchEngine(Protocol[Answer]):
-    """What the scheduler needs of an engine: its tickets encoded, planned and computed a batch at a time."""
+    """What the scheduler needs of an engine: its tickets encoded, planned and computed a batch at a
+    time; `deferred`: its tickets wait to be batched (a re-check, `DeferredEngine`)."""
 
-    def encode(self, texts: Sequence[object]) -> list[EncodedTicket]: ...
+    deferred: bool
 
-    def plan(self, encoded: Sequence[EncodedTicket]) -> Plan: ...
+    def encode(self, texts: Sequence[object]) -> list[Any]: ...
 
-    def forward_batch(self, tickets: Sequence[EncodedTicket], width: int | None = None) -> list[Answer]: ...
+    def plan(self, encoded: Sequence[Any]) -> Plan: ...
+
+    def forward_batch(self, tickets: Sequence[Any], width: int | None = None) -> list[Answer]: ...
+
+
+class DeferredEngine(BatchEngine[Answer], Protocol):
+    """An engine whose tickets are re-checks: batched under half its token budget, each answer
+    settling the fast answer it re-checks."""
+
+    max_batch_tokens: int
+
+    def settle(self, fast: Any, exact: Any) -> Answer: ...
+
+
+class OwnEngine(BatchEngine[Answer], Protocol):
+    """An engine that runs its own tickets (`run_planned`): it says whether a run computes duplicates once."""
+
+    dedup: bool
 
 
 # A deferred engine's tickets run after at most this many other forwards (its latency bound).
@@ -55,17 +74,19 @@ DEFER_FORWARDS = 4
 
 
 class Unsettled(NamedTuple):
-    """An answer the engine could not settle: `recheck` (a deferred engine) computes the ticket again."""
+    """An answer the engine could not settle: `recheck` computes the ticket again."""
 
     answer: Any
-    recheck: Any  # a BatchEngine with `deferred = True` and settle(fast answer, its answer) -> answer
+    recheck: DeferredEngine[Any]
 
 
 class Ticketed(NamedTuple):
-    """A ticket of a run: the engine that computes it and the ticket as that engine encoded it."""
+    """A ticket of a run: the engine that computes it, the ticket as that engine encoded it, and
+    the key its answer comes back under (None: its index in the run)."""
 
     engine: BatchEngine[Any]
-    encoded: EncodedTicket
+    encoded: Hashable
+    key: Hashable = None
 
 
 @dataclass(frozen=True)
@@ -74,23 +95,15 @@ class Forward:
 
     engine: BatchEngine[Any]
     batch: Batch
-    tickets: tuple[EncodedTicket, ...]
+    tickets: tuple[Any, ...]
 
 
-def run_planned(engine: BatchEngine[Answer], encoded: Sequence[EncodedTicket], plan: Plan | None,
-                on_batch: BatchCallback | None, on_answers: AnswersCallback | None,
-                more: MoreCallback | None) -> tuple[list[Answer], list[BatchReport]]:  # fmt: skip
-    """Run `plan` (default `engine.plan(encoded)`) one forward at a time; between two forwards,
-    tickets `more()` returns join the ones not yet computed and the rest is planned again. Answers
-    come back in the order of `encoded` then of the arrivals."""
-    run = PlannedRun(on_batch, on_answers, dedup=getattr(engine, "dedup", True))
-    run.add([Ticketed(engine, e) for e in encoded], plan)
-    arrivals = None
-    if more is not None:
-        def arrivals() -> list[Ticketed]:
-            texts = more()
-            return [Ticketed(engine, e) for e in engine.encode(texts)] if texts else []
-    return run.run(arrivals)
+class Step(NamedTuple):
+    """What one forward finished: its report, and the answers of the tickets it settled (copies
+    included), by key."""
+
+    report: BatchReport
+    answers: dict[Hashable, Any]
 
 
 class PlannedRun:
@@ -108,15 +121,14 @@ class PlannedRun:
     dict lookup; an unsettled answer replans its re-check engine's waiting tickets.
     """
 
-    def __init__(self, on_batch: BatchCallback | None = None, on_answers: AnswersCallback | None = None,
-                 dedup: bool = True) -> None:  # fmt: skip
-        self.on_batch, self.on_answers = on_batch, on_answers
+    def __init__(self, dedup: bool = True) -> None:
         self.dedup = dedup  # duplicates computed once (TICKETQ_DEDUP)
-        self.encoded: list[EncodedTicket] = []
+        self.encoded: list[Any] = []
+        self.keys: list[Hashable] = []  # index -> the key its answer goes out under
         self.results: list[Any] = []
         self.reports: list[BatchReport] = []
         self._plans: dict[int, tuple[BatchEngine[Any], list[Batch]]] = {}  # id(engine) -> its batches
-        self._twins: dict[tuple[int, EncodedTicket], int] = {}  # (engine, ticket) -> the index that computes it
+        self._twins: dict[tuple[int, Hashable], int] = {}  # (engine, ticket) -> the index that computes it
         self._followers: dict[int, list[int]] = {}  # an index computed -> the duplicates waiting for its answer
         self._first_of: dict[int, int] = {}  # a duplicate's index -> the index that computes it
         self._fast: dict[int, Any] = {}  # index -> the fast answer its re-check will settle
@@ -125,14 +137,21 @@ class PlannedRun:
         self.duplicates = 0  # tickets answered with another's answer, not computed
         self.rechecked = 0  # tickets computed again by a deferred engine
 
-    def add(self, tickets: Sequence[Ticketed], plan: Plan | None = None) -> None:
-        """Tickets (engine, encoded) join the run, indexed after those before them. `plan`: the
-        plan of the first tickets of a one-engine run (indices into `tickets`), else planned here."""
+    @property
+    def waiting(self) -> bool:
+        """Whether any ticket waits to be computed."""
+        return any(batches for _, batches in self._plans.values())
+
+    def add(self, tickets: Sequence[Ticketed], plan: Plan | None = None) -> dict[Hashable, Any]:
+        """Tickets (engine, encoded, key) join the run, indexed after those before them. `plan`: the
+        plan of the first tickets of a one-engine run (indices into `tickets`), else planned here.
+        Returns the answers of copies of tickets already answered, by key."""
         start = len(self.encoded)
         joining: dict[int, list[int]] = {}
         copies: list[int] = []
-        for index, (engine, encoded) in enumerate(tickets, start):
+        for index, (engine, encoded, key) in enumerate(tickets, start):
             self.encoded.append(encoded)
+            self.keys.append(index if key is None else key)
             self.results.append(None)
             first = self._twins.setdefault((id(engine), encoded), index) if self.dedup else index
             if first != index:  # the same computation as a ticket already in the run
@@ -149,7 +168,7 @@ class PlannedRun:
         for key, indices in joining.items():
             self._replan(key, indices, plan if len(joining) == 1 else None)
         # a copy of a ticket already answered gets that answer now
-        self._answer([], [i for i in copies if self.results[self._first_of[i]] is not None])
+        return self._answer([], [i for i in copies if self.results[self._first_of[i]] is not None])
 
     def _replan(self, key: int, indices: list[int], plan: Plan | None = None) -> None:
         """Plan `indices` with the engine `key`'s waiting tickets (`plan`: theirs, where none wait)."""
@@ -167,7 +186,7 @@ class PlannedRun:
                   if batches}  # fmt: skip
         if not oldest:
             return None
-        undeferred = any(not getattr(self._plans[key][0], "deferred", False) for key in oldest)
+        undeferred = any(not self._plans[key][0].deferred for key in oldest)
         ready = {key: index for key, index in oldest.items() if self._ready(key, undeferred)}
         key = min(ready, key=ready.__getitem__)
         engine, batches = self._plans[key]
@@ -180,17 +199,16 @@ class PlannedRun:
         """Whether engine `key` may run now: any engine not deferred; a deferred one when nothing else
         waits, its tickets fill half its token budget, or its oldest has waited DEFER_FORWARDS forwards."""
         engine, batches = self._plans[key]
-        if not getattr(engine, "deferred", False) or not others_wait:
+        if not engine.deferred or not others_wait:
             return True
         waiting = sum(b.rows * b.width for b in batches)
-        budget = getattr(engine, "max_batch_tokens", 0)
+        budget = engine.max_batch_tokens  # a deferred engine is a DeferredEngine
         return waiting * 2 >= budget or self._forwards - self._deferred_since.get(key, self._forwards) >= DEFER_FORWARDS
 
-    def finish(self, forward: Forward, answers: Sequence[Any], seconds: float) -> BatchReport:
-        """Record a computed forward's answers and report, and tell the callbacks."""
-        batch = forward.batch
-        deferred = getattr(forward.engine, "deferred", False)
-        report = BatchReport(batch.rows, batch.width, batch.real_tokens, seconds, recheck=deferred)
+    def update(self, forward: Forward, answers: Sequence[Any], seconds: float) -> Step:
+        """Record a computed forward's answers; returns its report and the answers it settled, by key."""
+        batch, engine = forward.batch, forward.engine
+        report = BatchReport(batch.rows, batch.width, batch.real_tokens, seconds, recheck=engine.deferred)
         self._forwards += 1
         settled, unsettled = [], {}
         for index, answer in zip(batch.indices, answers, strict=True):
@@ -198,8 +216,8 @@ class PlannedRun:
                 self._fast[index] = answer.answer
                 unsettled.setdefault(id(answer.recheck), (answer.recheck, []))[1].append(index)
                 continue
-            if deferred and index in self._fast:
-                answer = forward.engine.settle(self._fast.pop(index), answer)
+            if engine.deferred and index in self._fast:
+                answer = engine.settle(self._fast.pop(index), answer)
                 self.rechecked += 1
                 RUNS.add(rechecked=1)
             self.results[index] = answer
@@ -209,27 +227,66 @@ class PlannedRun:
             self._deferred_since.setdefault(key, self._forwards)
             self._replan(key, indices)
         self.reports.append(report)
-        if self.on_batch:
-            self.on_batch(report)
-        self._answer(settled, [i for first in settled for i in self._followers.get(first, ())])
-        return report
+        return Step(report, self._answer(settled, [i for first in settled for i in self._followers.get(first, ())]))
 
-    def _answer(self, computed: list[int], copies: list[int]) -> None:
-        """Hand `computed` tickets' answers, and those of their waiting `copies`, to the callbacks."""
+    def forwards(self, forward: Forward, indices: Sequence[int]) -> list[Forward]:
+        """`indices` (some of `forward`'s tickets) planned alone on its engine: the forwards that
+        compute them again after `forward` failed (the caller's retry), outside the run's plans."""
+        engine = forward.engine
+        plan = engine.plan([self.encoded[i] for i in indices])
+        return [Forward(engine, replace(b, indices=tuple(indices[j] for j in b.indices)),
+                        tuple(self.encoded[indices[j]] for j in b.indices)) for b in plan.batches]  # fmt: skip
+
+    def give_up(self, index: int) -> list[Hashable]:
+        """Ticket `index` will not be computed: the keys of it and of the copies waiting for it."""
+        self._fast.pop(index, None)
+        # a copy arriving later is computed, not left waiting for this one
+        self._twins = {ticket: first for ticket, first in self._twins.items() if first != index}
+        return [self.keys[i] for i in (index, *self._followers.pop(index, ()))]
+
+    def _answer(self, computed: list[int], copies: list[int]) -> dict[Hashable, Any]:
+        """`computed` tickets' answers, and those of their waiting `copies`, by key."""
         for index in copies:
             self.results[index] = self.results[self._first_of[index]]
-        indices = computed + copies
-        if indices and self.on_answers:
-            self.on_answers(indices, [self.results[i] for i in indices])
+        return {self.keys[i]: self.results[i] for i in computed + copies}
 
-    def run(self, more: Callable[[], Sequence[Ticketed]] | None = None) -> tuple[list[Any], list[BatchReport]]:
-        """Every forward until nothing waits; `more()` is asked before the first and after each one.
-        Returns the answers in ticket order, and one report per forward."""
-        self.add(more() if more else ())  # what came while the caller set up: the first forward sees it too
-        while (forward := self.schedule()) is not None:
-            start = time.perf_counter()
-            answers = forward.engine.forward_batch(forward.tickets, width=forward.batch.width)
-            self.finish(forward, answers, time.perf_counter() - start)
-            self.add(more() if more else ())
-        assert all(r is not None for r in self.results), "the plan must cover every ticket"
-        return self.results, self.reports
+
+def drain(run: PlannedRun, on_batch: BatchCallback | None = None, on_answers: AnswersCallback | None = None,
+          more: Callable[[], Sequence[Ticketed]] | None = None) -> tuple[list[Any], list[BatchReport]]:  # fmt: skip
+    """The offline loop (the CLI, the bench, the tests): every forward until nothing waits, `more()`
+    asked before the first and after each one. Returns the answers in ticket order, and one
+    report per forward. A worker's loop is `worker.service.loop`, which publishes as it goes."""
+    while True:
+        _tell(on_answers, run.add(more() if more else ()))  # arrivals: the next forward sees them too
+        forward = run.schedule()
+        if forward is None:
+            break
+        start = time.perf_counter()
+        answers = forward.engine.forward_batch(forward.tickets, width=forward.batch.width)
+        step = run.update(forward, answers, time.perf_counter() - start)
+        if on_batch:
+            on_batch(step.report)
+        _tell(on_answers, step.answers)
+    assert all(r is not None for r in run.results), "the plan must cover every ticket"
+    return run.results, run.reports
+
+
+def _tell(on_answers: AnswersCallback | None, answers: dict[Hashable, Any]) -> None:
+    if answers and on_answers:
+        on_answers(list(answers), list(answers.values()))
+
+
+def run_planned(engine: OwnEngine[Answer], encoded: Sequence[Any], plan: Plan | None,
+                on_batch: BatchCallback | None, on_answers: AnswersCallback | None,
+                more: MoreCallback | None) -> tuple[list[Answer], list[BatchReport]]:  # fmt: skip
+    """`drain` of one engine's tickets: `plan` (default `engine.plan(encoded)`) one forward at a time;
+    between two forwards, tickets `more()` returns join the ones not yet computed and the rest is
+    planned again. Answers come back in the order of `encoded` then of the arrivals."""
+    run = PlannedRun(dedup=engine.dedup)
+    run.add([Ticketed(engine, e) for e in encoded], plan)
+    arrivals = None
+    if more is not None:
+        def arrivals() -> list[Ticketed]:
+            texts = more()
+            return [Ticketed(engine, e) for e in engine.encode(texts)] if texts else []
+    return drain(run, on_batch, on_answers, arrivals)

@@ -6,7 +6,8 @@ least recently used one is dropped, and built again (its prefix computed again) 
 names it next. The engine's own single field (`Engine.schema`, `TICKETQ_LABELS`) is served by the
 `Engine` itself, so its answers stay the `Prediction`s ticketq has always published.
 
-`classify` takes (schema name, text) pairs and runs them as one `PlannedRun`: each schema's
+`classify` takes (schema name, text) pairs and runs them as one `PlannedRun` (offline; a worker
+runs `runner(name)`'s tickets in its own loop, `worker.service.loop`): each schema's
 tickets are planned and batched together (a forward holds one schema's tickets, after that
 schema's cached prefix), the schemas take turns oldest ticket first, and arrivals of any schema
 join between forwards.
@@ -22,7 +23,7 @@ from ticketq.errors import TicketqError
 from ticketq.schema import Schema
 from worker.engine.fields import FieldsEngine
 from worker.engine.model import Engine
-from worker.engine.scheduler import PlannedRun, Ticketed
+from worker.engine.scheduler import PlannedRun, Ticketed, drain
 from worker.results import BatchReport
 
 log = logging.getLogger(__name__)
@@ -98,10 +99,10 @@ class SchemaSet:
         forwards (`TicketFields`, or `Prediction` for the engine's own field), in that order; as
         `Engine.classify` (`on_results(indices, answers)` once per forward). `UnknownSchema` for a
         name not served (the caller checks names first: `name in schema_set`)."""
-        run = PlannedRun(on_batch, on_results, dedup=self.engine.dedup)
+        run = PlannedRun(dedup=self.engine.dedup)
         run.add(self._encode(items))
         arrivals = (lambda: self._encode(more())) if more is not None else None
-        return run.run(arrivals)
+        return drain(run, on_batch, on_results, arrivals)
 
     def _encode(self, items: Sequence[Item]) -> list[Ticketed]:
         """(runner, encoded ticket) per item, each schema's texts encoded by its own prompt."""

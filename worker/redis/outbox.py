@@ -6,20 +6,18 @@ Keys and their meaning: worker.redis.keys. Celery's backend results: worker.redi
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import uuid
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import redis
 
-from ticketq import codec
 from ticketq.epoch import Epoch, Loss, whoami
-from ticketq.errors import TicketqError
 from ticketq.lua import script
 from ticketq.names import ATTEMPTS_KEY, DEAD_LETTER_STREAM, EPOCH_KEY, RESULTS_STREAM, REVIEW_STREAM
+from ticketq.publishing import Published, Unconfirmed
 from worker.health.data_loss import DATA_LOST
 from worker.redis import celery_results
 from worker.redis.keys import CANCELLED, DIGEST_KEY, DONE_KEY, FAILED_KEY, PUBLISH_CALL_KEY, PUBLISH_CALL_TTL_S
@@ -33,35 +31,6 @@ log = logging.getLogger(__name__)
 # The outbox's Redis scripts, beside this module (each file's header lists its keys and arguments).
 PUBLISH_ONCE = script(__package__, "publish_once")  # one forward batch's results, each (task, slot) streamed once
 COUNT_DELIVERIES = script(__package__, "count_deliveries")  # INCR + EXPIRE of each message's attempts key
-
-
-class Published(NamedTuple):
-    """What `Outbox.publish` did not stream: (task id, slot) of each result already published by the
-    same message (a re-execution), and of each result of another message under a used task id."""
-
-    repeats: list[tuple[str, int]]
-    conflicts: list[tuple[str, int]]
-
-
-DIGEST_FORMAT = "2:"  # a digest of another format is never taken for a conflict
-
-
-def payload_digest(args: Any) -> str:
-    """A short hash of a message's arguments, as decoded, less each ticket's `submitted_at` (when
-    it was sent, not what): equal for every delivery of one message and for the same tickets sent
-    again under their idempotent task ids, different for another message that reuses a task id."""
-    try:
-        return DIGEST_FORMAT + hashlib.blake2b(codec.dumps(_without_send_time(args)), digest_size=12).hexdigest()
-    except (TypeError, ValueError):  # not JSON-shaped (a hand-built request): not checked
-        return ""
-
-
-def _without_send_time(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {key: item for key, item in value.items() if key != "submitted_at"}
-    if isinstance(value, list | tuple):
-        return [_without_send_time(item) for item in value]
-    return value
 
 
 class Outbox(Writes):
@@ -129,7 +98,7 @@ class Outbox(Writes):
         body costs a few hundred bytes and Redis caches the compiled script. Deleting an attempts key
         before the backend write is safe: a crash in between only makes the redelivered message look
         fresh, and its results are published once anyway. The digest is the message's
-        `payload_digest` (omitted or "": not checked); a message whose task id already streamed
+        `ticketq.publishing.payload_digest` (omitted or "": not checked); a message whose task id already streamed
         another payload's results gets nothing written, and its results come back as conflicts.
         """
         by_task: dict[str, list[tuple[int, bytes]]] = {}
@@ -227,15 +196,6 @@ class Outbox(Writes):
     def dead_letter(self, entry: dict[str, str]) -> None:
         """Append one entry (`ticketq.dead_letters`: `ticket_entry` or `raw_entry`) to the dead-letter stream."""
         self.retrying(lambda: self.redis.xadd(DEAD_LETTER_STREAM, entry, maxlen=self.stream_maxlen))
-
-
-class Unconfirmed(TicketqError, redis.ConnectionError):
-    """A publish call that Redis did not answer within worst_batch_s: it may still have run (a
-    command sent into a partition arrives when it heals). `Outbox.landed` finds out."""
-
-    def __init__(self, call_key: str, order: list[tuple[str, int]], cause: BaseException) -> None:
-        super().__init__(f"publishing {len(order)} result(s) unconfirmed: {cause}")
-        self.call_key, self.order = call_key, order
 
 
 def _published(order: list[tuple[str, int]], repeats: Sequence[int], conflicts: Sequence[int]) -> Published:

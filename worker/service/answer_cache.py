@@ -2,7 +2,7 @@
 from Redis, not computed.
 
 A ticket's digest is a hash of what its answer depends on: its canonical text
-(`worker.engine.prompt.canonical_text`), the schema it is answered with (the whole schema, so a
+(`ticketq.contract.canonical_text`), the schema it is answered with (the whole schema, so a
 changed label or instruction is another entry) and the model as this worker runs it (name,
 precision and whether it is re-checked, ticket budget and truncation). Two workers that agree on
 all of that share entries; any difference is a miss, never a wrong answer. Looked up once per
@@ -18,21 +18,22 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from ticketq.contract import canonical_text
 from ticketq.schema import FieldResult, TicketFields
-from worker.engine.prompt import canonical_text
 from worker.redis.answer_cache import AnswerCache
 from worker.results import Prediction
+from worker.service.ports import Classifier
 from worker.service.records import Slot
 from worker.service.routing import Routing
 from worker.settings import Settings
 
 
 class CachedAnswers:
-    def __init__(self, cache: AnswerCache, routing: Routing, classifier: Any, settings: Settings) -> None:
+    def __init__(self, cache: AnswerCache, routing: Routing, classifier: Classifier, settings: Settings) -> None:
         self.cache, self.routing = cache, routing
-        info = getattr(classifier, "info", None)
-        self._model = [getattr(info, "name", type(classifier).__name__), getattr(info, "dtype", "-"),
-                       getattr(info, "recheck", False), settings.max_ticket_tokens, settings.truncation,
+        info = classifier.info
+        model = [info.name, info.dtype, info.recheck] if info is not None else [type(classifier).__name__, "-", False]
+        self._model = [*model, settings.max_ticket_tokens, settings.truncation,
                        settings.label_names, settings.system_prompt, settings.label_descriptions]  # fmt: skip
         self._schemas: dict[str | None, str] = {}  # schema name (None: the classifier's own) -> its fingerprint
 
@@ -53,8 +54,8 @@ class CachedAnswers:
         fingerprint = self._schemas.get(name)
         if fingerprint is None:
             schema = self.routing.schemas.schema(name) if self.routing.schemas is not None and name else None
-            schema = schema or getattr(self.routing.classifier, "schema", None)
-            text = repr(schema) if schema is not None else repr(getattr(self.routing.classifier, "labels", None))
+            schema = schema or self.routing.classifier.schema
+            text = repr(schema) if schema is not None else repr(self.routing.classifier.labels)
             fingerprint = self._schemas[name] = hashlib.sha256(text.encode()).hexdigest()
         return fingerprint
 

@@ -11,6 +11,7 @@ from typing import Any
 from ticketq.contract import Classified, Failed, Ticket, TicketRejected, Triaged, result_id
 from ticketq.schema import TicketFields
 from worker.results import Prediction
+from worker.service.ports import Classifier
 from worker.service.records import Slot
 from worker.settings import Settings
 
@@ -18,8 +19,8 @@ from worker.settings import Settings
 class Answers:
     """Builds one worker's result records: who answered (model, worker) and when, around each answer."""
 
-    def __init__(self, settings: Settings, classifier: Any) -> None:
-        info = getattr(classifier, "info", None)
+    def __init__(self, settings: Settings, classifier: Classifier) -> None:
+        info = classifier.info
         self.truncation = settings.truncation
         self.model_fields = {"model": info.name if info else "null-classifier", "standin": bool(info and info.standin)}
         self.worker_name = f"{socket.gethostname()}:{os.getpid()}"

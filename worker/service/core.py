@@ -1,5 +1,6 @@
-"""The job loop: one drained buffer of Celery requests (and what the feed adds while it runs)
-through the stages — admission, classify, publish — with the last line of defence around each run.
+"""The job: one drained buffer of Celery requests (and what the feed adds while it runs) through
+the stages — admission, the classifying loop (`loop`), publish — with the last line of defence
+around each run.
 
 Celery-free by design (requests only need `.id`, `.args` and optionally `.request_dict`): the
 glue in `worker.app` hands each buffer to `TicketService.process`, which never raises — every
@@ -19,9 +20,9 @@ from worker.redis.answer_cache import AnswerCache
 from worker.service.admission import Admission
 from worker.service.answer_cache import CachedAnswers
 from worker.service.answers import Answers
-from worker.service.classify import Classify
 from worker.service.failing import Defence
 from worker.service.hooks import Hook, Hooks
+from worker.service.loop import Loop
 from worker.service.ports import Backend, Classifier, Feed, Outbox
 from worker.service.publish import Publisher
 from worker.service.records import Deliveries, Slot, Work
@@ -45,7 +46,7 @@ class TicketService:
         self.publisher = Publisher(outbox, self.answers, self.hooks, dead_letter_bound(settings.max_ticket_bytes))
         self.admission = Admission(settings, outbox, self.routing, self.publisher)
         self.cached = CachedAnswers(cache, self.routing, classifier, settings) if cache is not None else None
-        self.classify = Classify(self.routing, self.publisher, self.hooks, settings.max_retries, self.cached)
+        self.loop = Loop(self.routing, self.publisher, self.hooks, settings.max_retries, self.cached)
         self.defence = Defence(outbox, self.publisher, self.hooks, settings.worst_batch_s)
         self.job_limit = 4 * settings.effective_prefetch  # tickets one job takes in before it ends
 
@@ -81,14 +82,13 @@ class TicketService:
     def _run_batch(self, work: Work, requests: Sequence[Any], redelivered: list[Any]) -> None:
         """First deliveries as one batch; arrivals through the feed join it between forwards (the
         redelivered among them are appended to `redelivered`, to run alone after)."""
-        slots = self._admit(work, requests)
-        arrivals = self._arrivals(work, slots, redelivered) if work.feed is not None else None
-        self.classify.run(work, slots, arrivals)
+        arrivals = self._arrivals(work, redelivered) if work.feed is not None else None
+        self.loop.run(work, self._admit(work, requests), arrivals)
 
     def _run_alone(self, work: Work, request: Any) -> None:
         """A redelivered message, alone, its delivery counted now: past max_retries it is dead-lettered."""
         if not self.admission.too_many_deliveries(request, work.backend):
-            self.classify.run(work, self._admit(work, [request]))
+            self.loop.run(work, self._admit(work, [request]))
 
     def _admit(self, work: Work, requests: Sequence[Any]) -> list[Slot]:
         """Admit `requests` into `work`; refused and expired tickets are answered now. Returns the
@@ -105,14 +105,14 @@ class TicketService:
         hits = [(slot, answer) for slot, answer in zip(slots, known, strict=True) if answer is not None]
         self.hooks.on_cache_lookup(len(hits), len(slots) - len(hits))
         if hits:
-            self.classify.answered(work, [slot for slot, _ in hits], [answer for _, answer in hits], computed=False)
+            self.loop.answered(work, [slot for slot, _ in hits], [answer for _, answer in hits], computed=False)
         return [slot for slot, answer in zip(slots, known, strict=True) if answer is None]
 
-    def _arrivals(self, work: Work, slots: list[Slot], redelivered: list[Any]) -> Callable[[], list]:
-        """The engine's `more`: requests that arrived during the last forward join `slots` (so the
-        engine's indices into its items stay indices into `slots`); their items are returned."""
+    def _arrivals(self, work: Work, redelivered: list[Any]) -> Callable[[], list[Slot]]:
+        """The loop's arrivals: requests that came through the feed during the last forward,
+        admitted into `work`; the slots to compute are returned."""
 
-        def more() -> list:
+        def arrivals() -> list[Slot]:
             # A job under steady traffic would never end: bound it, so redelivered messages (which
             # run alone, after) do not wait for a lull and `work` does not grow without end.
             if redelivered or len(work.slots) >= self.job_limit:
@@ -124,12 +124,9 @@ class TicketService:
             if deliveries is None:
                 return []
             redelivered.extend(deliveries.redelivered)
-            added = self._admit(work, deliveries.fresh)
-            self.hooks.on_compute(added)
-            slots.extend(added)
-            return self.routing.items(added)
+            return self._admit(work, deliveries.fresh)
 
-        return more
+        return arrivals
 
     def _split_or_fail(self, requests: Sequence[Any], backend: Backend, feed: Feed | None) -> Deliveries | None:
         """`Admission.split`, or None once every request is failed (Redis away for longer than worst_batch_s)."""

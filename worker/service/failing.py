@@ -11,9 +11,9 @@ from typing import Any
 import redis
 
 from ticketq.contract import Reason, TicketRejected
-from worker.redis.outbox import Unconfirmed
-from worker.service.classify import PublishFailed
+from ticketq.publishing import Unconfirmed
 from worker.service.hooks import Hook
+from worker.service.loop import PublishFailed
 from worker.service.ports import Feed, Outbox
 from worker.service.publish import Publisher
 from worker.service.records import Message, Work

@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
-from worker.redis.outbox import Published
+from ticketq.publishing import Published, Unconfirmed
 
 
 class MemoryOutbox:
@@ -54,7 +54,7 @@ class MemoryOutbox:
             self.deliveries.pop(task_id, None)
         return Published(repeats, conflicts)
 
-    def landed(self, unconfirmed: Any) -> Published | None:
+    def landed(self, unconfirmed: Unconfirmed) -> Published | None:
         return None  # nothing here is ever unconfirmed
 
     def stream_results(self, encoded: Sequence[bytes]) -> None:

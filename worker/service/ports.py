@@ -1,32 +1,39 @@
 """What the service needs of the things around it: the classifier, Celery's result backend, the
 running job's feed of arrivals, and the outbox its results go out through (`worker.redis.outbox.Outbox`
-on Redis; `worker.service.memory.MemoryOutbox` in the unit tests)."""
+on Redis; `worker.service.memory.MemoryOutbox` in the unit tests). The records an outbox answers
+with (`Published`, `Unconfirmed`) are the contract's (`ticketq.publishing`), not an adapter's."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from worker.results import BatchReport, Prediction
+from ticketq.publishing import Published, Unconfirmed
+from ticketq.schema import Schema
+from worker.engine.scheduler import BatchEngine
+
+if TYPE_CHECKING:
+    from worker.engine.configure import ModelInfo
+    from worker.engine.cost import CostModel
 
 
-class Classifier(Protocol):
+class Classifier(BatchEngine[Any], Protocol):
     """What the service needs of a classifier (`worker.engine.Engine`, `NullClassifier`, or a
-    `classifier_factory`'s own). `classify` calls `on_predictions` once per forward batch and asks
-    `more()` for tickets that arrived meanwhile; it may ignore `more` (its jobs then take no
-    arrivals, which wait for the next job)."""
+    `classifier_factory`'s own): its own field computed a forward at a time (`BatchEngine`: the
+    service's loop plans and runs it, `worker.service.loop`), the unbatched reference, and what
+    the result records, the answer cache, the schemas and the hooks read of it."""
 
     labels: tuple[str, ...]
+    info: ModelInfo | None  # the model as loaded (None: no model, the null classifier)
+    schema: Schema | None  # its own field as a schema (None: built from a ready system text)
+    compiles: bool  # `compile(schema)` answers other schemas on its model (TICKETQ_SCHEMAS)
+    dedup: bool  # a run computes duplicate tickets once (TICKETQ_DEDUP)
+    cost: CostModel | None  # the planner's cost model, refitted live (None: plans without one)
+    recheck: Any  # its float32 re-check (`worker.engine.recheck.Recheck`), None where unchecked
 
-    def classify(
-        self,
-        texts: Sequence[str],
-        on_batch: Callable[[BatchReport], None] | None = None,
-        on_predictions: Callable[[Sequence[int], list[Prediction]], None] | None = None,
-        more: Callable[[], Sequence[str]] | None = None,
-    ) -> Any: ...
+    def compile(self, schema: Schema) -> BatchEngine[Any]: ...
 
-    def reference(self, text: str) -> Prediction: ...
+    def reference(self, text: str) -> Any: ...
 
 
 class Backend(Protocol):
@@ -64,9 +71,9 @@ class Outbox(Protocol):
     def count_deliveries(self, task_ids: Sequence[str]) -> int: ...
 
     def publish(self, slots: Sequence[tuple], finished: Sequence[str],
-                review: Collection[tuple[str, int]] = ()) -> Any: ...  # fmt: skip
+                review: Collection[tuple[str, int]] = ()) -> Published: ...  # fmt: skip
 
-    def landed(self, unconfirmed: Any) -> Any: ...
+    def landed(self, unconfirmed: Unconfirmed) -> Published | None: ...
 
     def stream_results(self, encoded: Sequence[bytes]) -> None: ...
 

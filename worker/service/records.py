@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ticketq.contract import Ticket
-from worker.redis.outbox import payload_digest
+from ticketq.publishing import payload_digest
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,9 +50,10 @@ class Message:
         return payload_digest(self.args)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Slot:
-    """One ticket's place in the buffer: which message, which position in a packed one."""
+    """One ticket's place in the buffer: which message, which position in a packed one. Compared
+    and hashed by identity: the scheduler hands each slot's answer back keyed by the slot."""
 
     message: Message
     index: int

@@ -1,7 +1,7 @@
-"""The engine-error retry policy: what is still open after an engine error is retried in halves,
-down to single tickets, each single ticket up to max_retries more times, then given up.
+"""The engine-error retry policy: the tickets of a forward that failed are retried in halves, down
+to single tickets, each single ticket up to max_retries more times, then given up.
 
-Cost: a healthy batch pays nothing. One bad ticket among n costs about 2·log2(n) extra engine calls
+Cost: a healthy forward pays nothing. One bad ticket among a forward's n costs about 2·log2(n) extra engine calls
 (the halves that hold it) plus max_retries alone; the good halves are answered on the way. Worst
 case, every ticket failing: 2n - 1 calls to reach single tickets, then n·max_retries more, each
 ticket computed log2(n) + 1 + max_retries times, before each is answered `engine_error`.

@@ -13,20 +13,22 @@ from typing import Any
 
 from ticketq.contract import Reason, Ticket, TicketRejected
 from ticketq.schema import DEFAULT_SCHEMA_NAME
+from worker.engine.scheduler import BatchEngine, Ticketed
+from worker.service.ports import Classifier
 from worker.settings import Settings
 
 log = logging.getLogger(__name__)
 
 
 class Routing:
-    def __init__(self, classifier: Any, schemas: Any = None) -> None:
+    def __init__(self, classifier: Classifier, schemas: Any = None) -> None:
         """`schemas`: a `SchemaSet` on `classifier`'s model, or None (its own field only)."""
         self.classifier, self.schemas = classifier, schemas
-        own = getattr(classifier, "schema", None)
+        own = classifier.schema
         self.known = schemas.names if schemas else (own.name if own else DEFAULT_SCHEMA_NAME,)
 
     @classmethod
-    def of(cls, classifier: Any, settings: Settings) -> Routing:
+    def of(cls, classifier: Classifier, settings: Settings) -> Routing:
         return cls(classifier, _schema_set(classifier, settings))
 
     def route(self, ticket: Ticket) -> str | None:
@@ -42,20 +44,21 @@ class Routing:
         raise TicketRejected(Reason.UNKNOWN_SCHEMA, f"no schema named {ticket.schema!r} here; this worker serves: "
                                                     f"{served} (TICKETQ_SCHEMAS)")  # fmt: skip
 
-    def items(self, slots: Sequence[Any]) -> list:
-        """What the classifier takes for `slots`: texts, or (schema, text) pairs for a schema set."""
-        if self.schemas is None:
-            return [slot.ticket.text for slot in slots]
-        return [(slot.schema, slot.ticket.text) for slot in slots]
+    def runner(self, schema: str | None) -> BatchEngine[Any]:
+        """What computes `schema`'s tickets: the classifier for its own field, else the schema's runner."""
+        if self.schemas is None or schema is None:
+            return self.classifier
+        return self.schemas.runner(schema)
 
-    def classify(self, items: list, on_batch: Callable, on_predictions: Callable,
-                 more: Callable[[], list] | None) -> list:  # fmt: skip
-        """Every item's answer, each forward batch's handed to `on_predictions` as it is computed."""
-        if self.schemas is None:
-            answers, _ = self.classifier.classify(items, on_batch=on_batch, on_predictions=on_predictions, more=more)
-        else:
-            answers, _ = self.schemas.classify(items, on_batch=on_batch, on_results=on_predictions, more=more)
-        return answers
+    def ticketed(self, slots: Sequence[Any]) -> list[Ticketed]:
+        """Each slot's ticket encoded by the runner of its schema, keyed by the slot."""
+        runners: dict[str | None, BatchEngine[Any]] = {}
+        tickets = []
+        for slot in slots:
+            runner = runners.get(slot.schema) or runners.setdefault(slot.schema, self.runner(slot.schema))
+            (encoded,) = runner.encode([slot.ticket.text])
+            tickets.append(Ticketed(runner, encoded, slot))
+        return tickets
 
     def reference(self, schema: str | None) -> Callable[[str], Any]:
         """The unbatched reference path of `schema`'s answers (not thread-safe: the classifying thread only)."""
@@ -64,20 +67,20 @@ class Routing:
         return self.schemas.runner(schema).reference
 
 
-def _schema_set(classifier: Any, settings: Settings) -> Any:
+def _schema_set(classifier: Classifier, settings: Settings) -> Any:
     """The `SchemaSet` of TICKETQ_SCHEMAS on the classifier's model, or None (no schemas, or a
     classifier without a model to compile them on, e.g. the null classifier)."""
     schemas = settings.load_schemas()
     if not schemas:
         return None
-    if not callable(getattr(classifier, "fields", None)):
+    if not classifier.compiles:
         log.warning("TICKETQ_SCHEMAS ignored: %s answers its own labels only", type(classifier).__name__)
         return None
     from worker.engine.schemas import SchemaSet
 
     schema_set = SchemaSet(classifier, schemas, settings.schema_cache)
     log.info("schemas served: %s (tickets naming none: %s)", ", ".join(schema_set.names), schema_set.default)
-    if getattr(classifier, "recheck", None) is not None:  # a fast precision: each schema's bound before any job
+    if classifier.recheck is not None:  # a fast precision: each schema's bound before any job
         for name in schema_set.names[: schema_set.capacity]:
             schema_set.runner(name)  # calibrated at the first start on a machine, read from the cache after
     return schema_set

@@ -11,6 +11,7 @@ from typing import Any
 from worker.metrics import Metrics
 from worker.results import BatchReport
 from worker.service.hooks import Hook
+from worker.service.ports import Classifier
 from worker.settings import Settings
 
 
@@ -23,10 +24,10 @@ class LiveCost(Hook):
             self.learner.observe(report.rows, report.width, report.seconds)
 
 
-def live_cost(settings: Settings, classifier: Any, metrics: Metrics) -> LiveCost | None:
+def live_cost(settings: Settings, classifier: Classifier, metrics: Metrics) -> LiveCost | None:
     """The hook for this classifier, its current fit exported; None without TICKETQ_LIVE_COST or
     for a classifier that plans with no cost model (the null classifier)."""
-    cost = getattr(classifier, "cost", None)
+    cost = classifier.cost
     if cost is not None:
         metrics.observe_cost_model(cost.fixed_ms, cost.token_ms, cost.quad_ms)
     if not settings.live_cost or cost is None:

@@ -30,9 +30,7 @@ class MetricsHook(Hook):
         self.metrics.observe_batch(report.rows, report.width, report.real_tokens, report.seconds)
 
     def on_answer(self, slot: Any, answer: Any) -> None:
-        precision = getattr(answer, "precision", None)
-        if precision is not None:
-            self.metrics.answers.labels(precision=precision, rechecked=str(answer.rechecked).lower()).inc()
+        self.metrics.answers.labels(precision=answer.precision, rechecked=str(answer.rechecked).lower()).inc()
         if not isinstance(answer, TicketFields):
             return
         for name, result in answer.fields.items():
