@@ -53,6 +53,7 @@ def metrics_rows() -> list[tuple[str, str, str, str]]:
     metrics = Metrics(CollectorRegistry())
     metrics.preinit(DEFAULT_LABELS, tuple(str(reason) for reason in DEAD_LETTER_REASONS))
     metrics.watch_queue(lambda: 0)
+    metrics.watch_hook_errors(lambda: {("hook", "point"): 0})  # a sample, so that its labels are listed
     rows = []
     for family in metrics.registry.collect():
         labels = sorted({key for sample in family.samples for key in sample.labels} - {"le"})

@@ -47,6 +47,7 @@ M_RECHECKED = "ticketq_rechecked_tickets"  # counter: a fast precision's answers
 M_ERROR_BOUND = "ticketq_precision_error_bound"  # gauge, labels: precision, schema: the re-check bound (log space)
 M_DEDUPLICATED = "ticketq_deduplicated_tickets"  # counter: tickets answered with an identical ticket's answer
 M_ANSWER_CACHE = "ticketq_answer_cache_lookups"  # counter, labels: result (hit, miss): the Redis answer cache
+M_HOOK_ERRORS = "ticketq_hook_errors"  # counter, labels: hook, point: hook calls that raised (the job went on)
 
 # A shadow disagreement where the reference's margin is below this is a near-tie: another summation
 # order (bfloat16, oneDNN) may flip it without anything being wrong. The alert pages on the rest.

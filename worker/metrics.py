@@ -115,6 +115,20 @@ class BoundsCollector:
         yield family
 
 
+class HookErrorsCollector:
+    """Hook calls that raised, by hook and call point (`worker.service.hooks.Hooks.errors`), read at scrape time."""
+
+    def __init__(self, read: Callable[[], Mapping[tuple[str, str], int]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        family = CounterMetricFamily(c.M_HOOK_ERRORS, "Hook calls that raised (logged; the job went on), by hook "
+                                     "and call point.", labels=["hook", "point"])  # fmt: skip
+        for (hook, point), count in sorted(self._read().items()):
+            family.add_metric([hook, point], count)
+        yield family
+
+
 class ManyHistogram:
     """A histogram that takes a whole forward batch's observations in one call (`observe_many`).
 
@@ -281,6 +295,10 @@ class Metrics:
     def watch_bounds(self, bounds: Callable[[], Mapping[str, tuple[str, float]]]) -> None:
         """Export the classifier's re-check bounds (schema -> (precision, bound)) at scrape time."""
         self._bounds = bounds
+
+    def watch_hook_errors(self, errors: Callable[[], Mapping[tuple[str, str], int]]) -> None:
+        """Export the service's count of hook calls that raised, at scrape time."""
+        self.registry.register(HookErrorsCollector(errors))
 
     def watch_requests(self, waiting: Callable[[], int], running: Callable[[], int]) -> None:
         """Sample the worker's buffered and running messages at scrape time."""

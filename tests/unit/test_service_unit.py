@@ -344,6 +344,11 @@ def test_a_hook_that_raises_is_logged_and_counted_and_the_job_carries_on(caplog)
     assert run.service.hooks.errors == {("Broken", "on_answer"): 3} and run.service.hooks.error_count == 3
     assert "hook Broken failed in on_answer" in caplog.text
 
+    metrics = Metrics()
+    metrics.watch_hook_errors(lambda: run.service.hooks.errors)
+    value = metrics.registry.get_sample_value("ticketq_hook_errors_total", {"hook": "Broken", "point": "on_answer"})
+    assert value == 3, "exported on /metrics"
+
 
 def test_a_failing_job_still_ends_and_fails_what_it_left_open():
     class Broken(MemoryOutbox):

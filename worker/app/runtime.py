@@ -73,6 +73,7 @@ class Runtime:
             if settings.answer_cache_s else None
         self.service = TicketService(settings, classifier, Outbox.from_settings(client, settings), hooks, routing,
                                      cache)  # fmt: skip
+        metrics.watch_hook_errors(lambda: self.service.hooks.errors if self.service else {})
         wait_for_writes(client)
         return self.service
 
