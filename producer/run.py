@@ -72,6 +72,13 @@ def send_and_collect(producer: Producer, tickets: list[dict], rejected: int, opt
     interrupted, lost = False, ""
     started = time.monotonic()
     try:
+        connect(producer, options.retry_for)
+    except SendInterrupted as stop:
+        return stopped_send(producer, tickets, stop, options, "interrupted while connecting to Redis")
+    except SendStopped as stop:
+        error(with_flags(str(stop)))
+        return stopped_send(producer, tickets, stop, options, f"Redis not reachable for {options.retry_for:g} s")
+    try:
         sent = producer.submit_many(tickets, pack=options.pack, progress=options.progress,
                                     idempotent=options.idempotent, already_sent=options.already_sent)  # fmt: skip
     except SendInterrupted as stop:
@@ -113,6 +120,18 @@ def send_and_collect(producer: Producer, tickets: list[dict], rejected: int, opt
     line = (f"{what}: {len(results) - pending} tickets answered, {pending} pending (sent, no result yet)"
             f"{where(options)}")  # fmt: skip
     return Outcome(results, line, interrupted)
+
+
+def connect(producer: Producer, retry_for: float) -> None:
+    """The check before the first send, through an outage of up to `retry_for` (a producer started
+    while Redis restarts, fails over or loads its data); as a send stopped before its first message:
+    `SendInterrupted` on Ctrl-C, `SendStopped` when Redis stays away (or refuses the credentials)."""
+    try:
+        producer.check_connection(retry_for)
+    except KeyboardInterrupt:
+        raise SendInterrupted([], []) from None
+    except BrokerUnavailable as exc:
+        raise SendStopped(exc, [], []) from None
 
 
 def stopped_send(producer: Producer, tickets: list[dict], stop: SendInterrupted | SendStopped,
