@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from producer.api import Producer
-from producer.errors import BrokerUnavailable, SendInterrupted, SendStopped, WaitStopped
+from producer.errors import BrokerUnavailable, NotReplicated, SendInterrupted, SendStopped, WaitStopped
 from producer.messages import TicketResult
 from producer.outage import RETRY_FOR_S
 from producer.summary import error, out_console, print_summary
@@ -86,6 +86,12 @@ def send_and_collect(producer: Producer, tickets: list[dict], rejected: int, opt
     except SendStopped as stop:
         error(with_flags(str(stop)))
         return stopped_send(producer, tickets, stop, options, "Redis stopped the send")
+    except NotReplicated as stop:  # Redis took every ticket; too few replicas confirmed them
+        error(with_flags(str(stop)))
+        outcome = stopped_send(producer, tickets, SendStopped(stop, stop.results, []), options,
+                               "replicas did not confirm the send")  # fmt: skip
+        outcome.status = EXIT_UNUSABLE  # docs/reliability.md, Replica acks
+        return outcome
     try:
         # The enqueue line inside the try: a Ctrl-C that answers it can come while it is still being
         # printed (the process preempted just after its write), and must find the rows as in the wait.
@@ -97,6 +103,10 @@ def send_and_collect(producer: Producer, tickets: list[dict], rejected: int, opt
     except WaitStopped as stop:
         error(with_flags(str(stop)))
         results, lost = stop.results, f"Redis not reachable for {options.retry_for:g} s while waiting"
+    except BrokerUnavailable as exc:  # refused credentials: asking again cannot help, and nothing can be read
+        error(with_flags(str(exc)))
+        seen = {row.get("task_id") for row in collected.results}
+        results, lost = collected.results + pending_rows(sent, seen), "Redis refused the credentials while waiting"
     except KeyboardInterrupt:
         if not waiting:  # every ticket was sent, and none is waited for
             return Outcome(None, interrupted=True)

@@ -90,6 +90,19 @@ def test_ctrl_c_while_waiting_for_redis_writes_a_row_for_every_ticket(tmp_path, 
     assert "interrupted while connecting to Redis: 0 of 50 tickets sent, 50 not sent" in produce.stderr
 
 
+def test_replicas_that_do_not_confirm_the_send_exit_2_with_a_pending_row_for_every_ticket(tmp_path, redis_server):
+    """TICKETQ_REPLICA_ACKS=1 on a Redis without a replica: Redis took every ticket, none is
+    confirmed: the error line, a `pending` row for each (`--resume` waits for them), exit 2."""
+    n = 20
+    tickets, out = ticket_file(tmp_path / "t.jsonl", n), tmp_path / "r.jsonl"
+    produce = Produce(tmp_path, redis_server, "file", str(tickets), "--out", str(out),
+                      env={"TICKETQ_REPLICA_ACKS": "1", "TICKETQ_REPLICA_TIMEOUT_S": "0.5"})  # fmt: skip
+    assert produce.finish(120) == 2, produce.stdout + produce.stderr
+    assert statuses(out) == {"pending": n}
+    assert redis_server.client().llen(QUEUE) == n
+    assert f"replicas did not confirm the send: {n} of {n} tickets sent, 0 not sent" in produce.stderr
+
+
 def test_a_data_loss_before_the_first_wait_is_seen_and_its_messages_are_resent_at_once(
         tmp_path, redis_server, caplog):  # fmt: skip
     """The marker is read before the first send: Redis losing its data (a FLUSHALL, as a restart
