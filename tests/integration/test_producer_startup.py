@@ -1,6 +1,7 @@
 """`ticketq-produce` started in a storm (issue 44 item 5): the only Redis down when it starts, a
-Redis that never comes back, Ctrl-C while it waits for Redis, a Redis that loses its data between
-the producer's start and its first wait, and a Sentinel primary that is down when it starts.
+Redis loading its data, a Redis that never comes back, Ctrl-C while it waits for Redis, replicas
+that do not confirm the send, a Redis that loses its data between the producer's start and its
+first wait, and a Sentinel primary that is down when it starts.
 
 `--retry-for` covers the first connection too: the producer says once that Redis is not reachable
 and asks again; every exit writes a row for every ticket to `--out`. Each test starts its own
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import subprocess
 import threading
 
 import pytest
@@ -19,7 +21,7 @@ import redis
 from servers import MASTER_NAME, require_redis_server, sentinel_set
 from test_producer_outages import QUEUE, Produce, rows, statuses, ticket_file
 from test_producer_resends import start_worker, stream_counts
-from workers import RedisServer, running_worker, worker_env
+from workers import RedisServer, running_worker, wait_for, worker_env
 
 from producer.api import Producer
 from producer.errors import BrokerUnavailable
@@ -153,6 +155,52 @@ def test_a_producer_started_while_the_sentinel_primary_is_down_is_answered_after
     assert status == 0, produce.stdout + produce.stderr
     assert statuses(out) == {"ok": n}
     assert produce.stderr.count(WAITING) == 1, produce.stderr
+
+
+def test_a_producer_started_while_redis_loads_its_data_waits_and_every_ticket_is_answered(tmp_path, down_server):
+    """Redis answering `LOADING Redis is loading the dataset in memory` (20,000 keys, each loaded
+    5 ms late: `key-load-delay`, so the load outlasts the producer's start on any machine): the
+    producer says it waits, naming the load; the test then ends the load (a restart without the
+    delay) and every ticket is answered, exit 0."""
+    n = 100
+    down_server.aof = False
+    down_server.start()
+    pipe = down_server.client().pipeline(transaction=False)
+    for i in range(20_000):
+        pipe.set(f"ballast:{i}", "x")
+    pipe.execute()
+    down_server.client().save()
+    down_server.kill()
+    args = ["redis-server", "--port", str(down_server.port), "--bind", "127.0.0.1", "--dir", str(down_server.workdir),
+            "--save", "", "--appendonly", "no", "--key-load-delay", "5000",
+            "--loading-process-events-interval-bytes", "1024"]  # fmt: skip
+    down_server.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(lambda: _loading(down_server), 30, "Redis answering LOADING", interval=0.02)
+    tickets, out = ticket_file(tmp_path / "t.jsonl", n), tmp_path / "r.jsonl"
+    produce = Produce(tmp_path, down_server, "file", str(tickets), "--out", str(out), "--retry-for", "120",
+                      "--timeout", "180")  # fmt: skip
+    produce.wait_output(WAITING, 60)
+    assert "loading the dataset" in produce.stderr, produce.stderr
+    down_server.kill()
+    down_server.start()  # the same dump, loaded at full speed
+    worker = start_worker(down_server, tmp_path, "worker")
+    try:
+        status = produce.finish(180)
+    finally:
+        worker.stop(timeout=30)
+    assert status == 0, produce.stdout + produce.stderr
+    assert statuses(out) == {"ok": n}
+    assert produce.stderr.count(WAITING) == 1, produce.stderr
+
+
+def _loading(server: RedisServer) -> bool:
+    try:
+        server.client().ping()
+    except redis.exceptions.BusyLoadingError:
+        return True
+    except redis.exceptions.ConnectionError:
+        return False  # not listening yet
+    return False
 
 
 def test_producer_waits_for_a_redis_loading_its_data_as_for_one_that_is_down():
