@@ -15,6 +15,7 @@ import logging
 import signal
 import subprocess
 import threading
+import time
 
 import pytest
 import redis
@@ -53,11 +54,14 @@ def test_a_producer_started_while_redis_is_down_waits_and_every_ticket_is_answer
                       "--timeout", "180")  # fmt: skip
     produce.wait_output(WAITING, 60)
     down_server.start()
+    up = time.monotonic()
     worker = start_worker(down_server, tmp_path, "worker")
     try:
         status = produce.finish(180)
     finally:
         worker.stop(timeout=30)
+    print(f"\n[started while Redis was down] exit {status} {time.monotonic() - up:.1f} s after Redis came up "
+          f"(worker start-up included); {statuses(out)}")  # fmt: skip
     assert status == 0, produce.stdout + produce.stderr
     assert statuses(out) == {"ok": n}
     assert produce.stderr.count(WAITING) == 1, produce.stderr
@@ -69,8 +73,11 @@ def test_a_redis_that_never_comes_back_exits_2_with_a_row_for_every_ticket(tmp_p
     """Past --retry-for: one error line, an `unsent` row for every ticket (`--resume` sends them), exit 2."""
     n = 50
     tickets, out = ticket_file(tmp_path / "t.jsonl", n), tmp_path / "r.jsonl"
+    started = time.monotonic()
     produce = Produce(tmp_path, down_server, "file", str(tickets), "--out", str(out), "--retry-for", "1")
     status = produce.finish(120)
+    print(f"\n[Redis never up, --retry-for 1] exit {status} after {time.monotonic() - started:.1f} s (Python start-up "
+          f"included); {statuses(out)}")  # fmt: skip
     assert status == 2, produce.stdout + produce.stderr
     assert [row["id"] for row in rows(out)] == [f"T-{i}" for i in range(n)]
     assert statuses(out) == {"unsent": n}
@@ -149,9 +156,12 @@ def test_a_producer_started_while_the_sentinel_primary_is_down_is_answered_after
                           "--timeout", "180", env={"TICKETQ_SENTINEL_MASTER": MASTER_NAME})  # fmt: skip
         produce.wait_output(WAITING, 60)
         servers.wait_promoted(old_port, timeout=60)
+        promoted = time.monotonic()
         env = worker_env(None, servers.url, QUEUE, TICKETQ_NULL_CLASSIFIER="1", TICKETQ_SENTINEL_MASTER=MASTER_NAME)
         with running_worker(env, tmp_path / "worker.log"):
             status = produce.finish(180)
+    print(f"\n[started while the Sentinel primary was down] exit {status} {time.monotonic() - promoted:.1f} s after "
+          f"the promotion (worker start-up included); {statuses(out)}")  # fmt: skip
     assert status == 0, produce.stdout + produce.stderr
     assert statuses(out) == {"ok": n}
     assert produce.stderr.count(WAITING) == 1, produce.stderr
