@@ -62,10 +62,12 @@ class Collected:
 def send_and_collect(producer: Producer, tickets: list[dict], rejected: int, options: RunOptions) -> Outcome:
     """Send; with --wait or --out also collect and print the summary table.
 
-    Ctrl-C while sending, or Redis lost for longer than --retry-for or refusing the writes, gives a
-    row for each ticket (`stopped_send`); Ctrl-C once the send is done (its line still being printed,
-    or the wait), --timeout or Redis lost while waiting, a `pending` row for each ticket still
-    without a result: `--resume` goes on from any of them.
+    Redis not reachable before the first send is waited for up to --retry-for (`connect`). Ctrl-C
+    while connecting or sending, Redis lost for longer than --retry-for or refusing the writes, or
+    replicas that do not confirm the send, give a row for each ticket (`stopped_send`); Ctrl-C once
+    the send is done (its line still being printed, or the wait), --timeout or Redis lost while
+    waiting, a `pending` row for each ticket still without a result: `--resume` goes on from any of
+    them.
     """
     waiting = options.wait or options.out
     collected = Collected()
@@ -77,7 +79,8 @@ def send_and_collect(producer: Producer, tickets: list[dict], rejected: int, opt
         return stopped_send(producer, tickets, stop, options, "interrupted while connecting to Redis")
     except SendStopped as stop:
         error(with_flags(str(stop)))
-        return stopped_send(producer, tickets, stop, options, f"Redis not reachable for {options.retry_for:g} s")
+        what = "Redis refused the credentials" if stop.refused else f"Redis not reachable for {options.retry_for:g} s"
+        return stopped_send(producer, tickets, stop, options, what)
     try:
         sent = producer.submit_many(tickets, pack=options.pack, progress=options.progress,
                                     idempotent=options.idempotent, already_sent=options.already_sent)  # fmt: skip

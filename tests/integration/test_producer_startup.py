@@ -88,6 +88,23 @@ def test_a_redis_that_never_comes_back_exits_2_with_a_row_for_every_ticket(tmp_p
     assert f"Redis not reachable for 1 s: 0 of {n} tickets sent, {n} not sent; every row is in {out}" in produce.stderr
 
 
+def test_refused_credentials_are_not_waited_for_and_write_a_row_for_every_ticket(tmp_path):
+    """Asking again cannot help: exit 2 at once (no waiting line), with an `unsent` row for every ticket."""
+    workdir = tmp_path / "redis-pw"
+    workdir.mkdir()
+    server = RedisServer(workdir, password="right", aof=False).start()
+    try:
+        wrong = RedisServer(workdir, port=server.port, password="wrong")  # its url only
+        tickets, out = ticket_file(tmp_path / "t.jsonl", 10), tmp_path / "r.jsonl"
+        produce = Produce(tmp_path, wrong, "file", str(tickets), "--out", str(out), "--retry-for", "300")
+        assert produce.finish(120) == 2, produce.stdout + produce.stderr
+    finally:
+        server.kill()
+    assert statuses(out) == {"unsent": 10}
+    assert WAITING not in produce.stderr and "refused the credentials" in produce.stderr
+    assert "Redis refused the credentials: 0 of 10 tickets sent, 10 not sent" in produce.stderr
+
+
 def test_ctrl_c_while_waiting_for_redis_writes_a_row_for_every_ticket(tmp_path, down_server):
     n = 50
     tickets, out = ticket_file(tmp_path / "t.jsonl", n), tmp_path / "r.jsonl"
