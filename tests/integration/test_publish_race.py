@@ -14,8 +14,6 @@ A private Redis (`redis_server`), so the queue holds only this test's messages.
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import redis
 from fastapi.testclient import TestClient
@@ -68,7 +66,7 @@ def test_every_later_send_works_after_the_declare_failed(redis_server, dropped_p
     """The failure at every point of the first sends (1, 2, 3 pipelines dropped in a row): each send
     is ridden out, and every message is queued exactly once."""
     with Producer(ClientSettings(broker_url=redis_server.url, queue=QUEUE), retry_for_s=30) as producer:
-        for n, round_ in zip((1, 2, 3), itertools.count()):
+        for round_, n in enumerate((1, 2, 3)):
             dropped_pipelines(n)
             producer.submit_many([{"id": f"R{round_}-{i}", "text": "the app crashes"} for i in range(600)],
                                  idempotent=True)  # fmt: skip
