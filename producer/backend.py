@@ -79,6 +79,12 @@ def make_app(settings: ClientSettings, connect_timeout_s: float) -> Celery:
         broker_connection_retry=False,
         broker_connection_max_retries=1,
         broker_connection_timeout=connect_timeout_s,
+        # No retry inside kombu: its `Connection.ensure` recovers by closing the connection's channel
+        # (`collect()`) and revives only the object it wraps, so a retried queue declare leaves the
+        # Producer publishing on a closed channel whose `connection` is None: AttributeError
+        # "'NoneType' object has no attribute 'client'" (kombu 5.7), or "Producer channel changed"
+        # in a batch. `producer.outage` is the one retry: it acquires a fresh producer each try.
+        task_publish_retry=False,
         task_publish_retry_policy=few_retries,
         broker_transport_options={
             "socket_connect_timeout": connect_timeout_s,

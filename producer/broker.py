@@ -1,5 +1,6 @@
-"""The producer's hold on Redis: its Celery app, a redis-py client on the broker, the one check of
-the connection before the first send, and the errors that name the Redis that failed and why."""
+"""The producer's hold on Redis: its Celery app, a redis-py client on the broker, the check of the
+connection before the first send (waited for through an outage when asked), the epoch marker that
+tells a Redis that lost its data, and the errors that name the Redis that failed and why."""
 
 from __future__ import annotations
 
@@ -12,12 +13,16 @@ from celery import Celery
 from producer.backend import BulkRedisBackend, make_app
 from producer.errors import BATCH_ERRORS, CONNECTION_ERRORS, BrokerUnavailable, NotReplicated
 from producer.messages import TicketResult
+from producer.outage import Outage
 from ticketq import codec, connections
 from ticketq.config import ClientSettings, is_redis_url
 from ticketq.connections import SOCKET_TIMEOUT_S, connect, redis_client
+from ticketq.epoch import Epoch, Loss, whoami
 from ticketq.names import RESULTS_STREAM, queue_lists
 
 log = logging.getLogger(__name__)
+
+LOST = "Redis lost its data (restarted without persistence, or flushed)"  # how a loss is said
 
 
 class Broker:
@@ -28,6 +33,7 @@ class Broker:
         self.app: Celery = make_app(settings, connect_timeout_s)
         self._redis: redis.Redis | None = None
         self.checked = False  # the connection was checked, and nothing failed since
+        self.epoch = Epoch(whoami("producer"))  # notices a Redis that came back without its data
 
     @property
     def redis(self) -> redis.Redis:
@@ -45,15 +51,51 @@ class Broker:
             self.app.backend.stop_consumer()
         self.app.close()
 
-    def check_connection(self) -> None:
-        """PING the broker and the Redis result backend once; raise `BrokerUnavailable` if down."""
+    def check_connection(self, retry_for_s: float = 0.0) -> None:
+        """PING the broker and the Redis result backend, and read the epoch marker (`check_epoch`);
+        raise `BrokerUnavailable` if down. `retry_for_s` > 0: a Redis not reachable yet (down, a
+        Sentinel promotion, loading its data) is asked again through an `Outage` for that long,
+        said once in the log; refused credentials raise at once."""
+        outage = Outage("connecting", None, retry_for_s, met="Redis not reachable")
+        while True:
+            try:
+                self._ping_all()
+                loss = self.check_epoch()
+            except BrokerUnavailable as exc:
+                if outage.ride_out(exc):
+                    continue
+                raise
+            outage.over()
+            if loss is not None:
+                log.warning("%s: the messages sent before may be gone; a wait with resend_after (--resend-after) "
+                            "sends them again", LOST)  # fmt: skip
+            self.checked = True
+            return
+
+    def _ping_all(self) -> None:
         for url in dict.fromkeys((self.settings.broker_url, self.settings.backend_url)):
             if not is_redis_url(url):
                 continue  # other transports (memory://, tests) have nothing to ping
             client = connect(url, **self.settings.sentinel, connect_timeout_s=self.connect_timeout_s,
                              error=BrokerUnavailable)  # fmt: skip
             connections.close(client)
-        self.checked = True
+
+    def check_epoch(self) -> Loss | None:
+        """Read the broker's epoch marker (`ticketq.epoch`): the first read adopts it, so a loss after
+        it (and before the first send) is noticed; a `Loss` is returned once, and counted in
+        `epoch.losses` for the wait to re-send what it waits for. A lost connection raises
+        `BrokerUnavailable`; a refused write (a full Redis setting a first marker) is left for the
+        next check."""
+        if not is_redis_url(self.settings.broker_url):
+            return None
+        try:
+            loss = self.epoch.check(self.redis)
+        except redis.exceptions.ResponseError as exc:  # OOM, READONLY, NOREPLICAS on the SET NX
+            log.debug("epoch marker not checked (%s)", exc)
+            return None
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise BrokerUnavailable(self.settings.broker_url, exc) from None
+        return loss
 
     def ensure_checked(self) -> None:
         if not self.checked:

@@ -46,7 +46,8 @@ app = typer.Typer(
         "--backend-url override them.\n\n"
         "Exit status: 0 all tickets sent (and, with --wait, classified); 1 some tickets were rejected, "
         "failed or timed out, or Redis stopped the run part way (--out says where each ticket is); 2 nothing "
-        "could be done (bad settings, unreadable file, Redis unreachable or refusing the first send); "
+        "could be done (bad settings, unreadable file, Redis unreachable for --retry-for or refusing the first "
+        "send; --out still has a row for every ticket); "
         "3 the input was read but no ticket was sent (or, with --wait, classified)."
     ),
     no_args_is_help=True,
@@ -83,8 +84,9 @@ ResendAfter = Annotated[
 DEFAULT_RESEND_AFTER_S = 30.0
 RetryFor = Annotated[
     float,
-    typer.Option("--retry-for", min=0, help="How long sending and waiting ask a Redis that went away again (a "
-                 "restart, a Sentinel failover) before stopping; every ticket's row says where it is then."),
+    typer.Option("--retry-for", min=0, help="How long connecting, sending and waiting ask a Redis that is not "
+                 "reachable again (down, a restart, a Sentinel failover, loading its data) before stopping; every "
+                 "ticket's row says where it is then."),
 ]
 BrokerUrl = Annotated[
     str | None,
@@ -240,7 +242,6 @@ def _run(tickets: list[dict], options: RunOptions, settings: ClientSettings, sou
         malformed = len(source.errors) if source else 0
         outcome = Outcome(None)
         if good:
-            producer.check_connection()
             outcome = send_and_collect(producer, good, malformed + len(refused), options)
         else:
             error("no valid tickets to send")

@@ -33,8 +33,10 @@ class Producer:
     Build it from `ClientSettings` (read from `TICKETQ_*` by default; a worker's `Settings` will
     do too) or override the URLs:
     `Producer(broker_url="redis://:secret@redis:6379/0")`. The first send checks the broker once
-    and raises `BrokerUnavailable` within about `connect_timeout_s` instead of retrying; once
-    sending or waiting has begun, a Redis that went away is asked again for up to `retry_for_s`.
+    and raises `BrokerUnavailable` within about `connect_timeout_s` instead of retrying
+    (`check_connection(retry_for_s)` first waits for a Redis not reachable yet, as
+    `ticketq-produce` does); once sending or waiting has begun, a Redis that went away is asked
+    again for up to `retry_for_s`.
     """
 
     def __init__(self, settings: ClientSettings | None = None, *, broker_url: str | None = None,
@@ -69,9 +71,11 @@ class Producer:
         """A redis-py client on the broker (queue depth, results stream)."""
         return self._broker.redis
 
-    def check_connection(self) -> None:
-        """PING the broker and the Redis result backend once; raise `BrokerUnavailable` if down."""
-        self._broker.check_connection()
+    def check_connection(self, retry_for_s: float = 0.0) -> None:
+        """PING the broker and the Redis result backend, read the data-loss marker; raise
+        `BrokerUnavailable` if down. `retry_for_s` > 0 asks a Redis not reachable yet (down, a
+        Sentinel promotion, loading its data) again for that long before raising."""
+        self._broker.check_connection(retry_for_s)
 
     def validate(self, text: object, id: object = None) -> tuple[str, str]:
         """Check one ticket at the edge with the contract's rule; `(id, text)`, a missing id assigned.

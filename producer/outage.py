@@ -23,9 +23,12 @@ class Outage:
     """While Redis cannot be reached (sending, or waiting for results): how long to pause before
     asking again, until the wait's `deadline` or `limit_s` into the outage, whichever comes first."""
 
-    def __init__(self, doing: str, deadline: float | None, limit_s: float, refusals: bool = True) -> None:
-        """`refusals`: a Redis refusing writes (full, too few replicas) is waited out too."""
+    def __init__(self, doing: str, deadline: float | None, limit_s: float, refusals: bool = True,
+                 met: str = "lost Redis") -> None:  # fmt: skip
+        """`refusals`: a Redis refusing writes (full, too few replicas) is waited out too. `met`: what
+        the first line says happened (`met while doing`)."""
         self.doing, self.deadline, self.limit_s, self.refusals = doing, deadline, limit_s, refusals
+        self.met = met
         self.pause, self.since = RECONNECT_PAUSE_S[0], None
         self.gave_up: BrokerUnavailable | None = None  # the error, once `limit_s` passed
 
@@ -38,10 +41,13 @@ class Outage:
             if raises:
                 raise error
             return False
+        if self.limit_s <= 0:  # no time to ask again: nothing to say, the caller reports `error`
+            self.gave_up = error
+            return False
         now = time.monotonic()
         if self.since is None:
             self.since = now
-            log.warning("lost Redis while %s (%s); trying again for up to %g s", self.doing,
+            log.warning("%s while %s (%s); trying again for up to %g s", self.met, self.doing,
                         getattr(error, "reason", error), self.limit_s)  # fmt: skip
         ends = [self.since + self.limit_s] + ([self.deadline] if self.deadline is not None else [])
         if now >= min(ends):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from producer.api import Producer
-from producer.errors import BrokerUnavailable, SendInterrupted, SendStopped, WaitStopped
+from producer.errors import BrokerUnavailable, NotReplicated, SendInterrupted, SendStopped, WaitStopped
 from producer.messages import TicketResult
 from producer.outage import RETRY_FOR_S
 from producer.summary import error, out_console, print_summary
@@ -62,15 +62,25 @@ class Collected:
 def send_and_collect(producer: Producer, tickets: list[dict], rejected: int, options: RunOptions) -> Outcome:
     """Send; with --wait or --out also collect and print the summary table.
 
-    Ctrl-C while sending, or Redis lost for longer than --retry-for or refusing the writes, gives a
-    row for each ticket (`stopped_send`); Ctrl-C once the send is done (its line still being printed,
-    or the wait), --timeout or Redis lost while waiting, a `pending` row for each ticket still
-    without a result: `--resume` goes on from any of them.
+    Redis not reachable before the first send is waited for up to --retry-for (`connect`). Ctrl-C
+    while connecting or sending, Redis lost for longer than --retry-for or refusing the writes, or
+    replicas that do not confirm the send, give a row for each ticket (`stopped_send`); Ctrl-C once
+    the send is done (its line still being printed, or the wait), --timeout or Redis lost while
+    waiting, a `pending` row for each ticket still without a result: `--resume` goes on from any of
+    them.
     """
     waiting = options.wait or options.out
     collected = Collected()
     interrupted, lost = False, ""
     started = time.monotonic()
+    try:
+        connect(producer, options.retry_for)
+    except SendInterrupted as stop:
+        return stopped_send(producer, tickets, stop, options, "interrupted while connecting to Redis")
+    except SendStopped as stop:
+        error(with_flags(str(stop)))
+        what = "Redis refused the credentials" if stop.refused else f"Redis not reachable for {options.retry_for:g} s"
+        return stopped_send(producer, tickets, stop, options, what)
     try:
         sent = producer.submit_many(tickets, pack=options.pack, progress=options.progress,
                                     idempotent=options.idempotent, already_sent=options.already_sent)  # fmt: skip
@@ -79,6 +89,12 @@ def send_and_collect(producer: Producer, tickets: list[dict], rejected: int, opt
     except SendStopped as stop:
         error(with_flags(str(stop)))
         return stopped_send(producer, tickets, stop, options, "Redis stopped the send")
+    except NotReplicated as stop:  # Redis took every ticket; too few replicas confirmed them
+        error(with_flags(str(stop)))
+        outcome = stopped_send(producer, tickets, SendStopped(stop, stop.results, []), options,
+                               "replicas did not confirm the send")  # fmt: skip
+        outcome.status = EXIT_UNUSABLE  # docs/reliability.md, Replica acks
+        return outcome
     try:
         # The enqueue line inside the try: a Ctrl-C that answers it can come while it is still being
         # printed (the process preempted just after its write), and must find the rows as in the wait.
@@ -90,6 +106,10 @@ def send_and_collect(producer: Producer, tickets: list[dict], rejected: int, opt
     except WaitStopped as stop:
         error(with_flags(str(stop)))
         results, lost = stop.results, f"Redis not reachable for {options.retry_for:g} s while waiting"
+    except BrokerUnavailable as exc:  # refused credentials: asking again cannot help, and nothing can be read
+        error(with_flags(str(exc)))
+        seen = {row.get("task_id") for row in collected.results}
+        results, lost = collected.results + pending_rows(sent, seen), "Redis refused the credentials while waiting"
     except KeyboardInterrupt:
         if not waiting:  # every ticket was sent, and none is waited for
             return Outcome(None, interrupted=True)
@@ -113,6 +133,18 @@ def send_and_collect(producer: Producer, tickets: list[dict], rejected: int, opt
     line = (f"{what}: {len(results) - pending} tickets answered, {pending} pending (sent, no result yet)"
             f"{where(options)}")  # fmt: skip
     return Outcome(results, line, interrupted)
+
+
+def connect(producer: Producer, retry_for: float) -> None:
+    """The check before the first send, through an outage of up to `retry_for` (a producer started
+    while Redis restarts, fails over or loads its data); as a send stopped before its first message:
+    `SendInterrupted` on Ctrl-C, `SendStopped` when Redis stays away (or refuses the credentials)."""
+    try:
+        producer.check_connection(retry_for)
+    except KeyboardInterrupt:
+        raise SendInterrupted([], []) from None
+    except BrokerUnavailable as exc:
+        raise SendStopped(exc, [], []) from None
 
 
 def stopped_send(producer: Producer, tickets: list[dict], stop: SendInterrupted | SendStopped,

@@ -15,13 +15,12 @@ from celery.result import AsyncResult
 from tqdm import tqdm
 
 from producer.backend import BulkRedisBackend, finished, iter_ready, unsubscribe
-from producer.broker import Broker
-from producer.errors import CONNECTION_ERRORS, WaitStopped
+from producer.broker import LOST, Broker
+from producer.errors import CONNECTION_ERRORS, BrokerUnavailable, WaitStopped
 from producer.messages import TicketResult, in_order, ticket_ids, ticket_results
 from producer.outage import Outage
-from producer.resends import Resends, Whereabouts
+from producer.resends import PERIOD_MAX_S, Resends, Whereabouts
 from producer.sending import Sender, publish_batch
-from ticketq.epoch import Epoch, whoami
 from ticketq.process import paused_gc
 
 log = logging.getLogger(__name__)
@@ -34,7 +33,7 @@ class Waiter:
 
     def __init__(self, broker: Broker, sender: Sender, retry_for_s: float) -> None:
         self.broker, self.sender, self.retry_for_s = broker, sender, retry_for_s
-        self.epoch = Epoch(whoami("producer"))  # notices a Redis that came back without its data
+        self.losses_seen = 0  # data losses (`broker.epoch.losses`) whose messages were made due
 
     def wait(self, results: Sequence[AsyncResult], timeout: float | None, progress: bool,
              on_result: ResultCallback | None, resend_after: float | None) -> list[dict]:  # fmt: skip
@@ -77,9 +76,11 @@ class Waiter:
         """Read what finishes within `remaining` (or the re-send period), then re-send what is lost:
         True to go on waiting."""
         pending = [result for result in results if result.id not in by_task]
-        periods = [p for p in (remaining, resends and resends.period) if p is not None]
+        # A tick at least every PERIOD_MAX_S, so that a data loss is noticed then, re-sends or not.
+        periods = [p for p in (remaining, resends.period if resends else PERIOD_MAX_S) if p is not None]
         try:
-            for task_id, state, value in iter_ready(self.broker.app, pending, min(periods) if periods else None):
+            self._notice_data_loss(resends)
+            for task_id, state, value in iter_ready(self.broker.app, pending, min(periods)):
                 outage.over()
                 take(task_id, state, value)
                 if len(by_task) == len(sent):
@@ -89,12 +90,12 @@ class Waiter:
             outage.over()
         except CeleryTimeoutError:
             outage.over()  # what is missing is re-sent below, or reported as a timeout
-            if resends is None:
-                return False
         except (*CONNECTION_ERRORS, RuntimeError) as exc:
             return outage.ride_out(self.broker.unreachable(exc))
-        if resends is None or len(by_task) == len(sent):
+        if len(by_task) == len(sent):
             return False
+        if resends is None:
+            return True  # the loop stops at the deadline
         try:
             self._resend_lost(resends, sent)
         except (*CONNECTION_ERRORS, RuntimeError) as exc:
@@ -119,7 +120,6 @@ class Waiter:
         `producer.resends`): where the messages are, read at one instant, then their results read
         again, so one answered since is not taken for lost."""
         allowed, now = resends.budget(), time.monotonic()
-        self._notice_data_loss(resends, now)
         due = resends.due(now)
         if not due:
             return
@@ -143,18 +143,24 @@ class Waiter:
                     "ids)%s", len(chosen), f"; {waiting} more wait for the re-send budget" if waiting > 0 else "")
 
 
-    def _notice_data_loss(self, resends: Resends, now: float) -> None:
-        """A Redis that came back without its data (`ticketq.epoch`) lost every message waited for:
-        said once, and each is due at once (past its backoff; the budget still paces them)."""
+    def _notice_data_loss(self, resends: Resends | None) -> None:
+        """A Redis that came back without its data (`ticketq.epoch`, read before the first send and
+        at every tick) lost every message waited for: each is due at once (past its backoff; the
+        budget still paces them), said once per loss. A loss noticed elsewhere (a reconnection's
+        check) counts too."""
         try:
-            loss = self.epoch.check(self.broker.redis)
-        except CONNECTION_ERRORS as exc:
+            self.broker.check_epoch()
+        except BrokerUnavailable as exc:  # the read of the results meets it too, and rides it out
             log.debug("epoch marker not checked (%s)", exc)
+        if self.broker.epoch.losses == self.losses_seen:
             return
-        if loss is not None:
-            waiting = resends.all_due(now)
-            log.warning("Redis lost its data (restarted without persistence, or flushed): the %d message(s) still "
-                        "waited for are re-sent under their task ids", waiting)  # fmt: skip
+        self.losses_seen = self.broker.epoch.losses
+        if resends is None:
+            log.warning("%s: the messages still waited for may be gone with it; wait with resend_after "
+                        "(--resend-after) to send them again", LOST)  # fmt: skip
+            return
+        waiting = resends.all_due(time.monotonic())
+        log.warning("%s: the %d message(s) still waited for are re-sent under their task ids", LOST, waiting)
 
 
 def _resends_for(results: Sequence[AsyncResult], resend_after: float | None) -> Resends | None:

@@ -279,7 +279,7 @@ def test_cli_reports_unusable_input_and_dead_broker(tmp_path):
     missing = runner.invoke(cli_app, ["file", str(tmp_path / "nope.csv")])
     assert missing.exit_code == 2
     assert "cannot read ticket file" in missing.output
-    dead = runner.invoke(cli_app, ["synthetic", "3", "--no-progress", "--broker-url", DEAD_URL])
+    dead = runner.invoke(cli_app, ["synthetic", "3", "--no-progress", "--retry-for", "0", "--broker-url", DEAD_URL])
     assert dead.exit_code == 2
     assert "Redis is not reachable" in dead.output and "s3cret" not in dead.output
 
