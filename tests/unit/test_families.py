@@ -100,3 +100,24 @@ def test_output_terms_of_each_family():
     assert OutputTerms.of(LlamaConfig()) == OutputTerms()
     assert OutputTerms.of(GraniteConfig(logits_scaling=8.0)).divide == 8.0
     assert OutputTerms.of(Gemma2Config()).softcap == 30.0
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "granite", "gpt2"])
+def test_a_schemas_fields_equal_their_reference_on_each_family(family, family_dirs):
+    """The schema path shares the decoder and the label-only scorer: the family's terms apply there too."""
+    from ticketq.schema import parse_schema
+
+    schema = parse_schema({
+        "name": "family-fields",
+        "fields": {
+            "team": {"instruction": "Which team?", "labels": ["account", "account security", "billing"]},
+            "topics": {"instruction": "Which topics?", "labels": ["refund", "outage"], "multi": True},
+        },
+    })  # fmt: skip
+    engine = Engine.from_settings(settings(family_dirs[family]))
+    runner = engine.fields(schema)
+    texts = tickets(engine)[:4]
+    for text, answer in zip(texts, runner.classify(texts)[0], strict=True):
+        for name, want in runner.reference(text).fields.items():
+            got = answer.fields[name].probs
+            assert max(abs(got[label] - p) for label, p in want.probs.items()) <= PROB_TOL, (name, text)
