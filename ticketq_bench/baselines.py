@@ -24,7 +24,7 @@ from ticketq_bench.records import Answer
 from worker.engine import batching
 from worker.engine.layout import padded_ids
 from worker.engine.prompt import EncodedTicket, canonical_text
-from worker.engine.scoring import choice_logprobs, label_logprobs, make_prediction
+from worker.engine.scoring import OutputTerms, choice_logprobs, label_logprobs, make_prediction
 from worker.results import BatchReport, Prediction
 
 Planner = Callable[[Sequence[int], int], batching.Plan]
@@ -118,7 +118,7 @@ def _full_prompt_scores(engine, sequences: list[list[int]], width: int, kids: tu
     # the batched path's decoder (int8 where the engine is), every position computed
     hidden = engine.decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state  # (B, T, H)
     last = hidden[torch.arange(len(sequences), device=device), lengths - 1]  # (B, H)
-    logits = engine.label_head(last).float()  # (B, V): full vocabulary, last real token only
+    logits = OutputTerms.of(engine.model.config)(engine.label_head(last).float())  # (B, V): the last real token's
     return choice_logprobs(logits, kids).cpu()  # (B, C)
 
 

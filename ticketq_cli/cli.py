@@ -53,12 +53,17 @@ def standin(
     out: Annotated[Path, typer.Option(help="Directory to write.")] = DEFAULT_STANDIN,
     size: Annotated[str, typer.Option(help="full (exact Qwen2.5-0.5B architecture) or tiny.")] = "full",
     seed: Annotated[int, typer.Option(help="Weight seed: same seed, same bytes.")] = 0,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite a non-empty directory that is not a stand-in.")]
+    = False,
 ) -> None:
-    """Build a Qwen2.5-0.5B-Instruct stand-in: real tokenizer and architecture, random weights (labels meaningless)."""
-    from ticketq_cli.standin import STANDIN_NOTE, build
+    """Build a Qwen2.5-0.5B-Instruct stand-in: real tokenizer and architecture, random weights (labels meaningless).
+    A non-empty --out that is not a stand-in (a real model, say) is refused unless --force."""
+    from ticketq_cli.standin import STANDIN_NOTE, build, overwrite_problem
 
     if size not in ("full", "tiny"):
         raise typer.BadParameter("size must be 'full' or 'tiny'")
+    if not force and (problem := overwrite_problem(out)):
+        fail(problem)
     build(size, out, seed)  # type: ignore[arg-type]
     console.print(f"stand-in written to [bold]{out}[/] — {STANDIN_NOTE}")
 

@@ -156,6 +156,17 @@ def is_standin(path: str | Path) -> bool:
     return (Path(path) / STANDIN_MARKER).is_file()
 
 
+def overwrite_problem(out: Path) -> str | None:
+    """Why building a stand-in into `out` would destroy something (without --force), or None: `out`
+    is a file, or a non-empty directory that is not a stand-in built here (a real model, say)."""
+    if out.exists() and not out.is_dir():
+        return f"--out {out} is a file, not a directory"
+    if not out.is_dir() or not any(out.iterdir()) or is_standin(out):
+        return None
+    return (f"--out {out} is not empty and is not a stand-in (no {STANDIN_MARKER}): it may hold a real model; "
+            "name a new or empty directory, or pass --force to overwrite its files")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m ticketq_cli.standin",
@@ -167,7 +178,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--out", type=Path, required=True, help="directory to write")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (same seed, same bytes)")
+    parser.add_argument("--force", action="store_true", help="overwrite a non-empty directory that is not a stand-in")
     args = parser.parse_args(argv)
+    if not args.force and (problem := overwrite_problem(args.out)):
+        parser.exit(2, f"error: {problem}\n")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     build(args.size, args.out, args.seed)
     print(f"stand-in written to {args.out} — {STANDIN_NOTE}")

@@ -270,7 +270,8 @@ class Metrics:
             buckets=PUBLISH_BUCKETS, registry=r,
         )  # fmt: skip
         self.model = Info(
-            c.M_MODEL_INFO, "The model this worker serves: model, standin, dtype, device, matmul.", registry=r
+            c.M_MODEL_INFO, "The model this worker serves: model, standin, dtype, device, matmul, recheck, fused.",
+            registry=r,
         )
 
     def preinit(self, labels: tuple[str, ...], reasons: tuple[str, ...],

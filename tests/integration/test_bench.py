@@ -310,3 +310,26 @@ def test_duplicates_are_computed_once_with_the_labels_of_every_copy(tiny_model_d
     assert plain["computed_tickets"] == [24, 24] and all(n <= 12 for n in dedup["computed_tickets"])
     (line,) = [n for n in header["notes"] if n.startswith("deduplication:")]
     assert "labels equal ticket for ticket: 24/24" in line
+
+
+def test_quick_bench_runs_the_checked_mode_in_bfloat16_to_its_row(tiny_model_dir, tmp_path, monkeypatch):
+    """`ticketq bench --quick` on the tiny stand-in exits 0 with a ticketq-checked row, its mode in
+    bfloat16 as a CPU with native bf16 chooses (forced here), the float32 engine's weights packed for
+    oneDNN. It used to crash there: the bfloat16 copy's `.to()` cast the biases it shared with the
+    float32 engine's packed layers, and the calibration's float32 GEMMs met a bfloat16 bias in oneDNN."""
+    from worker.engine import kernels
+
+    if not kernels.PackedLinear.available():
+        pytest.skip("this torch has no oneDNN linear ops")
+    for name in [k for k in os.environ if k.startswith("TICKETQ_") and not k.startswith("TICKETQ_TEST_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TICKETQ_MATMUL", "onednn")
+    monkeypatch.setenv("TICKETQ_BROKER_URL", "redis://127.0.0.1:1/0")  # the queue mode says why it skips
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # a fresh calibration, not this machine's
+    monkeypatch.setattr(kernels, "resolve_precision", lambda *args, **kwargs: ("bfloat16", True))
+    out = tmp_path / "bench.json"
+    argv = ["--quick", "--model", str(tiny_model_dir), "--json", str(out), "--chart", str(tmp_path / "bench.png"),
+            "--markdown", str(tmp_path / "bench.md")]  # fmt: skip
+    assert main(argv) == 0
+    rows = {row["mode"]: row for row in json.loads(out.read_text())[1:]}
+    assert rows["ticketq-checked"]["agreement"] == 1.0 and rows["ticketq"]["agreement"] == 1.0

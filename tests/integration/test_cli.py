@@ -218,6 +218,23 @@ def test_standin_says_once_what_it_built(tmp_path):
     assert said == 1, result.stdout + result.stderr
 
 
+def test_standin_refuses_to_overwrite_a_real_model_unless_forced(tmp_path):
+    model = tmp_path / "llama"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}\n')
+    refused = run(["ticketq", "standin", "--size", "tiny", "--out", str(model)])
+    assert refused.returncode == EXIT_USAGE and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().count("\n") == 0 and "--force" in refused.stderr, refused.stderr
+    assert (model / "config.json").read_text() == '{"model_type": "llama"}\n'  # untouched
+    module = subprocess.run([sys.executable, "-m", "ticketq_cli.standin", "--size", "tiny", "--out", str(model)],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert module.returncode == EXIT_USAGE and "--force" in module.stderr, module.stderr
+    forced = run(["ticketq", "standin", "--size", "tiny", "--out", str(model), "--force"])
+    assert forced.returncode == 0, forced.stderr
+    again = run(["ticketq", "standin", "--size", "tiny", "--out", str(model), "--seed", "1"])  # a stand-in: rebuilt
+    assert again.returncode == 0, again.stderr
+
+
 def test_classify_never_overwrites(tmp_path, tiny_model_dir):
     env = engine_env(tiny_model_dir)
     tickets = tmp_path / "t.jsonl"

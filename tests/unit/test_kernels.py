@@ -227,3 +227,39 @@ def test_auto_keeps_float32_where_nothing_is_faster_and_never_int8_unchecked(mon
     assert kernels.resolve_precision("int8", CPU, "torch", recheck=True) == ("int8", True)
     assert kernels.resolve_precision("int8", CPU, "torch", recheck=False) == ("int8", False)
     assert kernels.resolve_precision("float32", CPU, "torch", recheck=True) == ("float32", False)
+
+
+@pytest.mark.skipif(not kernels.PackedLinear.available(), reason="this torch has no oneDNN linear ops")
+def test_the_bf16_calibration_hands_onednn_one_dtype_and_the_layer_width_per_call(tiny_settings, monkeypatch):
+    """The bench's ticketq-checked mode on a float32 engine with packed weights: its bfloat16 copy
+    (packed too on a CPU with native bf16, torch's GEMM elsewhere), then the calibration runs both.
+    Every oneDNN linear call must get its input, packed weight and bias in one dtype and an input of
+    the layer's width (the copy used to cast the biases it shared with the float32 layers to bf16)."""
+    from worker.engine import Engine
+
+    calls: list[tuple] = []
+    forward, then = kernels.PackedLinear.forward, kernels.PackedLinear.then
+
+    def record(layer, x):
+        bias = None if layer.bias is None else layer.bias.dtype
+        calls.append((x.dtype, layer.packed.dtype, bias or x.dtype, x.dim(), x.shape[-1], layer.in_features))
+
+    def recording_forward(self, x, post="none"):
+        record(self, x)
+        return forward(self, x, post)
+
+    def recording_then(self, x, other, op):
+        record(self, x)
+        assert other.shape == (*x.shape[:-1], self.out_features) and other.dtype == x.dtype
+        return then(self, x, other, op)
+
+    monkeypatch.setattr(kernels.PackedLinear, "forward", recording_forward)
+    monkeypatch.setattr(kernels.PackedLinear, "then", recording_then)
+    exact = Engine.from_settings(tiny_settings.model_copy(update={"matmul": "onednn"}))
+    fast = exact.with_precision("bfloat16")
+    assert fast.check_with(exact, force=True)  # the calibration: both engines on the calibration tickets
+    assert {fast.precision, exact.precision} == {"bfloat16", "float32"} and calls
+    for x_dtype, weight, bias, dims, width, in_features in calls:
+        assert x_dtype == weight == bias and dims in (2, 3) and width == in_features
+    if kernels.cpu_has_native_bf16():  # the bf16 copy is packed there: its calls were seen too
+        assert any(call[0] == torch.bfloat16 for call in calls)

@@ -52,9 +52,10 @@ class Runtime:
         info = classifier.info
         metrics.model.info(
             {"model": info.name, "standin": str(info.standin).lower(), "dtype": info.dtype, "device": info.device,
-             "matmul": getattr(info, "matmul", "torch"), "recheck": str(getattr(info, "recheck", False)).lower()}
+             "matmul": info.matmul, "recheck": str(info.recheck).lower(),
+             "fused": str(info.fused).lower()}  # after the self-check: the path that serves
             if info else {"model": "null-classifier", "standin": "false", "dtype": "-", "device": "-", "matmul": "-",
-                          "recheck": "false"}
+                          "recheck": "false", "fused": "false"}
         )  # fmt: skip
         fields = [(schema.name, spec.name, (*spec.labels, *(("none",) if spec.multi else ())))
                   for schema in settings.load_schemas() for spec in schema.fields]  # fmt: skip
@@ -118,6 +119,8 @@ def build_classifier(settings: Settings) -> Classifier:
         time.perf_counter() - started, engine.prefix_len,
         " — STAND-IN: labels are meaningless" if info.standin else "",
     )  # fmt: skip
+    if info.self_check:
+        log.info("self-check (batched path against the reference, docs/models.md): %s", info.self_check)
     return engine
 
 

@@ -14,6 +14,7 @@
 - `kernels` — device, dtype and GEMM-kernel choice, measured on a machine's first start and cached;
   oneDNN's `PackedLinear`.
 - `fused` — `FusedDecoder`: the batched decoder forward with its elementwise work inside oneDNN's GEMMs.
+- `selfcheck` — at load, the batched path held to the reference: the fused decoder's fallback, or a refusal.
 - `int8` — the dynamic int8 decoder.
 - `precision` — decision gaps and errors of a fast precision's answers; `ErrorBound` (no torch).
 - `recheck` — a fast runner's float32 twin, re-checking the answers within its error bound.

@@ -40,7 +40,7 @@ from worker.engine.loading import prefix_cache
 from worker.engine.prompt import YES, EncodedTicket, FieldsPrompt, PromptTemplate, Question
 from worker.engine.recheck import Recheck
 from worker.engine.scheduler import BatchCallback, MoreCallback, run_planned
-from worker.engine.scoring import branch_logprobs, choice_logprobs, label_logprobs
+from worker.engine.scoring import HeadRows, branch_logprobs, choice_logprobs, label_logprobs
 from worker.results import BatchReport
 
 # on_results(indices into the caller's texts, their answers): one call per forward batch
@@ -57,7 +57,6 @@ class FieldsHost(Protocol):
     model: Any  # the transformers causal LM (its `config` shapes a batch's cache)
     tokenizer: Any
     prompt: PromptTemplate  # the engine's own: its ticket budget and truncation are the default
-    label_head: torch.nn.Module
     pad_id: int
     device: torch.device
     dtype: torch.dtype
@@ -89,9 +88,8 @@ class FieldsEngine:
         self.questions: tuple[Question, ...] = self.prompt.questions
         self.device, self.dtype = engine.device, engine.dtype
         self._prefix_kv = engine.prime(self.prompt.prefix_ids)
-        head = engine.label_head.weight
-        self._rows = {  # (question, path) -> the label head's rows of that branch's children, (C, H)
-            (q, path): head[list(kids)].detach()
+        self._rows = {  # (question, path) -> the LM head's rows of that branch's children, (C, H), and its terms
+            (q, path): HeadRows.of(engine.model, kids)
             for q, question in enumerate(self.questions)
             for path, kids in question.trie.branches.items()
         }

@@ -11,10 +11,15 @@ code, called as it is (its RMSNorm, its rotary tables and `apply_rotary_pos_emb`
 update); attention is two matmuls and a softmax in float32 over the engine's 4D mask
 (`_attention`: faster than torch's SDPA kernel on the CPU for these shapes).
 
-bfloat16 runs the same loop without the post-ops (no faster on tensors half the size) and gains
-from the rest. `FusedDecoder.build(decoder)` returns None for a decoder it does not recognise
-(another MLP, a sliding window, weights not packed, int8): the engine then runs transformers'
-decoder instead. In float32 the arithmetic is the same up to rounding (the post-op runs on the
+The forward is written out term for term, so it runs only the families whose every term it
+implements (`FAMILIES`, by the config's `model_type`): Llama and Mistral; Qwen2; Qwen3 (an RMSNorm
+over each query and key head before the rotary embedding); SmolLM3 (layers without rotary
+positions, `use_rope`); Granite (`embedding_multiplier` on the embeddings, `residual_multiplier` on
+each branch before its residual add, `attention_multiplier` as the attention's scale). Another
+family may add a term this loop would silently skip: `FusedDecoder.build(decoder)` returns None for
+it, as for another MLP, a sliding window, weights not packed or int8, and the engine runs
+transformers' decoder instead. The engine's load-time self-check (`selfcheck`) holds whatever
+runs to the reference all the same. In float32 the arithmetic is the same up to rounding (the post-op runs on the
 accumulator, attention sums in another order); bfloat16 attention is computed in float32, as
 torch's SDPA kernel accumulates. The engine's reference path (`Engine.reference`) never runs
 through here, so the tests hold this path to it.
@@ -38,6 +43,8 @@ from worker.engine.kernels import PackedLinear, dtype_name
 log = logging.getLogger(__name__)
 
 _ACTIVATIONS = ("SiLU", "SiLUActivation")
+# The model types whose decoder layer this forward computes term for term (see the module doc).
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite")
 
 
 @dataclass(frozen=True)
@@ -55,20 +62,27 @@ class _Layer:
     kv_heads: int
     head_dim: int
     scaling: float
+    q_norm: torch.nn.Module | None  # Qwen3: an RMSNorm over each query head, before the rotary embedding
+    k_norm: torch.nn.Module | None  # ... and over each key head
+    rope: bool  # False: a layer without rotary positions (SmolLM3's `no_rope_layers`)
+    residual: float  # Granite's `residual_multiplier`: each branch's output scaled before its residual add
 
 
 class FusedDecoder:
-    """A Llama/Qwen2-style decoder (its modules, not a copy) run with fused GEMMs; see the module doc."""
+    """A decoder of one of `FAMILIES` (its modules, not a copy) run with fused GEMMs; see the module doc."""
 
     def __init__(self, decoder: torch.nn.Module, layers: list[_Layer]) -> None:
         self.rope = _model_module(decoder).apply_rotary_pos_emb  # the model family's own, op for op
         self.embed = decoder.embed_tokens
         self.rotary = decoder.rotary_emb
         self.norm = decoder.norm
+        self.embedding_scale = float(getattr(decoder, "embedding_multiplier", 1.0))  # Granite's
         self.layers = layers
         # float32: SiLU, product and residuals inside the GEMMs. bfloat16 tensors are half the
-        # bytes and the post-ops are no faster there, so bf16 runs them as separate ops.
-        self.post_ops = decoder.embed_tokens.weight.dtype == torch.float32
+        # bytes and the post-ops are no faster there, so bf16 runs them as separate ops. A scaled
+        # residual (Granite) is not a plain add: separate ops too.
+        self.post_ops = decoder.embed_tokens.weight.dtype == torch.float32 and all(
+            layer.residual == 1.0 for layer in layers)  # fmt: skip
 
     @classmethod
     def build(cls, decoder: torch.nn.Module) -> FusedDecoder | None:
@@ -85,6 +99,8 @@ class FusedDecoder:
             layers.append(_Layer(
                 layer.input_layernorm, layer.post_attention_layernorm, attn.q_proj, attn.k_proj, attn.v_proj,
                 attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj, heads, kv_heads, attn.head_dim, attn.scaling,
+                getattr(attn, "q_norm", None), getattr(attn, "k_norm", None), bool(getattr(attn, "use_rope", True)),
+                float(getattr(layer, "residual_multiplier", 1.0)),
             ))  # fmt: skip
         return cls(decoder, layers)
 
@@ -94,15 +110,21 @@ class FusedDecoder:
         """The final hidden states (B, W, H) of `ids` (B, W) after `cache`'s contents, or (B, K, H)
         at the positions `keep` (B, K). `mask` is the additive (B, 1, W, KV) mask, `positions` (B, W)."""
         hidden = self.embed(ids)  # (B, W, H)
+        if self.embedding_scale != 1.0:
+            hidden = hidden * self.embedding_scale
         cos, sin = self.rotary(hidden, positions)  # (B, W, D) each
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             rows, width, _ = hidden.shape
             x = layer.input_norm(hidden)
-            q = layer.q(x).view(rows, width, layer.heads, layer.head_dim).transpose(1, 2)  # (B, Hq, W, D)
-            k = layer.k(x).view(rows, width, layer.kv_heads, layer.head_dim).transpose(1, 2)
+            q = layer.q(x).view(rows, width, layer.heads, layer.head_dim)  # (B, W, Hq, D)
+            k = layer.k(x).view(rows, width, layer.kv_heads, layer.head_dim)  # (B, W, KVH, D)
+            if layer.q_norm is not None:  # per head, before the heads move forward (as Qwen3 does)
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, Hq, W, D), (B, KVH, W, D)
             v = layer.v(x).view(rows, width, layer.kv_heads, layer.head_dim).transpose(1, 2)
-            q, k = self.rope(q, k, cos, sin)
+            if layer.rope:
+                q, k = self.rope(q, k, cos, sin)
             k, v = cache.update(k, v, index)  # (B, KVH, KV, D): the prefix's, then this batch's
             if index == last and keep is not None:  # only the asked-for positions go on
                 at = keep[:, None, :, None]  # (B, 1, K, 1)
@@ -118,10 +140,15 @@ class FusedDecoder:
                 product = layer.up.then(x, gated, "mul")  # up(x) * silu(gate(x))
                 hidden = layer.down.then(product, hidden, "add")  # down(...) + hidden
             else:
-                hidden = hidden + layer.o(attended)
+                hidden = hidden + _scaled(layer.o(attended), layer.residual)
                 x = layer.post_norm(hidden)
-                hidden = hidden + layer.down(F.silu(layer.gate(x)) * layer.up(x))
+                hidden = hidden + _scaled(layer.down(F.silu(layer.gate(x)) * layer.up(x)), layer.residual)
         return self.norm(hidden)
+
+
+def _scaled(branch: torch.Tensor, multiplier: float) -> torch.Tensor:
+    """A branch's output before its residual add: times Granite's `residual_multiplier`, where not 1."""
+    return branch if multiplier == 1.0 else branch * multiplier
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, layer: _Layer) -> torch.Tensor:
@@ -150,6 +177,9 @@ def _model_module(decoder: torch.nn.Module):
 
 def _unsupported(decoder: torch.nn.Module) -> str | None:
     """Why `decoder` cannot run fused, or None."""
+    family = getattr(getattr(decoder, "config", None), "model_type", None)
+    if family not in FAMILIES:
+        return f"its family ({family}) is not one it computes term for term ({', '.join(FAMILIES)})"
     for attr in ("embed_tokens", "rotary_emb", "norm", "layers"):
         if not hasattr(decoder, attr):
             return f"{type(decoder).__name__} has no {attr}"
@@ -171,6 +201,10 @@ def _unsupported(decoder: torch.nn.Module) -> str | None:
             return f"{type(layer).__name__} is not a pre-norm layer"
         if not hasattr(attn, "head_dim") or not hasattr(attn, "scaling"):
             return f"{type(attn).__name__} has no head_dim / scaling"
+        norms = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]
+        if any(norms) and not all(getattr(n, "weight", None) is not None and n.weight.shape == (attn.head_dim,)
+                                  for n in norms):  # fmt: skip
+            return f"{type(attn).__name__}'s q/k norms are not one per head"  # (OLMo 2 norms whole projections)
     if not hasattr(_model_module(decoder), "apply_rotary_pos_emb"):
         return f"{_model_module(decoder).__name__} has no apply_rotary_pos_emb"
     return None

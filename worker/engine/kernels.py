@@ -258,10 +258,13 @@ class PackedLinear(torch.nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, other.contiguous(), self.packed, self.bias, op)
 
     def to_linear(self) -> torch.nn.Linear:
+        """A dense `nn.Linear` with this layer's weight and bias, sharing no storage with it: a copy
+        cast to another dtype (`configure.cast_copy`) casts its parameters in place, and a bias shared
+        with this layer would become bfloat16 under a float32 weight, which oneDNN has no kernel for."""
         linear = torch.nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
         linear.weight = torch.nn.Parameter(self.packed.to_dense(), requires_grad=False)
         if self.bias is not None:
-            linear.bias = self.bias
+            linear.bias = torch.nn.Parameter(self.bias.detach().clone(), requires_grad=False)
         return linear
 
     def __deepcopy__(self, memo: dict) -> PackedLinear:

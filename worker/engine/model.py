@@ -41,7 +41,8 @@ from worker.engine.precision import ErrorBound, decision_error, fields_of
 from worker.engine.prompt import EncodedTicket, PromptTemplate, system_text
 from worker.engine.recheck import Recheck, attach_recheck
 from worker.engine.scheduler import AnswersCallback, BatchCallback, MoreCallback, run_planned
-from worker.engine.scoring import branch_logprobs, choice_logprobs, label_logprobs, make_prediction
+from worker.engine.scoring import HeadRows, branch_logprobs, choice_logprobs, label_logprobs, make_prediction
+from worker.engine.selfcheck import verify
 from worker.results import BatchReport, Prediction
 from worker.settings import Settings
 
@@ -101,8 +102,8 @@ class Engine:
         keep_param = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._last_only = {"logits_to_keep": 1} if keep_param else {}
         self._prefix_kv = self.prime(self.prompt.prefix_ids)
-        self._branch_rows = {  # label-trie branch -> its children's rows of the LM head, (C, H)
-            path: self.label_head.weight[list(kids)].detach() for path, kids in self.prompt.trie.branches.items()
+        self._branch_rows = {  # label-trie branch -> its children's rows of the LM head, (C, H), and its terms
+            path: HeadRows.of(model, kids) for path, kids in self.prompt.trie.branches.items()
         }
 
     @classmethod
@@ -121,8 +122,10 @@ class Engine:
         if exact_model is not None:
             exact = cls(exact_model, tokenizer, info=replace(info, dtype="float32", recheck=False), cost=cost(),
                         **options)  # fmt: skip
+            verify(exact, also=(engine,))  # the float32 twin held to the reference; the fast copy unfused with it
             # float32 where the check would not pay (TICKETQ_RECHECK=auto)
             return engine if engine.check_with(exact, force=settings.recheck == "always") else exact
+        verify(engine)  # float32: held to the reference, unfused where the fused decoder differs
         return engine
 
     def check_with(self, exact: Engine, force: bool = False) -> bool:
@@ -136,6 +139,11 @@ class Engine:
         if recheck is not None:
             self.bounds[self._own_schema] = recheck.bound
         return recheck is not None
+
+    def unfuse(self) -> None:
+        """Run batches through transformers' layers from now on (the self-check's fallback, `selfcheck`)."""
+        self._fused = None
+        self.info = replace(self.info, fused=False)
 
     def error_bounds(self) -> dict[str, tuple[str, float]]:
         """Each re-checked runner's (precision, bound) by schema name (the metrics read it)."""

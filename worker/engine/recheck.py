@@ -134,8 +134,11 @@ def _key(fast: Any, precision: str, prompt_ids: Sequence[int], fields: Mapping[s
     """What the calibration depends on: the machine, torch, the model's weights, the prompt, the
     precision, and the thresholds that decide with the labels (the share within the bound)."""
     host = getattr(fast, "engine", fast)
-    head, norm = host.label_head.weight, host.model.get_decoder().norm.weight
-    weights = [float(head[:64].detach().double().sum()), float(norm.detach().double().sum())]  # a checksum
+    head = host.model.get_output_embeddings().weight
+    # a checksum: the head's first rows and the decoder's dense vectors (its norms' weights, biases),
+    # found by shape whatever a family names them (Llama's `norm`, GPT-2's `ln_f`); packed weights are opaque
+    vectors = [p for p in host.model.get_decoder().parameters() if p.dim() == 1 and p.layout == torch.strided]
+    weights = [float(head[:64].detach().double().sum()), sum(float(p.detach().double().sum()) for p in vectors)]
     return [cpu_model(), sorted(cpu_flags()), platform.machine(), torch.__version__, torch.get_num_threads(),
             getattr(host.model, "name_or_path", "?"), weights, precision, getattr(host.info, "matmul", ""),
             list(prompt_ids), sorted((name, f.select, f.threshold) for name, f in fields.items())]  # fmt: skip

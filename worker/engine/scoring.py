@@ -9,6 +9,8 @@ another ends with the template's end-of-answer token, one of those choices.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -24,12 +26,63 @@ def choice_logprobs(logits: torch.Tensor, kids: tuple[int, ...]) -> torch.Tensor
     return torch.log_softmax(allowed, dim=-1)  # (..., C) renormalised over the choices
 
 
-def branch_logprobs(hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Log-probs over a branch's children from final hidden states (B, H) and their label-head rows (C, H): (B, C).
+@dataclass(frozen=True)
+class OutputTerms:
+    """What a family's causal-LM head does to the logits after its matmul, in transformers' order
+    (elementwise, per token: so it applies to any subset of the vocabulary alike)."""
+
+    divide: float = 1.0  # Granite's `logits_scaling`: logits / s
+    multiply: float = 1.0  # Cohere's `logit_scale`, Falcon-H1's `lm_head_multiplier`: logits * s
+    softcap: float | None = None  # Gemma 2/3's `final_logit_softcapping`: cap * tanh(logits / cap)
+
+    @classmethod
+    def of(cls, config: Any) -> OutputTerms:
+        """The terms `config` (a causal LM's) asks for; none for Llama-style heads."""
+        text = getattr(config, "text_config", None) or config  # a multimodal config keeps them in its text part
+        multiply = (getattr(text, "logit_scale", None) or 1.0) * (getattr(text, "lm_head_multiplier", None) or 1.0)
+        return cls(float(getattr(text, "logits_scaling", None) or 1.0), float(multiply),
+                   getattr(text, "final_logit_softcapping", None) or None)  # fmt: skip
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.divide != 1.0:
+            logits = logits / self.divide
+        if self.multiply != 1.0:
+            logits = logits * self.multiply
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+@dataclass(frozen=True)
+class HeadRows:
+    """The LM head restricted to some tokens (a label-trie branch's children): their logits alone."""
+
+    weight: torch.Tensor  # (C, H)
+    bias: torch.Tensor | None  # (C,), where the head has a bias
+    terms: OutputTerms
+
+    @classmethod
+    def of(cls, model: Any, tokens: Iterable[int]) -> HeadRows:
+        """`model`'s (a causal LM's) head rows of `tokens`."""
+        head, tokens = model.get_output_embeddings(), list(tokens)
+        bias = getattr(head, "bias", None)
+        return cls(head.weight[tokens].detach(), None if bias is None else bias[tokens].detach(),
+                   OutputTerms.of(model.config))  # fmt: skip
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, H) final hidden states -> (B, C) float32 logits of these tokens, the family's terms applied."""
+        logits = hidden @ self.weight.T  # (B, C)
+        if self.bias is not None:
+            logits = logits + self.bias
+        return self.terms(logits.float())
+
+
+def branch_logprobs(hidden: torch.Tensor, rows: HeadRows) -> torch.Tensor:
+    """Log-probs over a branch's children from final hidden states (B, H) and their head rows: (B, C).
 
     The same numbers as `choice_logprobs` on the full logits: the renormalisation cancels every
     token but the children."""
-    return torch.log_softmax((hidden @ rows.T).float(), dim=-1)
+    return torch.log_softmax(rows.logits(hidden), dim=-1)
 
 
 def label_logprobs(trie: LabelTrie, names: Iterable[str], choice: Choice) -> dict[str, float]:
