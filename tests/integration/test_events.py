@@ -15,12 +15,16 @@ import sys
 import threading
 import uuid
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from functools import partial
 
 import pytest
 from celery import Celery
 from faults import COMMAND as FAULTY_WORKER
 from faults import DELAY_ENV
 from workers import Worker, free_port, redis_or_skip, wait_for, worker_env
+
+from ticketq.names import TASK_CLASSIFY
 
 pytestmark = pytest.mark.integration
 
@@ -150,6 +154,25 @@ def test_flower_shows_the_worker_and_each_task(monitored, tmp_path):
         assert all(tasks[uid]["runtime"] is not None for uid in ids)
         labels = {result.id: repr(answer["label"]) for result, answer in zip(results, answered, strict=True)}
         assert {uid: tasks[uid]["result"] for uid in ids} == labels  # the answer, not an empty result
+
+        # Dates in a task's events: Flower's task list answered 500 on a datetime where Celery sends ISO text.
+        now = datetime.now(timezone.utc)
+        send = partial(app.send_task, TASK_CLASSIFY, queue=queue)
+        dated = {"countdown": send(args=[{"id": "f-countdown", "text": "refund"}], countdown=1),
+                 "eta": send(args=[{"id": "f-eta", "text": "refund"}], eta=now + timedelta(seconds=1)),
+                 "expires": send(args=[{"id": "f-expires", "text": "refund"}], expires=3600),
+                 "expired": send(args=[{"id": "f-expired", "text": "refund"}], expires=now - timedelta(seconds=5))}
+        want = {"countdown": "SUCCESS", "eta": "SUCCESS", "expires": "SUCCESS", "expired": "REVOKED"}
+
+        def dated_states():
+            tasks = answers("tasks") or {}
+            got = {kind: tasks.get(result.id, {}).get("state") for kind, result in dated.items()}
+            return got if got == want else None
+
+        wait_for(dated_states, 60, f"Flower listing the dated tasks as {want}")
+        received = {e["uuid"]: e for e in recorder.of("task-received")}
+        assert isinstance(received[dated["eta"].id]["eta"], str), received[dated["eta"].id]
+        assert isinstance(received[dated["expires"].id]["expires"], str)
         assert "Traceback" not in worker.log(), worker.log()[-3000:]
     finally:
         flower.terminate()

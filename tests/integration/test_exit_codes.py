@@ -117,3 +117,21 @@ def test_the_gateways_settings_are_no_misspellings_for_a_producer():
     assert added and all(name.startswith(GATEWAY_PREFIXES) for name in added)
     environ = {f"TICKETQ_{name.upper()}": "x" for name in added}
     assert ClientSettings.unknown_names({**environ, "TICKETQ_GATEWAY_PROT": "1"}) == []
+
+
+def test_plain_celery_with_another_pool_is_refused_in_one_line(tmp_path):
+    """`celery -A worker.app worker --pool prefork -c 2` would run the batch function in parallel
+    copies over one model: refused before the model loads, exit 2, naming the fix."""
+    import os
+    import subprocess
+    import sys
+
+    from workers import ROOT, worker_env
+
+    env = {**worker_env(None, "redis://127.0.0.1:6379/0", f"pool-{free_port()}"), **NULL, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "celery", "-A", "worker.app", "worker", "--pool", "prefork", "-c",
+                           "2"], cwd=tmp_path, env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output[-3000:]
+    assert "concurrency 2" in output and "--pool threads --concurrency 1" in output, output[-3000:]

@@ -186,7 +186,7 @@ class RecordingFeed:
     def more(self) -> list[SimpleRequest]:
         return []
 
-    def done(self, task_ids: Sequence[str], failures=None, answers=None) -> None:
+    def done(self, task_ids: Sequence[str], failures=None, answers=None, revoked=()) -> None:
         self.acked += task_ids
 
 
@@ -247,7 +247,7 @@ def test_expired_message_is_answered_without_being_computed(client, app):
                                                           "late-2": "failed", "timely-3": "ok"}  # fmt: skip
     assert {stream[i]["reason"] for i in ("late-0", "late-1", "late-2")} == {"expired"}
     failed = AsyncResult(late.id, app=app)
-    assert failed.state == states.FAILURE and "expired" in str(failed.result)
+    assert failed.state == states.REVOKED and "expired" in str(failed.result), "ended as Celery ends it"
     assert [row["reason"] for row in AsyncResult(late_pack.id, app=app).get(timeout=5)] == ["expired", "expired"]
     value, queue = metrics.registry.get_sample_value, metrics.queue
     assert value("ticketq_tickets_total", {"queue": queue, "label": "none", "outcome": "expired"}) == 3
@@ -274,6 +274,7 @@ def test_worker_answers_an_expired_message_as_expired(client, tmp_path):
         assert timely.get(timeout=60)["status"] == "ok"
         with pytest.raises(Exception, match="expired"):
             late.get(timeout=60)
+        assert late.state == states.REVOKED, "a message past its expires ends as Celery ends it"
     (entry,) = _stream_for(client, {late.id})
     assert entry["status"] == "failed" and entry["reason"] == "expired" and entry["id"] == "real-late-0"
 
@@ -294,7 +295,7 @@ class EndlessFeed:
         self.given += arrived
         return arrived
 
-    def done(self, task_ids: Sequence[str], failures=None, answers=None) -> None:
+    def done(self, task_ids: Sequence[str], failures=None, answers=None, revoked=()) -> None:
         self.acked += task_ids
 
 

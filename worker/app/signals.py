@@ -27,6 +27,10 @@ def connect_signals(app: Celery) -> None:
         if getattr(sender, "app", None) is not app:
             return
         runtime.controller = sender
+        problem = pool_problem(getattr(sender, "pool_cls", None), getattr(sender, "concurrency", None))
+        if problem:
+            log.critical("ticketq worker cannot start: %s", problem)
+            raise CannotStart(problem, logged=True)
         # Celery logs and swallows exceptions from signal handlers; a worker without a model must stop.
         try:
             with startup_logging():
@@ -62,3 +66,17 @@ def connect_signals(app: Celery) -> None:
     signals.worker_init.connect(on_worker_init, weak=False, dispatch_uid=f"{uid}-init")
     signals.worker_ready.connect(on_worker_ready, weak=False, dispatch_uid=f"{uid}-ready")
     signals.worker_shutting_down.connect(on_worker_shutting_down, weak=False, dispatch_uid=f"{uid}-down")
+
+
+def pool_problem(pool_cls: Any, concurrency: Any) -> str | None:
+    """Why Celery's pool settings cannot run ticketq, or None. One worker process is one model
+    replica, computed by one thread while the consumer buffers: `--pool threads --concurrency 1`.
+    Another pool or concurrency (`celery -A worker.app worker --pool prefork -c 2`) would run the
+    batch function in parallel copies over one model, or fork the model: refused in one line."""
+    name = pool_cls if isinstance(pool_cls, str) else getattr(pool_cls, "__module__", "")
+    if "thread" in str(name).lower() and concurrency == 1:
+        return None
+    shown = pool_cls if isinstance(pool_cls, str) else str(name).rsplit(".", 1)[-1]  # celery.concurrency.<pool>
+    return (f"ticketq runs one model per worker process, on Celery's threads pool with concurrency 1 (got pool "
+            f"{shown!s}, concurrency {concurrency}): drop --pool/--concurrency (or pass --pool threads "
+            "--concurrency 1), and run more worker processes for more throughput")

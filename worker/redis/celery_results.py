@@ -49,8 +49,8 @@ def store_successes(writes: Writes, backend: Any, successes: Sequence[tuple[Any,
     writes.durable(client, lambda target: target.eval(STORE_ONCE, len(keys), *keys, expires, *metas))
 
 
-def mark_failed(writes: Writes, backend: Any, request: Any, exc: BaseException) -> None:
-    """Celery FAILURE result for one request.
+def mark_failed(writes: Writes, backend: Any, request: Any, exc: BaseException, state: str = states.FAILURE) -> None:
+    """Celery FAILURE result for one request (or REVOKED, as Celery ends a message past its `expires`).
 
     On a Redis backend it is stored only where no result is yet (STORE_ONCE, as successes
     are), in Celery's format (`_get_result_meta`): a failure never overwrites the answer of a
@@ -60,11 +60,14 @@ def mark_failed(writes: Writes, backend: Any, request: Any, exc: BaseException) 
     """
     client = getattr(backend, "client", None)
     if isinstance(client, redis.Redis):  # set if absent, like a SUCCESS: never over another worker's answer
-        meta = backend._get_result_meta(result=backend.prepare_exception(exc), state=states.FAILURE,
+        meta = backend._get_result_meta(result=backend.prepare_exception(exc), state=state,
                                         traceback=None, request=request)  # fmt: skip
         meta["task_id"] = request.id
         keys, expires = [backend.get_key_for_task(request.id)], int(backend.expires or 0)
         writes.durable(client, lambda target: target.eval(STORE_ONCE, 1, *keys, expires, backend.encode(meta)))
+        return
+    if state == states.REVOKED:
+        writes.retrying(lambda: backend.mark_as_revoked(request.id, str(exc), request=request))
         return
     writes.retrying(lambda: backend.mark_as_failure(request.id, exc, request=request, call_errbacks=False))
 

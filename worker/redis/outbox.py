@@ -187,9 +187,9 @@ class Outbox(Writes):
         """Celery SUCCESS results for (request, value as JSON) pairs (`celery_results.store_successes`)."""
         celery_results.store_successes(self, backend, successes)
 
-    def mark_failed(self, backend: Any, request: Any, exc: BaseException) -> None:
-        """Celery FAILURE result for one request (`celery_results.mark_failed`)."""
-        celery_results.mark_failed(self, backend, request, exc)
+    def mark_failed(self, backend: Any, request: Any, exc: BaseException, state: str = "FAILURE") -> None:
+        """Celery FAILURE (or REVOKED) result for one request (`celery_results.mark_failed`)."""
+        celery_results.mark_failed(self, backend, request, exc, state)
 
     # ----- dead letters --------------------------------------------------------------------
 

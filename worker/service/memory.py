@@ -68,8 +68,8 @@ class MemoryOutbox:
         for request, value in successes:
             self.stored.setdefault(request.id, ("SUCCESS", json.loads(value)))
 
-    def mark_failed(self, backend: Any, request: Any, exc: BaseException) -> None:
-        self.stored.setdefault(request.id, ("FAILURE", exc))
+    def mark_failed(self, backend: Any, request: Any, exc: BaseException, state: str = "FAILURE") -> None:
+        self.stored.setdefault(request.id, (state, exc))
 
     def dead_letter(self, entry: dict[str, str]) -> None:
         self.dead_letters.append(entry)

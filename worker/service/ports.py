@@ -52,9 +52,10 @@ class Feed(Protocol):
         ...
 
     def done(self, task_ids: Sequence[str], failures: Mapping[str, str] | None = None,
-             answers: Mapping[str, str] | None = None) -> None:  # fmt: skip
+             answers: Mapping[str, str] | None = None, revoked: Collection[str] = ()) -> None:  # fmt: skip
         """These messages' results are out: acknowledge them (never raises). `failures`: the error
-        of each that ended in state FAILURE; `answers`: a short text of each one's answer."""
+        of each that ended in state FAILURE or REVOKED; `answers`: a short text of each one's
+        answer; `revoked`: those that ended REVOKED (past their `expires`, as Celery ends them)."""
         ...
 
     def taken_over(self, task_ids: Sequence[str]) -> set[str]:
@@ -81,7 +82,7 @@ class Outbox(Protocol):
 
     def store_successes(self, backend: Any, successes: Sequence[tuple[Any, bytes]]) -> None: ...
 
-    def mark_failed(self, backend: Any, request: Any, exc: BaseException) -> None: ...
+    def mark_failed(self, backend: Any, request: Any, exc: BaseException, state: str = "FAILURE") -> None: ...
 
     def dead_letter(self, entry: dict[str, str]) -> None: ...
 

@@ -34,10 +34,11 @@ class Publisher:
             slot.encoded = codec.dumps(slot.result)
         complete = work.completed_by(slots)
         repeated, reused = self._stream(work, slots, complete)
-        failures = self._backend(work, [task_id for task_id in complete if task_id not in reused])
+        failures, revoked = self._backend(work, [task_id for task_id in complete if task_id not in reused])
         work.published.update(complete)
         if work.feed is not None and complete:
-            work.feed.done(complete, failures, {task_id: answer_text(work.by_task[task_id]) for task_id in complete})
+            work.feed.done(complete, failures, {task_id: answer_text(work.by_task[task_id]) for task_id in complete},
+                           revoked)  # fmt: skip
         self.hooks.on_publish(time.perf_counter() - begun)
         self.hooks.on_results([slot for slot in slots if (slot.request.id, slot.index) not in repeated])
         if not work.first_out:
@@ -86,10 +87,11 @@ class Publisher:
             slot.encoded = codec.dumps(slot.result)
         self.outbox.stream_results([slot.encoded for slot in reused])
 
-    def _backend(self, work: Work, complete: list[str]) -> dict[str, str]:
+    def _backend(self, work: Work, complete: list[str]) -> tuple[dict[str, str], set[str]]:
         """The backend state producers wait on: successes pipelined, failures one by one (rare).
-        Returns the error of each message that ended FAILURE."""
-        successes, failures = [], {}
+        Returns the error of each message that ended FAILURE or REVOKED, and those REVOKED: a
+        single-ticket message past its Celery `expires` ends REVOKED, as Celery ends it."""
+        successes, failures, revoked = [], {}, set()
         for task_id in complete:
             slots = work.by_task[task_id]
             request, first = slots[0].request, slots[0].result
@@ -101,8 +103,11 @@ class Publisher:
                 successes.append((request, slots[0].encoded))
             else:
                 error = TicketRejected(first["reason"], first["error"].split(": ", 1)[-1])
-                self.outbox.mark_failed(work.backend, request, error)
+                expired = first["reason"] == Reason.EXPIRED
+                self.outbox.mark_failed(work.backend, request, error, "REVOKED" if expired else "FAILURE")
                 failures[task_id] = str(error)
+                if expired:
+                    revoked.add(task_id)
         if successes:
             self.outbox.store_successes(work.backend, successes)
-        return failures
+        return failures, revoked

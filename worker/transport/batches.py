@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 import celery_batches
@@ -87,7 +87,7 @@ class Batches(celery_batches.Batches):
         return [celery_batches.SimpleRequest.from_request(request) for request in held]
 
     def done(self, task_ids: Any, failures: Mapping[str, str] | None = None,
-             answers: Mapping[str, str] | None = None) -> None:  # fmt: skip
+             answers: Mapping[str, str] | None = None, revoked: Collection[str] = ()) -> None:  # fmt: skip
         """The results of these messages are out (stream and backend): acknowledge them now.
         `failures`: the error of each message among them that ended in state FAILURE; `answers`:
         a short text of each one's answer, for the task-succeeded event (what Flower shows).
@@ -100,7 +100,8 @@ class Batches(celery_batches.Batches):
         _acknowledge(requests)
         if self.events is not None:
             for request in requests:
-                self.events.finished(request, (failures or {}).get(request.id), (answers or {}).get(request.id, ""))
+                self.events.finished(request, (failures or {}).get(request.id), (answers or {}).get(request.id, ""),
+                                     revoked=request.id in revoked)  # fmt: skip
 
     def taken_over(self, task_ids: Any) -> set[str]:
         """Task ids of the running job whose every message another worker has taken over: this

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Iterable
 from contextlib import suppress
+from datetime import datetime
 from typing import Any
 
 from celery.events import group_from
@@ -77,8 +78,8 @@ class WorkerEvents(threading.Thread):
         if "task" in self.groups:
             self.send("task-received", uuid=request.id, name=request.name, args=request.argsrepr,
                       kwargs=request.kwargsrepr, root_id=request.root_id, parent_id=request.parent_id,
-                      retries=request.request_dict.get("retries", 0), eta=request.eta,
-                      expires=request.expires)  # fmt: skip
+                      retries=request.request_dict.get("retries", 0), eta=_iso(request.eta),
+                      expires=_iso(request.expires))  # fmt: skip
 
     def started(self, requests: Iterable[Any]) -> None:
         now = time.monotonic()
@@ -87,14 +88,16 @@ class WorkerEvents(threading.Thread):
             self._started_at[request.id] = now
             self.send("task-started", uuid=request.id)  # the dispatcher adds hostname, pid and clock
 
-    def finished(self, request: Any, failure: str | None = None, answer: str = "") -> None:
-        """The message's result is out: `failure` is the error of a message that ended FAILURE,
-        `answer` a short text of a successful one's answer (the event's `result`, what Flower shows),
-        cut at Celery's own bound for a result's repr."""
+    def finished(self, request: Any, failure: str | None = None, answer: str = "", revoked: bool = False) -> None:
+        """The message's result is out: `failure` is the error of a message that ended FAILURE (or
+        REVOKED: past its `expires`), `answer` a short text of a successful one's answer (the event's
+        `result`, what Flower shows), cut at Celery's own bound for a result's repr."""
         worker_state.task_ready(request, successful=failure is None)
         started = self._started_at.pop(request.id, None)
         runtime = time.monotonic() - started if started is not None else 0.0
-        if failure is None:
+        if revoked:  # as Celery's own worker announces an expired message
+            self.send("task-revoked", uuid=request.id, terminated=False, signum=None, expired=True)
+        elif failure is None:
             self.send("task-succeeded", uuid=request.id, result=_bounded(answer), runtime=runtime)
         else:
             self.send("task-failed", uuid=request.id, exception=failure, traceback="", runtime=runtime)
@@ -177,6 +180,12 @@ def _load_average() -> tuple[float, float, float]:
         return tuple(round(value, 2) for value in os.getloadavg())  # type: ignore[return-value]
     except OSError:
         return (0.0, 0.0, 0.0)
+
+
+def _iso(value: Any) -> Any:
+    """A date as Celery's own events carry it: an ISO 8601 string (Flower parses it; a datetime
+    made its task list answer 500)."""
+    return value.isoformat() if isinstance(value, datetime) else value
 
 
 def _bounded(text: str, limit: int = RESULT_REPR_MAX) -> str:
