@@ -36,8 +36,7 @@ class Admission:
         A message whose attempts key still exists was in a batch that never finished: its worker
         died, maybe because of one ticket in that batch. Each such message runs alone, after the
         fresh batch and least-tried first, and counts its delivery only when it runs: a ticket that
-        kills workers spends its own deliveries, not those of the tickets that shared its batch
-        (counting the whole buffer up front dead-lettered them all together).
+        kills workers spends its own deliveries, not those of the tickets that shared its batch.
         """
         seen = self.outbox.attempts([request.id for request in requests])
         fresh = [request for request, count in zip(requests, seen, strict=True) if count is None]
