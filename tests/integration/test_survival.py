@@ -23,8 +23,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -38,6 +36,7 @@ from kombu import Connection, Consumer, Queue
 from proxy import RedisProxy, command_is
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from test_memory import readyz
 from workers import ROOT, Worker, free_port, wait_for, worker_env
 
 from producer.api import Producer
@@ -79,16 +78,6 @@ def proxy(redis_server) -> Iterator[RedisProxy]:
     proxy = RedisProxy(redis_server.port).start()
     yield proxy
     proxy.close()
-
-
-def readyz(worker: Worker) -> int:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{worker.metrics_port}/readyz", timeout=5) as reply:
-            return reply.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return 0
 
 
 def stream_counts(client: redis.Redis) -> Counter:
@@ -139,11 +128,12 @@ def test_a_lost_claim_reply_is_not_ready_then_answered_once(redis_server, proxy,
     proxy.drop_reply(command_is("EVAL", b"claim"))
     sent = send(redis_server.url, queue, ["the app crashes on start"])
     assert proxy.dropped.wait(30), "no claim reply was dropped"
-    wait_for(lambda: readyz(worker) == 503, internals.COMMAND_TIMEOUT_S + 5, "/readyz 503 while the loop is stuck",
+    wait_for(lambda: readyz(worker)[0] == 503 and "fetching stalled" in readyz(worker)[1],
+             internals.COMMAND_TIMEOUT_S + 5, "/readyz 503 'fetching stalled' while the loop is stuck",
              interval=0.1)  # fmt: skip
     took = answered_once(client, sent, ANSWER_BOUND_S + SLACK_S, "the ticket whose claim reply was lost")
     print(f"\n[lost claim reply] answered {took:.1f}s after /readyz said 503 (bound {ANSWER_BOUND_S:g}s)")
-    wait_for(lambda: readyz(worker) == 200, 30, "/readyz 200 again")
+    wait_for(lambda: readyz(worker)[0] == 200, 30, "/readyz 200 again")
     assert worker.proc.poll() is None
     more = send(redis_server.url, queue, [f"after the fault {n}" for n in range(20)])
     answered_once(client, more, 60, "tickets sent after the fault")
