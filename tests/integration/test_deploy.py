@@ -377,6 +377,19 @@ def test_dockerfile():
         assert readme.group(1) in copied
 
 
+def test_pyproject_license_is_an_spdx_expression():
+    """`license` as an SPDX string (PEP 639): the table form makes every build print setuptools'
+    deprecation (an error from 2027), and the string needs setuptools 77."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    assert pyproject["project"]["license"] == "Apache-2.0"
+    assert "setuptools>=77" in pyproject["build-system"]["requires"]
+
+
 # --------------------------------------------------------------------------------------------
 # static: Prometheus and Grafana files
 
