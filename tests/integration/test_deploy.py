@@ -1034,6 +1034,36 @@ def prometheus(prometheus_bins, tmp_path_factory) -> Iterator:
         prom.close()
 
 
+def _scraped(target: str) -> str:
+    with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as reply:
+        return reply.read().decode()
+
+
+def test_promtool_check_metrics_on_a_live_worker_and_exporter(prometheus_bins, metrics_target, exporter_target):
+    """`promtool check metrics` on a real worker's /metrics (it has classified, dead-lettered and
+    shadow-checked) and on `ticketq exporter`'s: nothing reported (names, units, suffixes, help)."""
+    for target in (metrics_target, exporter_target[0]):
+        res = subprocess.run([prometheus_bins["promtool"], "check", "metrics"], input=_scraped(target),
+                             capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+        assert (res.returncode, res.stdout + res.stderr) == (0, ""), f"{target}: {res.stdout}{res.stderr}"
+
+
+def test_docs_list_the_labels_a_live_worker_exports(metrics_target):
+    """docs/metrics.md lists, for each series, every label a real worker exports it with."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    documented = {}
+    for line in (ROOT / "docs" / "metrics.md").read_text(encoding="utf-8").splitlines():
+        if line.startswith("| `"):
+            name, _, labels = (cell.strip() for cell in line.strip("|").split("|")[:3])
+            documented[name.strip("`")] = set(re.findall(r"`(\w+)`", labels))
+    for family in text_string_to_metric_families(_scraped(metrics_target)):
+        name = family.name + {"counter": "_total", "info": "_info"}.get(family.type, "")
+        labels = {key for sample in family.samples for key in sample.labels} - {"le"}
+        assert name in documented, f"{name} is not in docs/metrics.md"
+        assert labels <= documented[name], f"{name}: docs/metrics.md lists {documented[name]}, it has {labels}"
+
+
 def test_live_dashboard_expressions(prometheus, metrics_target, exporter_target, deploy_queue):
     exporter, depths = exporter_target
     prom = prometheus([metrics_target, exporter])
