@@ -42,6 +42,11 @@ def settings_markdown() -> str:
     )
 
 
+SAMPLE_FIELDS = (("schema", "field", ("label",)),)  # one schema field, for ticketq_field_answers_total
+# ticketq_model_info's labels, as worker.app.runtime sets them
+MODEL_INFO_LABELS = ("model", "standin", "dtype", "device", "matmul", "recheck", "fused")
+
+
 def metrics_rows() -> list[tuple[str, str, str, str]]:
     """(name, type, labels, help) of every series a worker exports, from a fresh registry."""
     from prometheus_client import CollectorRegistry
@@ -51,9 +56,15 @@ def metrics_rows() -> list[tuple[str, str, str, str]]:
     from worker.metrics import Metrics
 
     metrics = Metrics(CollectorRegistry())
-    metrics.preinit(DEFAULT_LABELS, tuple(str(reason) for reason in DEAD_LETTER_REASONS))
+    metrics.preinit(DEFAULT_LABELS, tuple(str(reason) for reason in DEAD_LETTER_REASONS), SAMPLE_FIELDS)
     metrics.watch_queue(lambda: 0)
-    metrics.watch_hook_errors(lambda: {("hook", "point"): 0})  # a sample, so that its labels are listed
+    # A sample of each series a fresh registry has none of (they appear with a model, a schema or a
+    # fit), so that its labels are listed; the values do not reach the table.
+    metrics.watch_hook_errors(lambda: {("hook", "point"): 0})
+    metrics.watch_bounds(lambda: {"schema": ("bfloat16", 0.0)})
+    metrics.answers.labels(precision="float32", rechecked="false")
+    metrics.observe_cost_model(0.0, 0.0, 0.0)
+    metrics.model.info(dict.fromkeys(MODEL_INFO_LABELS, "-"))
     rows = []
     for family in metrics.registry.collect():
         labels = sorted({key for sample in family.samples for key in sample.labels} - {"le"})

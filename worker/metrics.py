@@ -228,8 +228,8 @@ class Metrics:
         ), queue)  # fmt: skip
         self.duplicates = Counter(c.M_DUPLICATES, "Re-executed tickets whose result was already out.", registry=r)
         self.cost_model = Gauge(
-            c.M_COST_MODEL, "The planner's cost model of one forward: fixed ms, ms per computed token (token), "
-            "attention ms per row x width^2 (quad).", ["term"], registry=r,
+            c.M_COST_MODEL, "The planner's cost model of one forward, in seconds: fixed, per computed token "
+            "(token), attention per row x width^2 (quad).", ["term"], registry=r,
         )  # fmt: skip
         self.cost_model_error = Gauge(c.M_COST_MODEL_ERROR, "Median relative error of the last live cost fit "
                                       "over the recent forwards' shapes.", registry=r)  # fmt: skip
@@ -318,9 +318,9 @@ class Metrics:
         self.prefix_reuses.inc()
 
     def observe_cost_model(self, fixed_ms: float, token_ms: float, quad_ms: float, error: float | None = None) -> None:
-        """The planner's cost model now; `error`: a live fit's, which counts as one more fit."""
+        """The planner's cost model now (ms, exported in seconds); `error`: a live fit's, one more fit."""
         for term, value in (("fixed", fixed_ms), ("token", token_ms), ("quad", quad_ms)):
-            self.cost_model.labels(term=term).set(value)
+            self.cost_model.labels(term=term).set(value / 1000)
         if error is not None:
             self.cost_model_error.set(error)
             self.cost_model_fits.inc()

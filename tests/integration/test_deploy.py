@@ -154,7 +154,7 @@ def _dashboard() -> dict:
 
 # What Grafana substitutes before it sends a query (every worker chosen, a 1-minute rate window):
 # the expressions are evaluated by a real Prometheus the way Grafana would send them.
-GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$instance": ".*", "$queue": ".*"}
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$instance": ".*", "$queue": ".*", "$job": "ticketq"}
 AGGREGATION_RE = re.compile(r"\b(sum|max|min|avg|count)\s*(?:by\s*\(([^)]*)\))?\s*\(")
 
 
@@ -268,7 +268,10 @@ def test_dashboard_uses_its_variables():
     assert variables["queue"]["includeAll"] and variables["queue"]["multi"]
     assert "ticketq_queue_depth" in variables["queue"]["definition"], "the exporter's queues too, served or not"
     assert 'queue=~"$queue"' in variables["instance"]["definition"]
+    assert 'job=~"$job"' in variables["instance"]["definition"], "the workers of the chosen scrape jobs"
+    assert variables["job"]["current"]["value"] == ["ticketq"], "the job_name of deploy/prometheus/*.yml"
     raw = _raw_dashboard_exprs()
+    assert not [e for e in raw if re.search(r'job\s*=\s*"', e)], "the job is $job, never written out"
     assert not [e for e in raw if re.search(r"\[\d+[smh]\]", e) and "increase(" not in e], "use $__rate_interval"
     assert all('instance=~"$instance"' in e for e in raw if "ticketq_" in e and "queue_depth" not in e)
     assert all('queue=~"$queue"' in e for e in raw), "every panel shows the chosen queues"
@@ -377,6 +380,19 @@ def test_dockerfile():
         assert readme.group(1) in copied
 
 
+def test_pyproject_license_is_an_spdx_expression():
+    """`license` as an SPDX string (PEP 639): the table form makes every build print setuptools'
+    deprecation (an error from 2027), and the string needs setuptools 77."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    assert pyproject["project"]["license"] == "Apache-2.0"
+    assert "setuptools>=77" in pyproject["build-system"]["requires"]
+
+
 # --------------------------------------------------------------------------------------------
 # static: Prometheus and Grafana files
 
@@ -412,8 +428,11 @@ def test_alert_rules_present():
         "TicketqFailureRateHigh",
         "TicketqShadowDisagreement",
         "TicketqWorkerDown",
+        "TicketqDeadLettersGrowing",
     }
     assert "ticketq_tokens_padded_total" in exprs["TicketqPaddingRatioHigh"]
+    assert "ticketq_batch_size_count" in exprs["TicketqPaddingRatioHigh"], "pages only while batches are large"
+    assert "ticketq_dead_letter_entries" in exprs["TicketqDeadLettersGrowing"]
     assert "0.15" in exprs["TicketqPaddingRatioHigh"]
     assert "ticketq_queue_depth" in exprs["TicketqBacklogGrowing"]
     assert "deriv(" in exprs["TicketqBacklogGrowing"]
@@ -425,13 +444,16 @@ def test_alert_rules_present():
 
 
 PER_TARGET_ALERTS = {"TicketqWorkerDown", "TicketqNoWorkerUp"}  # about scrape targets, not a queue
+SHARED_ALERTS = {"TicketqDeadLettersGrowing"}  # the dead-letter stream is one for every queue
+JOB_SELECTOR = 'job="ticketq"'  # the job_name of deploy/prometheus/*.yml, as the rules write it
+TROUBLESHOOTING = ROOT / "docs" / "troubleshooting.md"
 
 
 def test_alerts_are_per_queue():
     """Every alert on tickets or the backlog is per queue and names it; the model's and batcher's
     series, which carry no queue, take it from target_info."""
     for rule in _alert_rules():
-        if rule["alert"] in PER_TARGET_ALERTS:
+        if rule["alert"] in PER_TARGET_ALERTS | SHARED_ALERTS:
             continue
         aggregations = AGGREGATION_RE.findall(rule["expr"])
         assert aggregations and all(by.strip() == "queue" for _, by in aggregations), rule["expr"]
@@ -439,6 +461,25 @@ def test_alerts_are_per_queue():
         unlabelled = {"ticketq_tokens_", "ticketq_shadow_"}
         if any(prefix in rule["expr"] for prefix in unlabelled):
             assert "group_left (queue) target_info" in rule["expr"], rule["expr"]
+
+
+def test_every_alert_has_a_runbook_section():
+    """`runbook_url` of each alert is its own section of docs/troubleshooting.md (`### <alert>`)."""
+    headings = set(re.findall(r"^### (\S+)$", TROUBLESHOOTING.read_text(encoding="utf-8"), re.MULTILINE))
+    for rule in _alert_rules():
+        name = rule["alert"]
+        assert rule["annotations"]["runbook_url"] == f"docs/troubleshooting.md#{name.lower()}", name
+        assert name in headings, f"docs/troubleshooting.md has no `### {name}` section"
+
+
+def test_alerts_select_the_scrape_job_in_one_form():
+    """The workers' job appears only as JOB_SELECTOR, so that the substitution docs/deployment.md
+    shows (`sed 's/job="ticketq"/job="…"/'`) changes every rule that reads it."""
+    text = ALERTS.read_text(encoding="utf-8")
+    exprs = " ".join(_alert_exprs().values())
+    assert set(re.findall(r'job\s*=~?\s*"[^"]*"', exprs)) == {JOB_SELECTOR}
+    assert f"sed -e 's/{JOB_SELECTOR}/" in (ROOT / "docs" / "deployment.md").read_text(encoding="utf-8")
+    assert text.count(JOB_SELECTOR) == exprs.count(JOB_SELECTOR) + 1  # + the header comment naming it
 
 
 def test_grafana_datasource_matches_dashboard():
@@ -620,6 +661,18 @@ def test_promtool_unit_tests_of_every_alert(prometheus_bins):
     assert {"TicketqBacklogGrowing", "TicketqShadowDisagreement"} <= quiet
 
 
+def test_promtool_unit_tests_pass_with_another_job(prometheus_bins, tmp_path):
+    """The rules and their unit tests rewritten for another scrape job, as docs/deployment.md shows
+    it, still pass: the job selector is configurable."""
+    for path in (ALERTS, ALERT_TESTS):
+        text = path.read_text(encoding="utf-8").replace(JOB_SELECTOR, 'job="my-workers"')
+        text = text.replace("job: ticketq\n", "job: my-workers\n")  # the expected label of TicketqWorkerDown
+        (tmp_path / path.name).write_text(text, encoding="utf-8")
+    assert "my-workers" in (tmp_path / ALERTS.name).read_text(encoding="utf-8")
+    res = _run([prometheus_bins["promtool"], "test", "rules", str(tmp_path / ALERT_TESTS.name)])
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
 def test_alertmanager_config():
     """Prometheus sends alerts to the Alertmanager that compose runs, and its config is valid."""
     config = _load_yaml(PROM_DIR / "prometheus.yml")
@@ -695,6 +748,7 @@ flushes = Counter("ticketq_flushes", "fixture", registry=reg)
 queue_depth = Gauge("ticketq_queue_depth", "fixture", ["queue"], registry=reg)
 stalled = Gauge("ticketq_classifying_stalled_seconds", "fixture", registry=reg)
 data_lost = Counter("ticketq_redis_data_lost", "fixture", registry=reg)
+dead_entries = Gauge("ticketq_dead_letter_entries", "fixture", registry=reg)  # as `ticketq exporter` exports it
 Info("ticketq_model", "fixture", registry=reg).info(
     {"model": "fixture-exporter", "standin": "true", "dtype": "float32", "device": "cpu"}
 )
@@ -736,8 +790,10 @@ while os.getppid() == parent:
             stalled.set(30)
             data_lost.inc()
             queue_depth.labels("fixture").set(2000 + 100 * (time.monotonic() - start))
+            dead_entries.set(step)
         else:
             queue_depth.labels("fixture").set(10)
+            dead_entries.set(3)
     time.sleep(0.05)
 '''
 
@@ -1019,6 +1075,36 @@ def prometheus(prometheus_bins, tmp_path_factory) -> Iterator:
     yield start
     for prom in started:
         prom.close()
+
+
+def _scraped(target: str) -> str:
+    with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as reply:
+        return reply.read().decode()
+
+
+def test_promtool_check_metrics_on_a_live_worker_and_exporter(prometheus_bins, metrics_target, exporter_target):
+    """`promtool check metrics` on a real worker's /metrics (it has classified, dead-lettered and
+    shadow-checked) and on `ticketq exporter`'s: nothing reported (names, units, suffixes, help)."""
+    for target in (metrics_target, exporter_target[0]):
+        res = subprocess.run([prometheus_bins["promtool"], "check", "metrics"], input=_scraped(target),
+                             capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+        assert (res.returncode, res.stdout + res.stderr) == (0, ""), f"{target}: {res.stdout}{res.stderr}"
+
+
+def test_docs_list_the_labels_a_live_worker_exports(metrics_target):
+    """docs/metrics.md lists, for each series, every label a real worker exports it with."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    documented = {}
+    for line in (ROOT / "docs" / "metrics.md").read_text(encoding="utf-8").splitlines():
+        if line.startswith("| `"):
+            name, _, labels = (cell.strip() for cell in line.strip("|").split("|")[:3])
+            documented[name.strip("`")] = set(re.findall(r"`(\w+)`", labels))
+    for family in text_string_to_metric_families(_scraped(metrics_target)):
+        name = family.name + {"counter": "_total", "info": "_info"}.get(family.type, "")
+        labels = {key for sample in family.samples for key in sample.labels} - {"le"}
+        assert name in documented, f"{name} is not in docs/metrics.md"
+        assert labels <= documented[name], f"{name}: docs/metrics.md lists {documented[name]}, it has {labels}"
 
 
 def test_live_dashboard_expressions(prometheus, metrics_target, exporter_target, deploy_queue):

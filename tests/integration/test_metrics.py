@@ -166,3 +166,13 @@ def test_the_exporter_takes_a_list_of_queues_not_a_name():
     for queues in ("ticketq", []):
         with pytest.raises(ValueError, match="non-empty list"):
             BacklogCollector(redis.Redis(port=1), queues)
+
+
+def test_cost_model_is_exported_in_seconds():
+    """The planner keeps its cost model in ms; Prometheus names carry base units (`promtool check
+    metrics` refused `ticketq_cost_model_ms`), so the gauge is in seconds."""
+    metrics = Metrics()
+    metrics.observe_cost_model(2.0, 0.01, 0.0005)
+    seconds = {term: metrics.registry.get_sample_value("ticketq_cost_model_seconds", {"term": term})
+               for term in ("fixed", "token", "quad")}  # fmt: skip
+    assert seconds == pytest.approx({"fixed": 0.002, "token": 1e-5, "quad": 5e-7})
