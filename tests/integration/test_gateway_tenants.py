@@ -143,6 +143,29 @@ def test_one_idempotency_key_two_bodies_at_once_queues_one(idle_gateway):
     assert sorted(_queued_ids(url, queue)) == sorted(expected)
 
 
+def test_one_idempotency_key_one_body_at_once_is_answered_once(idle_gateway):
+    """The same key and body from 8 clients together: 202s with the same tickets, or 409 with
+    Retry-After while the first is in flight; the tickets queued once."""
+    url, queue, gateway = idle_gateway
+    barrier = threading.Barrier(8)
+    body = [{"id": f"same-{n}", "text": "the same body"} for n in range(3)]
+
+    def send(_: int) -> httpx.Response:
+        with httpx.Client(base_url=gateway.url, headers=_auth(BETA), timeout=60) as client:
+            barrier.wait(timeout=60)
+            return client.post("/v1/tickets", json=body, headers={"Idempotency-Key": "same-body"})
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(send, range(8)))
+    accepted = [answer for answer in answers if answer.status_code == 202]
+    in_flight = [answer for answer in answers if answer.status_code == 409]
+    assert accepted and len(accepted) + len(in_flight) == 8, [answer.text for answer in answers]
+    assert all(answer.headers["Retry-After"] == "1" for answer in in_flight)
+    assert {json.dumps(answer.json(), sort_keys=True) for answer in accepted} == {
+        json.dumps(accepted[0].json(), sort_keys=True)}  # fmt: skip
+    assert sorted(_queued_ids(url, queue)) == [f"beta:same-{n}" for n in range(3)]
+
+
 def test_admin_endpoints_are_off_without_admin_tokens(idle_gateway, tmp_path):
     url, queue, _ = idle_gateway
     with running_gateway(tmp_path, url, queue, TICKETQ_GATEWAY_ADMIN_TOKENS="") as gateway:
