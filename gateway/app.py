@@ -31,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
 from gateway import intake, webhooks
-from gateway.auth import DEFAULT_TENANT, TokenBuckets, caller, tenant_of
+from gateway.auth import TokenBuckets, caller, tenant_of
 from gateway.intake import Intake, Refused
 from gateway.keys import IDEMPOTENCY_HEADER
 from gateway.metrics import GatewayMetrics
@@ -222,9 +222,10 @@ def _ticket_routes(app: FastAPI, state: _State) -> None:
             await asyncio.sleep(min(pause, remaining))
             pause = min(pause * 2, POLL_PAUSE_S[1])
 
-    @app.post("/v1/webhooks/{source}", status_code=202, summary="A helpdesk's signed ticket webhook")
+    @app.post("/v1/webhooks/{source}", status_code=202, summary="A helpdesk's signed ticket webhook "
+              "(`source@tenant` for a tenant's own secret)")
     async def post_webhook(request: Request, source: str) -> JSONResponse:
-        found = state.sources.get(source)
+        found = state.sources.get(source.partition("@")[0])  # `zendesk@acme`: the zendesk mapping, acme's secret
         if found is None:
             raise Refused(404, "unknown_source", f"no webhook source {source!r}; configured: "
                           f"{', '.join(sorted(state.sources)) or 'none'}")  # fmt: skip
@@ -243,7 +244,7 @@ def _ticket_routes(app: FastAPI, state: _State) -> None:
             ticket = webhooks.ticket_of(found, payload)
         except webhooks.Unmapped as exc:
             raise Refused(422, "unmapped_payload", str(exc)) from None
-        return await state.take([ticket], Caller(f"webhook:{source}", DEFAULT_TENANT), None, body)
+        return await state.take([ticket], Caller(f"webhook:{source}", tenant_of(source)), None, body)
 
 
 def _ops_routes(app: FastAPI, state: _State) -> None:

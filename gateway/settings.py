@@ -37,6 +37,14 @@ def _pairs(value: object, sep: str) -> object:
     return pairs
 
 
+def _check_tenants(named: dict) -> dict:
+    """`named` (keys `name` or `name@tenant`) unchanged, or ValueError naming the bad tenant names."""
+    bad = sorted({tenant for tenant in map(tenant_of, named) if not TENANT_NAME.fullmatch(tenant)})
+    if bad:
+        raise ValueError(f"tenant name(s) {', '.join(map(repr, bad))} are not 1-64 of A-Z a-z 0-9 _ -")
+    return named
+
+
 class GatewaySettings(ClientSettings):
     """`ticketq-gateway` and `ticketq-deliver`: every field is `TICKETQ_<FIELD>` in the environment."""
 
@@ -83,7 +91,8 @@ class GatewaySettings(ClientSettings):
         (), description="Schema names a ticket may name (the workers' TICKETQ_SCHEMAS); empty: any."
     )
     gateway_webhook_secrets: Annotated[dict[str, SecretStr], NoDecode] = Field(
-        default_factory=dict, description="Webhook sources and their shared secrets: `zendesk=SECRET,intercom=SECRET`."
+        default_factory=dict, description="Webhook sources and their shared secrets: `zendesk=SECRET,intercom=SECRET`; "
+        "`zendesk@tenant=SECRET` is a tenant's own (POST /v1/webhooks/zendesk@tenant).",
     )
     gateway_webhook_mapping: str | None = Field(
         None, description="TOML file of webhook sources (signature kind, JSON paths of id, subject, body)."
@@ -136,17 +145,19 @@ class GatewaySettings(ClientSettings):
         bad = [name for name, digest in value.items() if not SHA256_HEX.fullmatch(digest.lower())]
         if bad:
             raise ValueError(f"token(s) {', '.join(bad)} are not sha256 hex digests (printf %s TOKEN | sha256sum)")
-        tenants = {tenant_of(name) for name in value}
-        bad = sorted(tenant for tenant in tenants if not TENANT_NAME.fullmatch(tenant))
-        if bad:
-            raise ValueError(f"tenant name(s) {', '.join(map(repr, bad))} are not 1-64 of A-Z a-z 0-9 _ -")
-        return {name: digest.lower() for name, digest in value.items()}
+        return {name: digest.lower() for name, digest in _check_tenants(value).items()}
+
+    @field_validator("gateway_webhook_secrets")
+    @classmethod
+    def _check_source_tenants(cls, value: dict[str, SecretStr]) -> dict[str, SecretStr]:
+        return _check_tenants(value)
 
     @property
     def multi_tenant(self) -> bool:
-        """True when a token names a tenant other than `default`: then every tenant's ticket ids are
+        """True when a token or webhook source names a tenant other than `default`: then every tenant's ticket ids are
         sent as `tenant:id` (see `gateway.intake`); with one tenant they are sent as given."""
-        return any(tenant_of(name) != DEFAULT_TENANT for name in self.gateway_tokens)
+        names = (*self.gateway_tokens, *self.gateway_webhook_secrets)
+        return any(tenant_of(name) != DEFAULT_TENANT for name in names)
 
     @model_validator(mode="after")
     def _check_claim_idle(self) -> GatewaySettings:

@@ -18,6 +18,7 @@ import httpx
 import pytest
 import redis
 from gateways import running_gateway
+from test_gateway import zendesk_headers
 from workers import null_classifier_service, wait_for
 
 from gateway.auth import tenant_of, token_digest
@@ -55,8 +56,10 @@ def test_a_token_belongs_to_its_tenant():
 def service(tmp_path_factory):
     """A private Redis, a null-classifier worker and a gateway with the tenants alpha and beta."""
     workdir = tmp_path_factory.mktemp("tenants")
+    secrets = "zendesk@alpha=alpha-zd,zendesk@beta=beta-zd"
     with null_classifier_service(workdir, "tn") as (url, queue), \
-            running_gateway(workdir, url, queue, TICKETQ_GATEWAY_TOKENS=TENANT_TOKENS) as gateway:  # fmt: skip
+            running_gateway(workdir, url, queue, TICKETQ_GATEWAY_TOKENS=TENANT_TOKENS,
+                            TICKETQ_GATEWAY_WEBHOOK_SECRETS=secrets) as gateway:  # fmt: skip
         yield url, queue, gateway
 
 
@@ -95,6 +98,20 @@ def test_two_tenants_never_read_shadow_or_suppress_each_other(service):
     for tenant, who in (("alpha", "a"), ("beta", "b")):
         marker = json.loads(client.get(TICKET_KEY.format(queue=queue, ticket_id=f"{tenant}:{ticket_id}")))
         assert (marker["tenant"], marker["metadata"]) == (tenant, {"who": who})  # the result is attributable
+
+
+def test_a_tenants_webhook_source_takes_its_secret_and_feeds_its_tenant(service):
+    _, _, gateway = service
+    source_id = uuid.uuid4().hex[:8]
+    body = json.dumps({"detail": {"id": source_id, "subject": "Refund", "description": "charged twice"}}).encode()
+    url = gateway.url + "/v1/webhooks/zendesk@alpha"
+    wrong = httpx.post(url, content=body, headers=zendesk_headers("beta-zd", body))
+    assert (wrong.status_code, wrong.json()["error"]) == (401, "bad_signature")  # beta's secret is not alpha's
+    signed = httpx.post(url, content=body, headers=zendesk_headers("alpha-zd", body))
+    assert signed.status_code == 202, signed.text
+    assert httpx.get(gateway.url + f"/v1/tickets/zendesk:{source_id}", headers=_auth(ALPHA),
+                     params={"wait": 20}).status_code == 200  # fmt: skip
+    assert httpx.get(gateway.url + f"/v1/tickets/zendesk:{source_id}", headers=_auth(BETA)).status_code == 404
 
 
 def _queued_ids(url: str, queue: str) -> list[str]:
