@@ -22,6 +22,7 @@ def gateway_main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.server import uvicorn_options
 
     parser = argparse.ArgumentParser(prog="ticketq-gateway", description="HTTP gateway: tickets in, results out.")
     parser.add_argument("--host", help="listen address (TICKETQ_GATEWAY_HOST)")
@@ -33,11 +34,8 @@ def gateway_main(argv: list[str] | None = None) -> None:
         sys.exit("ticketq-gateway: no bearer tokens: set TICKETQ_GATEWAY_TOKENS=name:SHA256HEX "
                  "(printf %s TOKEN | sha256sum), or TICKETQ_GATEWAY_ANONYMOUS=1 behind an authenticating ingress")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # h11, not httptools: only h11 bounds a request's head (TICKETQ_GATEWAY_MAX_HEADER_BYTES, answered 431/400).
-    uvicorn.run(create_app(settings), host=settings.gateway_host, port=settings.gateway_port, http="h11",
-                h11_max_incomplete_event_size=settings.gateway_max_header_bytes,
-                timeout_keep_alive=settings.gateway_keep_alive_s, limit_concurrency=settings.gateway_max_connections,
-                log_level=args.log_level, access_log=False)  # fmt: skip
+    uvicorn.run(create_app(settings), host=settings.gateway_host, port=settings.gateway_port,
+                log_level=args.log_level, access_log=False, **uvicorn_options(settings))  # fmt: skip
 
 
 def deliver_main(argv: list[str] | None = None) -> None:

@@ -80,6 +80,10 @@ class GatewaySettings(ClientSettings):
     gateway_max_header_bytes: int = Field(
         16_384, ge=1024, description="A request whose head (request line and headers) is above this is refused (h11)."
     )
+    gateway_header_timeout_s: float = Field(
+        10.0, gt=0, description="A request's head not complete this long after the connection opened "
+        "(or the previous response) closes the connection.",
+    )
     gateway_keep_alive_s: float = Field(5.0, gt=0, description="An idle keep-alive connection is closed after this.")
     gateway_body_timeout_s: float = Field(
         30.0, gt=0, description="A request body not fully received this long after its headers is answered 408."

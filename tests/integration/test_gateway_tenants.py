@@ -128,8 +128,8 @@ def idle_gateway(service, tmp_path):
     """A gateway on a queue no worker consumes: what was enqueued stays to be counted."""
     url, _, _ = service
     queue = f"idle-{uuid.uuid4().hex[:8]}"
-    with running_gateway(tmp_path, url, queue, TICKETQ_GATEWAY_TOKENS=TENANT_TOKENS,
-                         TICKETQ_GATEWAY_BODY_TIMEOUT_S="1") as gateway:  # fmt: skip
+    limits = {"TICKETQ_GATEWAY_BODY_TIMEOUT_S": "1", "TICKETQ_GATEWAY_HEADER_TIMEOUT_S": "1"}
+    with running_gateway(tmp_path, url, queue, TICKETQ_GATEWAY_TOKENS=TENANT_TOKENS, **limits) as gateway:
         yield url, queue, gateway
 
 
@@ -194,7 +194,7 @@ def test_admin_endpoints_are_off_without_admin_tokens(idle_gateway, tmp_path):
 
 
 def _raw_exchange(port: int, request: bytes) -> bytes:
-    """Send `request` and read until the server answers and closes (or 60 s pass)."""
+    """Send `request`; read until the server answers or closes (a socket timeout after 60 s fails the test)."""
     with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
         sock.sendall(request)
         chunks = []
@@ -215,3 +215,5 @@ def test_a_huge_header_and_a_stalled_body_are_cut(idle_gateway):
             "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"text\": ").encode()  # fmt: skip
     answer = _raw_exchange(gateway.port, head)  # 991 bytes never come: cut after TICKETQ_GATEWAY_BODY_TIMEOUT_S
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    slow_head = _raw_exchange(gateway.port, b"POST /v1/tickets HTTP/1.1\r\nHost: x\r\n")  # and no more headers
+    assert slow_head == b""  # closed after TICKETQ_GATEWAY_HEADER_TIMEOUT_S, unanswered
