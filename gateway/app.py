@@ -3,9 +3,11 @@ health, readiness and metrics. The rules live in `gateway.intake` (tickets, idem
 backpressure), `gateway.auth` (tokens, rate) and `gateway.webhooks` (signatures, mappings); this
 module maps them onto routes and statuses.
 
-Statuses: 202 accepted (every ticket is in Redis) · 200 a result, or an Idempotency-Key answered
-again · 400 not JSON, or not a ticket or a list · 401 no or wrong token, bad webhook signature ·
-404 unknown ticket or source · 413 body above TICKETQ_GATEWAY_MAX_BODY_BYTES, or too many
+Statuses: 202 accepted (every ticket is in Redis) · 200 a result · 400 not JSON, or not a ticket
+or a list · 401 no or wrong token (with `WWW-Authenticate: Bearer`), bad webhook signature ·
+404 unknown ticket or source, admin endpoints off · 408 a body not received in
+TICKETQ_GATEWAY_BODY_TIMEOUT_S · 409 an Idempotency-Key whose first POST is still in flight ·
+413 body above TICKETQ_GATEWAY_MAX_BODY_BYTES, or too many
 tickets · 422 a ticket breaks the contract (each bad field named) · 429 rate limit or queue
 deeper than TICKETQ_GATEWAY_MAX_QUEUE_DEPTH · 503 Redis unreachable or refusing writes. Every
 refusal is JSON `{"error": reason, "message": one line}`; 429 and 503 carry Retry-After.
@@ -19,16 +21,17 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
 from gateway import intake, webhooks
-from gateway.auth import TokenBuckets, caller
+from gateway.auth import TokenBuckets, caller, tenant_of
 from gateway.intake import Intake, Refused
 from gateway.keys import IDEMPOTENCY_HEADER
 from gateway.metrics import GatewayMetrics
@@ -64,7 +67,9 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None)
         yield
         state.intake.close()
 
-    app = FastAPI(title="ticketq gateway", version="1", lifespan=lifespan, description=__doc__)
+    # /docs and /openapi.json are served by `_ops_routes`, behind TICKETQ_GATEWAY_ADMIN_TOKENS.
+    app = FastAPI(title="ticketq gateway", version="1", lifespan=lifespan, description=__doc__,
+                  docs_url=None, redoc_url=None, openapi_url=None)  # fmt: skip
     app.state.gateway = state
     app.exception_handler(Refused)(state.refused)
     app.add_middleware(_Measured, metrics=state.metrics)
@@ -114,19 +119,26 @@ class _State:
 
     async def refused(self, request: Request, exc: Refused) -> JSONResponse:
         self.metrics.rejects.labels(exc.reason).inc()
-        headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
-        return JSONResponse(exc.body(), exc.status, headers=headers)
+        headers = {**exc.headers, **({"Retry-After": str(exc.retry_after)} if exc.retry_after else {})}
+        return JSONResponse(exc.body(), exc.status, headers=headers or None)
 
-    def authorize(self, request: Request) -> str:
-        """The caller's token name (rate-limited), or `Refused` 401/429."""
+    def authorize(self, request: Request) -> Caller:
+        """The caller: its token name (rate-limited) and tenant, or `Refused` 401/429."""
         if self.settings.gateway_anonymous and not self.settings.gateway_tokens:
             name = "anonymous"
         else:
             name = caller(request.headers.get("authorization"), self.settings.gateway_tokens)
             if name is None:
-                raise Refused(401, "unauthorized", "missing or unknown bearer token (Authorization: Bearer TOKEN)")
+                raise _unauthorized("missing or unknown bearer token (Authorization: Bearer TOKEN)")
         self.limit(name)
-        return name
+        return Caller(name, tenant_of(name))
+
+    def authorize_admin(self, request: Request) -> None:
+        """`Refused` 404 when TICKETQ_GATEWAY_ADMIN_TOKENS is empty, 401 without one of its tokens."""
+        if not self.settings.gateway_admin_tokens:
+            raise Refused(404, "admin_off", "this endpoint is off: set TICKETQ_GATEWAY_ADMIN_TOKENS to open it")
+        if caller(request.headers.get("authorization"), self.settings.gateway_admin_tokens) is None:
+            raise _unauthorized("missing or unknown admin token (TICKETQ_GATEWAY_ADMIN_TOKENS)")
 
     def limit(self, name: str) -> None:
         wait_s = self.buckets.take(name)
@@ -142,55 +154,78 @@ class _State:
         if length is not None and length.isdigit() and int(length) > limit:
             raise too_big
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_big
-            chunks.append(chunk)
+        timeout_s = self.settings.gateway_body_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):  # a client that stalls its body holds no slot for long
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise too_big
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise Refused(408, "body_timeout", f"the body was not received within TICKETQ_GATEWAY_BODY_TIMEOUT_S="
+                          f"{timeout_s:g} s", headers={"Connection": "close"}) from None  # fmt: skip
         return b"".join(chunks)
 
-    async def take(self, tickets: list[object], token: str, key: str | None, body: bytes) -> JSONResponse:
+    async def take(self, tickets: list[object], who: Caller, key: str | None, body: bytes) -> JSONResponse:
         """Check and accept `tickets` (one POST's), answering an Idempotency-Key's retry as the first time."""
-        digest = intake.body_digest(body)
+        seed = intake.body_digest(f"{who.tenant}:{key}".encode())[:24] if key is not None else None
+        checked = intake.check_tickets(tickets, self.settings, seed)
+        claim = None
         if key is not None:
-            stored = await self.run(self.intake.remembered, token, key, digest)
+            claim, stored = await self.run(self.intake.claim, who.tenant, key, intake.body_digest(body))
             if stored is not None:
                 return JSONResponse(stored, 202, headers={"Idempotent-Replayed": "true"})
-        seed = intake.body_digest(f"{token}:{key}".encode())[:24] if key is not None else None
-        checked = intake.check_tickets(tickets, self.settings, seed)
-        rows = await self.run(self.intake.accept, checked, token)
+        try:
+            rows = await self.run(self.intake.accept, checked, who.tenant, who.token)
+        except Exception:
+            if claim is not None:
+                await self.run(self.intake.release, who.tenant, key, claim)
+            raise
         for row in rows:
             self.metrics.tickets.labels(row["status"]).inc()
         answer = {"tickets": rows}
-        if key is not None:
-            answer = await self.run(self.intake.remember, token, key, digest, answer)
+        if claim is not None:
+            await self.run(self.intake.remember, who.tenant, key, claim, answer)
         return JSONResponse(answer, 202)
+
+
+class Caller(NamedTuple):
+    """Who sent a request: the token's name (its rate bucket) and its tenant."""
+
+    token: str
+    tenant: str
+
+
+def _unauthorized(message: str) -> Refused:
+    return Refused(401, "unauthorized", message, headers={"WWW-Authenticate": 'Bearer realm="ticketq"'})
 
 
 def _ticket_routes(app: FastAPI, state: _State) -> None:
     @app.post("/v1/tickets", status_code=202, openapi_extra=_TICKETS_BODY, summary="Send one ticket or a list")
     async def post_tickets(request: Request) -> JSONResponse:
-        token = state.authorize(request)
+        who = state.authorize(request)
         body = await state.body(request)
         key = request.headers.get(IDEMPOTENCY_HEADER)
-        return await state.take(intake.parse_body(body), token, key or None, body)
+        return await state.take(intake.parse_body(body), who, key or None, body)
 
     @app.get("/v1/tickets/{ticket_id}", summary="A ticket's result: 200 done, 202 pending, 404 unknown")
     async def get_ticket(request: Request, ticket_id: str,
                          wait: float = Query(0, ge=0, le=MAX_WAIT_S)) -> JSONResponse:  # fmt: skip
-        state.authorize(request)
+        who = state.authorize(request)
         deadline, pause = time.monotonic() + wait, POLL_PAUSE_S[0]
         while True:
-            status, body = await state.run(state.intake.lookup, ticket_id)
+            status, body = await state.run(state.intake.lookup, ticket_id, who.tenant)
             remaining = deadline - time.monotonic()
             if status != 202 or remaining <= 0:
                 return JSONResponse(body, status)
             await asyncio.sleep(min(pause, remaining))
             pause = min(pause * 2, POLL_PAUSE_S[1])
 
-    @app.post("/v1/webhooks/{source}", status_code=202, summary="A helpdesk's signed ticket webhook")
+    @app.post("/v1/webhooks/{source}", status_code=202, summary="A helpdesk's signed ticket webhook "
+              "(`source@tenant` for a tenant's own secret)")
     async def post_webhook(request: Request, source: str) -> JSONResponse:
-        found = state.sources.get(source)
+        found = state.sources.get(source.partition("@")[0])  # `zendesk@acme`: the zendesk mapping, acme's secret
         if found is None:
             raise Refused(404, "unknown_source", f"no webhook source {source!r}; configured: "
                           f"{', '.join(sorted(state.sources)) or 'none'}")  # fmt: skip
@@ -209,7 +244,7 @@ def _ticket_routes(app: FastAPI, state: _State) -> None:
             ticket = webhooks.ticket_of(found, payload)
         except webhooks.Unmapped as exc:
             raise Refused(422, "unmapped_payload", str(exc)) from None
-        return await state.take([ticket], f"webhook:{source}", None, body)
+        return await state.take([ticket], Caller(f"webhook:{source}", tenant_of(source)), None, body)
 
 
 def _ops_routes(app: FastAPI, state: _State) -> None:
@@ -231,9 +266,20 @@ def _ops_routes(app: FastAPI, state: _State) -> None:
                                 headers={"Retry-After": str(state.settings.gateway_retry_after_s)})  # fmt: skip
         return JSONResponse({"status": "ready"})
 
-    @app.get("/metrics", summary="Prometheus metrics")
-    async def metrics() -> Response:
+    @app.get("/metrics", summary="Prometheus metrics (an admin token: TICKETQ_GATEWAY_ADMIN_TOKENS)")
+    async def metrics(request: Request) -> Response:
+        state.authorize_admin(request)
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> JSONResponse:
+        state.authorize_admin(request)
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(request: Request) -> HTMLResponse:
+        state.authorize_admin(request)
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - Swagger UI")
 
 
 def _register_models(app: FastAPI) -> None:

@@ -1,5 +1,9 @@
 """Who may call the gateway, and how often: bearer tokens checked against their sha256 digests
-(TICKETQ_GATEWAY_TOKENS), and a token bucket per caller.
+(TICKETQ_GATEWAY_TOKENS), the tenant each belongs to, and a token bucket per caller.
+
+A token named `name@tenant` belongs to `tenant`; any other to the tenant `default` (so a
+single-tenant setup is written as before). Everything a caller sees (ticket ids, Idempotency-Keys,
+results) is its tenant's.
 
 A bucket holds TICKETQ_GATEWAY_BURST requests and refills at TICKETQ_GATEWAY_RATE per second;
 an empty one answers with the seconds until the next request is allowed. Buckets live in this
@@ -12,9 +16,18 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
+import re
 import threading
 import time
 from collections.abc import Mapping
+
+DEFAULT_TENANT = "default"
+TENANT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # no ':' : it separates the tenant from a ticket id
+
+
+def tenant_of(token_name: str) -> str:
+    """The tenant of a token named `name@tenant`, else `default`."""
+    return token_name.partition("@")[2] or DEFAULT_TENANT
 
 
 def token_digest(token: str) -> str:

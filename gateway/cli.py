@@ -22,6 +22,7 @@ def gateway_main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.server import uvicorn_options
 
     parser = argparse.ArgumentParser(prog="ticketq-gateway", description="HTTP gateway: tickets in, results out.")
     parser.add_argument("--host", help="listen address (TICKETQ_GATEWAY_HOST)")
@@ -34,7 +35,7 @@ def gateway_main(argv: list[str] | None = None) -> None:
                  "(printf %s TOKEN | sha256sum), or TICKETQ_GATEWAY_ANONYMOUS=1 behind an authenticating ingress")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(create_app(settings), host=settings.gateway_host, port=settings.gateway_port,
-                log_level=args.log_level, access_log=False)  # fmt: skip
+                log_level=args.log_level, access_log=False, **uvicorn_options(settings))  # fmt: skip
 
 
 def deliver_main(argv: list[str] | None = None) -> None:

@@ -4,13 +4,20 @@ a no-op, and send what is new through `Producer` only when Redis can keep it.
 Framework-free (the HTTP layer is `gateway.app`): every refusal is a `Refused` with the status,
 a reason and a one-line message.
 
+Everything is per tenant (`gateway.auth.tenant_of`): with several tenants a ticket goes to the
+workers as `tenant:id` (`Intake.wire_id`), so its marker, task id and result are its tenant's, and
+the same id in two tenants is two tickets; with the one tenant `default` ids are sent as given.
+
 Idempotency, in two parts, both keyed in Redis (`gateway.keys`):
 - a ticket id: its task id is `idempotent_task_id(queue, [id])`, the same on every POST, and a
   marker written after the send says it was accepted; a POST of a marked id sends nothing and is
   answered with the same task id. Two copies racing past the marker are both sent under that id,
   and the worker publishes the ticket once.
-- an `Idempotency-Key` header: the first answer is stored (SET NX, TICKETQ_GATEWAY_IDEMPOTENCY_TTL_S)
-  with the body's digest; the same key again gets that answer, a different body under it a 422.
+- an `Idempotency-Key` header: the first POST claims the key atomically (`CLAIM_SCRIPT`) with its
+  body's digest, then stores its answer there (TICKETQ_GATEWAY_IDEMPOTENCY_TTL_S); the same key
+  again gets that answer, a different body under it a 422 (at once or later: one is queued), the
+  same body while the first is still in flight a 409 with Retry-After. A POST that fails after
+  its claim gives the key back; a claim left by a dead process lapses after CLAIM_TTL_S.
   Tickets without an id get one derived from the key, so a retry names the same tickets.
 
 Cost: one MGET of the markers per POST, one pipelined SET per accepted ticket, and one LLEN
@@ -23,6 +30,7 @@ may be queued: a retry under the same ids or key is answered once.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import threading
@@ -34,6 +42,7 @@ from typing import Any
 
 import redis
 
+from gateway.auth import DEFAULT_TENANT
 from gateway.keys import IDEMPOTENCY_KEY, TICKET_KEY
 from gateway.settings import GatewaySettings
 from producer.api import BrokerUnavailable, NotReplicated, Producer, TicketResult, idempotent_task_id
@@ -41,6 +50,7 @@ from ticketq.contract import Reason, TicketRejected, UniqueIds, validate_ticket
 from ticketq.names import queue_lists
 
 FIELDS = ("id", "text", "schema", "metadata")
+CLAIM_TTL_S = 60  # an Idempotency-Key claimed by a POST that never answered is free again after this
 DEPTH_EVERY_S = 0.25  # the queue depth is read at most this often per gateway process
 # The field a contract reason is about (WRONG_TYPE names its field in the detail).
 REASON_FIELDS = {Reason.MISSING_FIELD: "text", Reason.EMPTY_ID: "id", Reason.INVALID_UTF8: "text",
@@ -58,6 +68,7 @@ class Refused(Exception):
     message: str
     errors: list[dict] = field(default_factory=list)
     retry_after: int | None = None
+    headers: dict[str, str] = field(default_factory=dict)
 
     def body(self) -> dict[str, Any]:
         out: dict[str, Any] = {"error": self.reason, "message": self.message}
@@ -146,6 +157,22 @@ def body_digest(body: bytes) -> str:
     return hashlib.sha256(body).hexdigest()
 
 
+# KEYS[1]: an Idempotency-Key's entry (gateway.keys.IDEMPOTENCY_KEY).
+# ARGV[1]: this POST's entry, JSON {body, answer: null, claim}; ARGV[2]: its TTL in seconds.
+# Returns the entry already there (the key is taken), or false after storing ARGV[1] (claimed).
+CLAIM_SCRIPT = """
+local found = redis.call('GET', KEYS[1])
+if found then return found end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+return false
+"""
+# KEYS[1]: as above; ARGV[1]: the entry CLAIM_SCRIPT stored. Deletes it only if it is still that one.
+RELEASE_SCRIPT = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
 class Intake:
     """Sends checked tickets, once, through a `Producer` per thread (Celery's clients are not
     shared across threads here); `accept` and `lookup` are blocking, for a worker thread."""
@@ -173,55 +200,70 @@ class Intake:
         for producer in producers:
             producer.close()
 
-    def ticket_key(self, ticket_id: str) -> str:
-        return TICKET_KEY.format(queue=self.settings.queue, ticket_id=ticket_id)
+    def wire_id(self, tenant: str, ticket_id: str) -> str:
+        """The id `tenant`'s ticket `ticket_id` is sent, recorded and answered under: `tenant:id` when
+        tokens name several tenants (tenant names hold no ':', so no two tenants' ids meet), else as given."""
+        return f"{tenant}:{ticket_id}" if self.settings.multi_tenant else ticket_id
 
-    def task_id(self, ticket_id: str) -> str:
-        return idempotent_task_id(self.settings.queue, [ticket_id], False)
+    def ticket_key(self, wire_id: str) -> str:
+        return TICKET_KEY.format(queue=self.settings.queue, ticket_id=wire_id)
+
+    def task_id(self, wire_id: str) -> str:
+        return idempotent_task_id(self.settings.queue, [wire_id], False)
 
     # --- POST ---
 
-    def remembered(self, token: str, key: str, digest: str) -> dict | None:
-        """The stored answer of an Idempotency-Key, or None; `Refused` 422 for another body under it."""
-        stored = self._redis_call(lambda r: r.get(self._idempotency_key(token, key)))
-        if stored is None:
-            return None
-        entry = json.loads(stored)
+    def claim(self, tenant: str, key: str, digest: str) -> tuple[str | None, dict | None]:
+        """Claim an Idempotency-Key for a body: (the claim to `release` or `remember` with, None) when
+        this POST is its first, (None, the stored answer) for a retry of an answered one; `Refused`
+        422 when another body holds it, 409 while the same body's first POST is still in flight."""
+        claim = json.dumps({"body": digest, "answer": None, "claim": uuid.uuid4().hex})
+        name = self._idempotency_key(tenant, key)
+        found = self._redis_call(lambda r: r.register_script(CLAIM_SCRIPT)(keys=[name], args=[claim, CLAIM_TTL_S]))
+        if found is None:
+            return claim, None
+        entry = json.loads(found)
         if entry["body"] != digest:
             raise Refused(422, "idempotency_key_reused", f"Idempotency-Key {key[:80]!r} was used with another body; "
                           "use a new key for new tickets")  # fmt: skip
-        return entry["answer"]
+        if entry["answer"] is None:
+            raise Refused(409, "idempotency_key_in_flight", f"a POST under Idempotency-Key {key[:80]!r} is still "
+                          "being answered; send again to get its answer", [], 1)  # fmt: skip
+        return None, entry["answer"]
 
-    def remember(self, token: str, key: str, digest: str, answer: dict) -> dict:
-        """Store `answer` under the key unless one is there (SET NX); the stored answer either way."""
-        name = self._idempotency_key(token, key)
-        value = json.dumps({"body": digest, "answer": answer})
-        try:
-            if self.producer.redis.set(name, value, nx=True, ex=self.settings.gateway_idempotency_ttl_s):
-                return answer
-            return json.loads(self.producer.redis.get(name) or value)["answer"]
-        except _REDIS_ERRORS:
-            return answer  # the tickets are in; a retry finds their markers instead
+    def release(self, tenant: str, key: str, claim: str) -> None:
+        """Give back a claimed key whose POST failed, so its retry is taken (best effort: it lapses anyway)."""
+        name = self._idempotency_key(tenant, key)
+        with contextlib.suppress(*_REDIS_ERRORS):  # else the claim lapses after CLAIM_TTL_S
+            self.producer.redis.register_script(RELEASE_SCRIPT)(keys=[name], args=[claim])
 
-    def _idempotency_key(self, token: str, key: str) -> str:
-        return IDEMPOTENCY_KEY.format(token=token, digest=hashlib.sha256(key.encode()).hexdigest())
+    def remember(self, tenant: str, key: str, claim: str, answer: dict) -> None:
+        """Store `answer` in the key this POST claimed."""
+        entry = {**json.loads(claim), "answer": answer}
+        # On a Redis error the tickets are in: a retry is answered 409 until the claim lapses, then by their markers.
+        with contextlib.suppress(*_REDIS_ERRORS):
+            self.producer.redis.set(self._idempotency_key(tenant, key), json.dumps(entry), xx=True,
+                                    ex=self.settings.gateway_idempotency_ttl_s)  # fmt: skip
 
-    def accept(self, tickets: Sequence[Checked], token: str) -> list[dict]:
-        """Send the tickets not accepted before; one row per ticket: id, task_id, status
+    def _idempotency_key(self, tenant: str, key: str) -> str:
+        return IDEMPOTENCY_KEY.format(tenant=tenant, digest=hashlib.sha256(key.encode()).hexdigest())
+
+    def accept(self, tickets: Sequence[Checked], tenant: str = DEFAULT_TENANT, token: str = "") -> list[dict]:
+        """Send `tenant`'s tickets not accepted before; one row per ticket: id, task_id, status
         (`accepted`, or `duplicate` for one accepted by an earlier POST). `Refused` 429/503."""
         self._check_depth()
-        keys = [self.ticket_key(ticket.id) for ticket in tickets]
-        seen = self._redis_call(lambda r: r.mget(keys))
-        new = [ticket for ticket, marker in zip(tickets, seen, strict=True) if marker is None]
+        wire = [self.wire_id(tenant, ticket.id) for ticket in tickets]
+        seen = self._redis_call(lambda r: r.mget([self.ticket_key(w) for w in wire]))
+        new = [(w, ticket) for w, ticket, marker in zip(wire, tickets, seen, strict=True) if marker is None]
         if new:
             self._send(new)
-            self._mark(new, token)
-        fresh = {ticket.id for ticket in new}
-        return [{"id": t.id, "task_id": self.task_id(t.id), "status": "accepted" if t.id in fresh else "duplicate"}
-                for t in tickets]  # fmt: skip
+            self._mark(new, tenant, token)
+        fresh = {w for w, _ in new}
+        return [{"id": t.id, "task_id": self.task_id(w), "status": "accepted" if w in fresh else "duplicate"}
+                for w, t in zip(wire, tickets, strict=True)]  # fmt: skip
 
-    def _send(self, tickets: Sequence[Checked]) -> None:
-        payload = [{"id": t.id, "text": t.text, **({"schema": t.schema} if t.schema else {})} for t in tickets]
+    def _send(self, tickets: Sequence[tuple[str, Checked]]) -> None:
+        payload = [{"id": w, "text": t.text, **({"schema": t.schema} if t.schema else {})} for w, t in tickets]
         try:
             self.producer.submit_many(payload, idempotent=True)
         except NotReplicated as exc:
@@ -230,12 +272,13 @@ class Intake:
             reason = "redis_refused_write" if exc.write_refused else "redis_unavailable"
             raise self._unavailable(reason, str(exc)) from None
 
-    def _mark(self, tickets: Sequence[Checked], token: str) -> None:
+    def _mark(self, tickets: Sequence[tuple[str, Checked]], tenant: str, token: str) -> None:
         """Record each sent ticket (after the send: a marker never stands for a ticket Redis lacks)."""
         pipe = self.producer.redis.pipeline(transaction=False)
-        for ticket in tickets:
-            value = json.dumps({"task_id": self.task_id(ticket.id), "metadata": ticket.metadata, "token": token})
-            pipe.set(self.ticket_key(ticket.id), value, nx=True, ex=self.settings.result_expires_s)
+        for wire, ticket in tickets:
+            value = json.dumps({"task_id": self.task_id(wire), "metadata": ticket.metadata, "token": token,
+                                "tenant": tenant})  # fmt: skip
+            pipe.set(self.ticket_key(wire), value, nx=True, ex=self.settings.result_expires_s)
         try:
             pipe.execute()
         except _REDIS_ERRORS as exc:  # sent, not marked: a retry sends again under the same task ids
@@ -262,14 +305,15 @@ class Intake:
 
     # --- GET ---
 
-    def lookup(self, ticket_id: str) -> tuple[int, dict]:
-        """(200, the result) / (202, pending) / (404, unknown) for a ticket id."""
-        marker = self._redis_call(lambda r: r.get(self.ticket_key(ticket_id)))
-        result = TicketResult(self.task_id(ticket_id), app=self.producer.app)
-        result.ticket_ids = (ticket_id,)
+    def lookup(self, ticket_id: str, tenant: str = DEFAULT_TENANT) -> tuple[int, dict]:
+        """(200, the result) / (202, pending) / (404, unknown) for `tenant`'s ticket id."""
+        wire = self.wire_id(tenant, ticket_id)
+        marker = self._redis_call(lambda r: r.get(self.ticket_key(wire)))
+        result = TicketResult(self.task_id(wire), app=self.producer.app)
+        result.ticket_ids = (wire,)
         rows = self.producer.ready_now([result])
         if rows:
-            return 200, rows[0]
+            return 200, {**rows[0], "id": ticket_id}
         if marker is not None:
             return 202, {"id": ticket_id, "task_id": result.id, "status": "pending"}
         return 404, {"error": "unknown_ticket", "message": f"no ticket {ticket_id!r} was accepted (or its result "

@@ -3,12 +3,15 @@
 The broker's own names (queue, results stream) are `ticketq.names`; these are the front door's.
 """
 
-# A ticket the gateway accepted: `{queue}` and ticket id -> JSON {task_id, metadata, token}, kept
-# as long as results are (TICKETQ_RESULT_EXPIRES_S). A retried POST finds it and sends nothing;
-# GET /v1/tickets/{id} tells "pending" from "unknown" by it; the dispatcher adds its metadata.
+# A ticket the gateway accepted: `{queue}` and the ticket's id as sent to the workers (`tenant:id`
+# with several tenants, see `gateway.intake.Intake.wire_id`) -> JSON {task_id, metadata, token,
+# tenant}, kept as long as results are (TICKETQ_RESULT_EXPIRES_S). A retried POST finds it and
+# sends nothing; GET /v1/tickets/{id} tells "pending" from "unknown" by it; the dispatcher adds its
+# metadata to the result (whose `id` is that same sent id).
 TICKET_KEY = "ticketq:gateway:ticket:{queue}:{ticket_id}"
-# An Idempotency-Key seen: per token, sha256 of the key -> JSON {body sha256, answer}.
-IDEMPOTENCY_KEY = "ticketq:gateway:idem:{token}:{digest}"
+# An Idempotency-Key seen: per tenant, sha256 of the key -> JSON {body sha256, answer, claim}; the
+# answer is null while the first POST under the key is in flight (`gateway.intake.CLAIM_SCRIPT`).
+IDEMPOTENCY_KEY = "ticketq:gateway:idem:{tenant}:{digest}"
 # Results the dispatcher gave up on after TICKETQ_DELIVER_MAX_ATTEMPTS POSTs, with the last error.
 DELIVER_DEAD_STREAM = "ticketq:deliver:dead"
 

@@ -2,7 +2,10 @@
 replica acks) plus the front door's own, all read from `TICKETQ_*`.
 
 Bearer tokens are stored hashed: TICKETQ_GATEWAY_TOKENS is a comma-separated list of
-`name:sha256hex` (or bare hex) of each token, as `printf %s TOKEN | sha256sum` prints it.
+`name:sha256hex` (or bare hex) of each token, as `printf %s TOKEN | sha256sum` prints it; a name
+`name@tenant` puts the token in a tenant (`gateway.auth.tenant_of`), one without `@` is in the
+tenant `default`. TICKETQ_GATEWAY_ADMIN_TOKENS, in the same form, open /metrics, /docs and
+/openapi.json (without one they are off).
 Webhook secrets are `source=secret` pairs; the sources' field mappings are built in for
 `zendesk` and `intercom` (see `gateway.webhooks`) and may be replaced by a TOML mapping file.
 """
@@ -15,6 +18,7 @@ from typing import Annotated
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
+from gateway.auth import DEFAULT_TENANT, TENANT_NAME, tenant_of
 from ticketq.config import ClientSettings
 
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
@@ -33,6 +37,14 @@ def _pairs(value: object, sep: str) -> object:
     return pairs
 
 
+def _check_tenants(named: dict) -> dict:
+    """`named` (keys `name` or `name@tenant`) unchanged, or ValueError naming the bad tenant names."""
+    bad = sorted({tenant for tenant in map(tenant_of, named) if not TENANT_NAME.fullmatch(tenant)})
+    if bad:
+        raise ValueError(f"tenant name(s) {', '.join(map(repr, bad))} are not 1-64 of A-Z a-z 0-9 _ -")
+    return named
+
+
 class GatewaySettings(ClientSettings):
     """`ticketq-gateway` and `ticketq-deliver`: every field is `TICKETQ_<FIELD>` in the environment."""
 
@@ -40,7 +52,13 @@ class GatewaySettings(ClientSettings):
     gateway_port: int = Field(8080, ge=1, le=65535, description="Port the gateway listens on.")
     gateway_tokens: Annotated[dict[str, str], NoDecode] = Field(
         default_factory=dict,
-        description="Bearer tokens, hashed: comma-separated `name:sha256hex` (`printf %s TOKEN | sha256sum`).",
+        description="Bearer tokens, hashed: comma-separated `name:sha256hex` (`printf %s TOKEN | sha256sum`); "
+        "`name@tenant:sha256hex` puts a token in a tenant (default: the tenant `default`).",
+    )
+    gateway_admin_tokens: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=dict,
+        description="Tokens of /metrics, /docs and /openapi.json, hashed like TICKETQ_GATEWAY_TOKENS; "
+        "none: those are off (404).",
     )
     gateway_anonymous: bool = Field(
         False, description="Accept POST/GET without a token (only behind an ingress that authenticates)."
@@ -59,11 +77,26 @@ class GatewaySettings(ClientSettings):
     gateway_send_retry_s: float = Field(
         2.0, ge=0, description="How long one POST rides out a Redis that went away before answering 503."
     )
+    gateway_max_header_bytes: int = Field(
+        16_384, ge=1024, description="A request whose head (request line and headers) is above this is refused (h11)."
+    )
+    gateway_header_timeout_s: float = Field(
+        10.0, gt=0, description="A request's head not complete this long after the connection opened "
+        "(or the previous response) closes the connection.",
+    )
+    gateway_keep_alive_s: float = Field(5.0, gt=0, description="An idle keep-alive connection is closed after this.")
+    gateway_body_timeout_s: float = Field(
+        30.0, gt=0, description="A request body not fully received this long after its headers is answered 408."
+    )
+    gateway_max_connections: int = Field(
+        1000, ge=1, description="Connections and requests served at once; above it uvicorn answers 503."
+    )
     gateway_schemas: Annotated[tuple[str, ...], NoDecode] = Field(
         (), description="Schema names a ticket may name (the workers' TICKETQ_SCHEMAS); empty: any."
     )
     gateway_webhook_secrets: Annotated[dict[str, SecretStr], NoDecode] = Field(
-        default_factory=dict, description="Webhook sources and their shared secrets: `zendesk=SECRET,intercom=SECRET`."
+        default_factory=dict, description="Webhook sources and their shared secrets: `zendesk=SECRET,intercom=SECRET`; "
+        "`zendesk@tenant=SECRET` is a tenant's own (POST /v1/webhooks/zendesk@tenant).",
     )
     gateway_webhook_mapping: str | None = Field(
         None, description="TOML file of webhook sources (signature kind, JSON paths of id, subject, body)."
@@ -88,7 +121,7 @@ class GatewaySettings(ClientSettings):
     deliver_concurrency: int = Field(8, ge=1, description="Results POSTed at once.")
     deliver_metrics_port: int = Field(9108, ge=0, le=65535, description="Port of the dispatcher's /metrics; 0: off.")
 
-    @field_validator("gateway_tokens", mode="before")
+    @field_validator("gateway_tokens", "gateway_admin_tokens", mode="before")
     @classmethod
     def _split_tokens(cls, value: object) -> object:
         return _pairs(value, ":")
@@ -110,13 +143,25 @@ class GatewaySettings(ClientSettings):
             return tuple(part.strip() for part in value.split(",") if part.strip())
         return value
 
-    @field_validator("gateway_tokens")
+    @field_validator("gateway_tokens", "gateway_admin_tokens")
     @classmethod
     def _check_hashes(cls, value: dict[str, str]) -> dict[str, str]:
         bad = [name for name, digest in value.items() if not SHA256_HEX.fullmatch(digest.lower())]
         if bad:
             raise ValueError(f"token(s) {', '.join(bad)} are not sha256 hex digests (printf %s TOKEN | sha256sum)")
-        return {name: digest.lower() for name, digest in value.items()}
+        return {name: digest.lower() for name, digest in _check_tenants(value).items()}
+
+    @field_validator("gateway_webhook_secrets")
+    @classmethod
+    def _check_source_tenants(cls, value: dict[str, SecretStr]) -> dict[str, SecretStr]:
+        return _check_tenants(value)
+
+    @property
+    def multi_tenant(self) -> bool:
+        """True when a token or webhook source names a tenant other than `default`: then every tenant's ticket ids are
+        sent as `tenant:id` (see `gateway.intake`); with one tenant they are sent as given."""
+        names = (*self.gateway_tokens, *self.gateway_webhook_secrets)
+        return any(tenant_of(name) != DEFAULT_TENANT for name in names)
 
     @model_validator(mode="after")
     def _check_claim_idle(self) -> GatewaySettings:

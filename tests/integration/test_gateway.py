@@ -8,22 +8,18 @@ import base64
 import hashlib
 import hmac
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from datetime import datetime, timezone
-from pathlib import Path
 
 import httpx
 import pytest
 import redis
-from workers import ROOT, RedisServer, free_port, null_classifier_service, wait_for
+from gateways import ADMIN, SECRETS, TOKEN, running_gateway
+from workers import RedisServer, null_classifier_service, wait_for
 
 from gateway import webhooks
 from gateway.auth import TokenBuckets, caller, token_digest
@@ -34,8 +30,6 @@ from ticketq.names import RESULTS_STREAM, queue_lists
 
 pytestmark = pytest.mark.integration
 
-TOKEN = "test-token-" + uuid.uuid4().hex
-SECRETS = {"zendesk": "zd-secret", "intercom": "ic-secret"}
 
 
 # --- the rules, no Redis ---
@@ -137,49 +131,6 @@ def test_bodies_that_are_no_tickets(body, reason):
 
 
 # --- a real server ---
-
-
-class Gateway:
-    """`python -m gateway` on a free port, in front of `broker_url`/`queue`."""
-
-    def __init__(self, workdir: Path, broker_url: str, queue: str, **extra: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
-        env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", TICKETQ_BROKER_URL=broker_url, TICKETQ_QUEUE=queue,
-                   TICKETQ_GATEWAY_TOKENS=f"tests:{token_digest(TOKEN)}", TICKETQ_GATEWAY_RATE="100000",
-                   TICKETQ_GATEWAY_BURST="100000", TICKETQ_GATEWAY_WEBHOOK_SECRETS=",".join(
-                       f"{name}={secret}" for name, secret in SECRETS.items()),
-                   TICKETQ_GATEWAY_SCHEMAS="triage", TICKETQ_GATEWAY_MAX_BODY_BYTES="65536")  # fmt: skip
-        env.update(extra)
-        self.log = (workdir / f"gateway-{self.port}.log").open("wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "gateway", "--port", str(self.port)], cwd=ROOT, env=env,
-                                     stdout=self.log, stderr=subprocess.STDOUT)  # fmt: skip
-        wait_for(self._up, 60, f"the gateway on port {self.port}")
-        self.client = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
-
-    def _up(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"the gateway exited with {self.proc.returncode}; see {self.log.name}")
-        try:
-            return httpx.get(self.url + "/healthz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def stop(self) -> None:
-        self.client.close()
-        self.proc.terminate()
-        self.proc.wait(timeout=20)
-        self.log.close()
-
-
-@contextmanager
-def running_gateway(workdir: Path, broker_url: str, queue: str, **extra: str):
-    gateway = Gateway(workdir, broker_url, queue, **extra)
-    try:
-        yield gateway
-    finally:
-        gateway.stop()
 
 
 @pytest.fixture(scope="module")
@@ -298,7 +249,7 @@ def test_bad_input_is_refused_with_a_reason_and_nothing_enqueued(service, idle_g
     assert _queued_ids(url, queue) == []
     assert post("/v1/tickets", json={"id": "good", "text": "fine"}).status_code == 202  # the check can fail
     assert _queued_ids(url, queue) == ["good"]
-    metrics = gateway.client.get("/metrics").text
+    metrics = gateway.client.get("/metrics", headers=ADMIN).text
     assert 'ticketq_gateway_rejects_total{reason="bad_signature"} 3.0' in metrics
 
 
@@ -334,9 +285,12 @@ def test_ops_endpoints(service):
     _, _, gateway = service
     assert httpx.get(gateway.url + "/healthz").json() == {"status": "ok"}
     assert httpx.get(gateway.url + "/readyz").status_code == 200
-    assert "/v1/tickets" in httpx.get(gateway.url + "/openapi.json").json()["paths"]
-    assert httpx.get(gateway.url + "/docs").status_code == 200
-    assert "ticketq_gateway_request_seconds_bucket" in httpx.get(gateway.url + "/metrics").text
+    assert "/v1/tickets" in httpx.get(gateway.url + "/openapi.json", headers=ADMIN).json()["paths"]
+    assert httpx.get(gateway.url + "/docs", headers=ADMIN).status_code == 200
+    assert "ticketq_gateway_request_seconds_bucket" in httpx.get(gateway.url + "/metrics", headers=ADMIN).text
+    for path in ("/metrics", "/docs", "/openapi.json"):  # admin only: the tickets' token is not enough
+        refused = gateway.client.get(path)
+        assert refused.status_code == 401 and refused.headers["WWW-Authenticate"].startswith("Bearer")
 
 
 def test_full_redis_answers_503_and_every_202_is_kept(tmp_path):
