@@ -10,6 +10,7 @@ import hmac
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,7 +27,7 @@ import httpx
 import pytest
 import redis
 from test_gateway import running_gateway
-from workers import ROOT, free_port, null_classifier_service, wait_for
+from workers import ROOT, free_port, null_classifier_service, skip_or_fail, wait_for
 
 from gateway.deliver import backoff_s, sign
 from gateway.keys import DELIVER_DEAD_STREAM, DELIVER_GAPS_STREAM
@@ -309,3 +310,18 @@ def test_results_trimmed_before_delivery_are_counted_logged_once_and_redelivered
         assert arrived == {ticket["id"] for ticket in tickets}  # 0 lost
         assert client.xlen(DELIVER_GAPS_STREAM) == 0  # the range repaired is forgotten
         assert dispatcher.command("redeliver-trimmed").stdout.startswith("0 delivered")
+
+
+def test_the_dispatcher_alert_rules_fire_and_stay_quiet():
+    """deploy/prometheus/deliver-alerts.yml: delivery lag, trimmed results and dead letters page,
+    each with its text, and a healthy dispatcher does not (promtool's rule unit tests)."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        skip_or_fail("no promtool (Debian package `prometheus`)")
+    rules = ROOT / "deploy" / "prometheus"
+    checked = subprocess.run([promtool, "check", "rules", str(rules / "deliver-alerts.yml")], capture_output=True,
+                             text=True, timeout=60)  # fmt: skip
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    tested = subprocess.run([promtool, "test", "rules", str(rules / "deliver-alerts.test.yml")], capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    assert tested.returncode == 0, tested.stdout + tested.stderr
