@@ -63,7 +63,9 @@ class GroupReader:
         pipe.xinfo_groups(RESULTS_STREAM)
         pipe.xreadgroup(self.group, self.consumer, {RESULTS_STREAM: ">"}, count=count)
         stream, groups, reply = pipe.execute()
-        group = next(g for g in groups if text(g["name"]) == self.group)
+        group = next((g for g in groups if text(g["name"]) == self.group), None)
+        if group is None:  # deleted since ensure_group: the XREADGROUP failed too (NOGROUP)
+            return []
         self._check_gap(stream, group)
         lag = group.get("lag")
         self.metrics.lag.set((stream["length"] if lag is None else lag) + group["pending"])
@@ -75,14 +77,10 @@ class GroupReader:
     def _check_gap(self, stream: dict, group: dict) -> None:
         """Entries after the group's last-delivered id that the stream no longer holds: trimmed
         (TICKETQ_STREAM_MAXLEN) before the group read them; counted, logged once, recorded for repair."""
-        last, first = text(group["last-delivered-id"]), stream.get("first-entry")
-        if not first or stream_id(text(first[0])) <= stream_id(last):
-            return
-        read = group.get("entries-read")
-        unknown = read is None and last != "0-0"  # not countable (an XDEL or XGROUP SETID in between)
-        trimmed = 0 if unknown else stream["entries-added"] - (read or 0) - stream["length"]
-        if trimmed > 0 or unknown:
-            self._account_trimmed(last, text(first[0]), trimmed)
+        trimmed = trimmed_unread(stream, group)
+        if trimmed != 0:
+            first = text(stream["first-entry"][0])
+            self._account_trimmed(text(group["last-delivered-id"]), first, trimmed or 0)
 
     def _account_trimmed(self, after: str, before: str, count: int) -> None:
         self.metrics.trimmed.inc(count)
@@ -90,7 +88,7 @@ class GroupReader:
                         maxlen=self.settings.stream_maxlen, approximate=True)  # fmt: skip
         log.error("%s result(s) after %s and before %s were trimmed from %s (TICKETQ_STREAM_MAXLEN) before group "
                   "%s delivered them: re-POST them with `ticketq-deliver redeliver-trimmed`",
-                  count or "an unknown number of", after, before, RESULTS_STREAM, self.group)  # fmt: skip
+                  count or "an unknown number (maybe none) of", after, before, RESULTS_STREAM, self.group)  # fmt: skip
 
     def claim(self) -> list[Entry]:
         """Entries pending in the group for longer than TICKETQ_DELIVER_CLAIM_IDLE_S, now ours."""
@@ -103,6 +101,19 @@ class GroupReader:
         if entries:
             log.info("re-claimed %d result(s) left pending by a dispatcher that stopped", len(entries))
         return entries
+
+
+def trimmed_unread(stream: dict, group: dict) -> int | None:
+    """How many entries after the group's last-delivered id the stream no longer holds (XINFO STREAM
+    and XINFO GROUPS replies): 0 when none, None when Redis cannot count them (before Redis 7, or
+    after an XDEL or XGROUP SETID made the group's entries-read unknown)."""
+    last, first = text(group["last-delivered-id"]), stream.get("first-entry")
+    if not first or stream_id(text(first[0])) <= stream_id(last):
+        return 0  # the stream still holds the entry right after the last one read
+    read, added = group.get("entries-read"), stream.get("entries-added")
+    if added is None or (read is None and last != "0-0"):
+        return None
+    return max(0, added - (read or 0) - stream["length"])
 
 
 def _entries(raw: Sequence) -> tuple[list[Entry], list[str]]:

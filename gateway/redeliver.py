@@ -17,6 +17,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from itertools import islice
 from typing import Any
 
 from gateway.deliver import Dispatcher
@@ -89,16 +90,17 @@ def redeliver_trimmed(dispatcher: Dispatcher, margin_s: float) -> Repaired:
 def stored_results(dispatcher: Dispatcher) -> Iterator[tuple[str, int, Any, float]]:
     """(task id, slot, result, stored at in unix ms) of every SUCCESS in the Celery backend: a packed
     message's result is a list, one per ticket (slot = its place), an unpacked one's slot is 0."""
-    for key in dispatcher.redis.scan_iter(CELERY_RESULT_KEY.format(task_id="*"), count=SCAN_COUNT):
-        raw = dispatcher.redis.get(key)
-        meta = json.loads(raw) if raw else {}
-        if meta.get("status") != "SUCCESS" or not meta.get("date_done"):
-            continue
-        stored = datetime.fromisoformat(meta["date_done"])
-        stored = stored if stored.tzinfo else stored.replace(tzinfo=timezone.utc)  # Celery's now() is UTC
-        value, task_id = meta.get("result"), meta.get("task_id") or text(key).rpartition("meta-")[2]
-        for slot, result in enumerate(value if isinstance(value, list) else [value]):
-            yield task_id, slot, result, stored.timestamp() * 1000
+    keys = dispatcher.redis.scan_iter(CELERY_RESULT_KEY.format(task_id="*"), count=SCAN_COUNT)
+    while page := list(islice(keys, SCAN_COUNT)):
+        for key, raw in zip(page, dispatcher.redis.mget(page), strict=True):  # one round trip a page
+            meta = json.loads(raw) if raw else {}
+            if meta.get("status") != "SUCCESS" or not meta.get("date_done"):
+                continue
+            stored = datetime.fromisoformat(meta["date_done"])
+            stored = stored if stored.tzinfo else stored.replace(tzinfo=timezone.utc)  # Celery's now() is UTC
+            value, task_id = meta.get("result"), meta.get("task_id") or text(key).rpartition("meta-")[2]
+            for slot, result in enumerate(value if isinstance(value, list) else [value]):
+                yield task_id, slot, result, stored.timestamp() * 1000
 
 
 def _ms(entry_id: bytes) -> int:

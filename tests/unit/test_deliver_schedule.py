@@ -41,3 +41,28 @@ def test_the_default_consumer_name_survives_a_restart():
     assert GatewaySettings().deliver_consumer is None
     assert Dispatcher.consumer_name(GatewaySettings()) == socket.gethostname()
     assert Dispatcher.consumer_name(GatewaySettings(deliver_consumer="eu-1")) == "eu-1"
+
+
+def _state(first: str | None, last: str, read: int | None, added: int | None, length: int) -> tuple[dict, dict]:
+    stream = {"first-entry": (first.encode(), {}) if first else None, "length": length}
+    if added is not None:
+        stream["entries-added"] = added
+    return stream, {"last-delivered-id": last.encode(), "entries-read": read}
+
+
+@pytest.mark.parametrize(
+    ("first", "last", "read", "added", "length", "trimmed"),
+    [
+        ("5-0", "7-0", 7, 20, 16, 0),  # the stream still holds what follows the last read
+        (None, "0-0", None, 0, 0, 0),  # empty
+        ("9-0", "0-0", None, 1000, 150, 850),  # a new (or never read) group: all but what is left
+        ("900-0", "100-0", 100, 1000, 150, 750),  # read 100, then 750 trimmed unread
+        ("101-0", "100-0", 100, 250, 150, 0),  # trimmed exactly up to the last read: none lost
+        ("900-0", "100-0", None, 1000, 150, None),  # entries-read unknown (an XDEL, a SETID)
+        ("900-0", "100-0", 100, None, 150, None),  # Redis 6: no entries-added
+    ],
+)
+def test_trimmed_unread_counts_what_the_group_never_read(first, last, read, added, length, trimmed):
+    from gateway.group import trimmed_unread
+
+    assert trimmed_unread(*_state(first, last, read, added, length)) == trimmed
