@@ -7,6 +7,8 @@ skipped past it): counted (`ticketq_deliver_trimmed_results_total`), logged once
 `keys.DELIVER_GAPS_STREAM` for `ticketq-deliver redeliver-trimmed` (gateway.redeliver). A pending
 entry trimmed before its ack (XREADGROUP returns it without fields, XAUTOCLAIM as deleted) is
 counted and recorded the same way. The delivery lag (unread plus pending) is a gauge set on each read.
+Consumers that hold nothing and were idle past TICKETQ_DELIVER_CLAIM_IDLE_S (stopped dispatchers) are
+deleted from the group on each re-claim round that found nothing (forget_consumers.lua).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import redis
 from gateway.keys import DELIVER_GAPS_STREAM
 from gateway.metrics import DeliverMetrics
 from gateway.settings import GatewaySettings
+from ticketq.lua import script
 from ticketq.names import RESULTS_STREAM
 
 log = logging.getLogger(__name__)
+FORGET_CONSUMERS = script(__package__, "forget_consumers")  # idle consumers holding nothing, deleted
 READ_BLOCK_MS = 1000  # how long one wait for new results blocks
 
 Entry = tuple[str, dict]
@@ -100,7 +104,19 @@ class GroupReader:
             self._account_trimmed(entry_id, entry_id, 1)  # pending, then trimmed: XAUTOCLAIM dropped it
         if entries:
             log.info("re-claimed %d result(s) left pending by a dispatcher that stopped", len(entries))
+        else:
+            self.forget_stopped_consumers()
         return entries
+
+    def forget_stopped_consumers(self) -> list[str]:
+        """Delete the group's consumers that hold nothing and were idle past TICKETQ_DELIVER_CLAIM_IDLE_S
+        (stopped dispatchers; one script: checked and deleted at once)."""
+        idle_ms = int(self.settings.deliver_claim_idle_s * 1000)
+        gone = [text(name) for name in self.redis.eval(FORGET_CONSUMERS, 1, RESULTS_STREAM, self.group, idle_ms,
+                                                        self.consumer)]  # fmt: skip
+        if gone:
+            log.info("forgot %d stopped consumer(s) of group %s: %s", len(gone), self.group, ", ".join(gone))
+        return gone
 
 
 def trimmed_unread(stream: dict, group: dict) -> int | None:

@@ -325,3 +325,18 @@ def test_the_dispatcher_alert_rules_fire_and_stay_quiet():
     tested = subprocess.run([promtool, "test", "rules", str(rules / "deliver-alerts.test.yml")], capture_output=True,
                             text=True, timeout=60)  # fmt: skip
     assert tested.returncode == 0, tested.stdout + tested.stderr
+
+
+def test_consumers_of_stopped_dispatchers_are_forgotten(results):
+    """A name a stopped dispatcher left in the group (an old `host:pid`), holding nothing and idle
+    past TICKETQ_DELIVER_CLAIM_IDLE_S, is deleted; the running dispatcher's own name stays."""
+    url, _, workdir, queue = results
+    client, group = redis.Redis.from_url(url), _group()
+    client.xgroup_create(RESULTS_STREAM, group, id="$")
+    client.xgroup_createconsumer(RESULTS_STREAM, group, "old-host:4242")
+
+    def names() -> list[str]:
+        return [consumer["name"].decode() for consumer in client.xinfo_consumers(RESULTS_STREAM, group)]
+
+    with receiving() as receiver, dispatching(workdir, url, queue, receiver.url, group):
+        wait_for(lambda: names() == [socket.gethostname()], 60, "the stopped consumer forgotten")
