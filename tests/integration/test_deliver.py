@@ -27,12 +27,13 @@ import httpx
 import pytest
 import redis
 from test_gateway import running_gateway
-from workers import ROOT, free_port, null_classifier_service, skip_or_fail, wait_for
+from workers import ROOT, RedisServer, free_port, null_classifier_service, skip_or_fail, wait_for
 
 from gateway.deliver import backoff_s, sign
 from gateway.keys import DELIVER_DEAD_STREAM, DELIVER_GAPS_STREAM
 from gateway.settings import GatewaySettings
 from producer.api import Producer
+from ticketq import codec
 from ticketq.config import ClientSettings
 from ticketq.names import RESULTS_STREAM
 
@@ -340,3 +341,25 @@ def test_consumers_of_stopped_dispatchers_are_forgotten(results):
 
     with receiving() as receiver, dispatching(workdir, url, queue, receiver.url, group):
         wait_for(lambda: names() == [socket.gethostname()], 60, "the stopped consumer forgotten")
+
+
+def test_pending_entries_trimmed_before_their_ack_are_counted(tmp_path):
+    """A dispatcher read five results and stopped before acking them; the stream was trimmed past
+    them. Restarted under the same name, it finds them without fields: counted as trimmed, recorded
+    for `redeliver-trimmed`, and acked, so they are not read as empty forever; new results flow on."""
+    server = RedisServer(tmp_path, aof=False).start()
+    try:
+        client, group = redis.Redis.from_url(server.url), _group()
+        client.xgroup_create(RESULTS_STREAM, group, id="0", mkstream=True)
+        for n in range(5):
+            client.xadd(RESULTS_STREAM, {"data": codec.dumps({"id": f"p{n}", "status": "ok"})})
+        assert len(client.xreadgroup(group, socket.gethostname(), {RESULTS_STREAM: ">"}, count=5)[0][1]) == 5
+        client.xtrim(RESULTS_STREAM, maxlen=0)
+        new = client.xadd(RESULTS_STREAM, {"data": codec.dumps({"id": "after", "status": "ok"})}).decode()
+        with receiving() as receiver, dispatching(tmp_path, server.url, "q", receiver.url, group) as dispatcher:
+            wait_for(lambda: new in receiver.seen, 60, "the new result delivered")
+            wait_for(lambda: dispatcher.metric("ticketq_deliver_trimmed_results_total") == 5, 10, "the count")
+        assert client.xpending(RESULTS_STREAM, group)["pending"] == 0
+        assert client.xlen(DELIVER_GAPS_STREAM) == 5
+    finally:
+        server.stop()
