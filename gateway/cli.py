@@ -1,4 +1,5 @@
-"""`ticketq-gateway` (also `python -m gateway`) and `ticketq-deliver` (`python -m gateway deliver`)."""
+"""`ticketq-gateway` (also `python -m gateway`) and `ticketq-deliver` (`python -m gateway deliver`), with
+its repair commands `ticketq-deliver dead [--redeliver]` and `ticketq-deliver redeliver-trimmed`."""
 
 from __future__ import annotations
 
@@ -39,17 +40,55 @@ def gateway_main(argv: list[str] | None = None) -> None:
 
 
 def deliver_main(argv: list[str] | None = None) -> None:
-    """Deliver results by webhook until SIGTERM/SIGINT."""
+    """Deliver results by webhook until SIGTERM/SIGINT; or one of the repair commands."""
     from gateway.deliver import Dispatcher
 
     parser = argparse.ArgumentParser(prog="ticketq-deliver", description="POST each result to a webhook URL.")
     parser.add_argument("--url", help="receiver URL (TICKETQ_DELIVER_URL)")
+    commands = parser.add_subparsers(dest="command", metavar="{dead,redeliver-trimmed}")
+    dead = commands.add_parser("dead", help="list the delivery dead letters (--redeliver: POST each once more)")
+    dead.add_argument("--redeliver", action="store_true", help="POST each again; delete those answered 2xx")
+    trimmed = commands.add_parser("redeliver-trimmed", help="POST the stored results the stream trimmed undelivered")
+    trimmed.add_argument("--margin-s", type=float, default=5.0,
+                         help="also results stored this long before a trimmed range (default: 5)")  # fmt: skip
     args = parser.parse_args(argv)
     settings = _settings(deliver_url=args.url)
+    if args.command == "dead" and not args.redeliver:
+        _list_dead(settings)
+        return
     if not settings.deliver_url and not settings.deliver_urls:
         sys.exit("ticketq-deliver: no receiver: set TICKETQ_DELIVER_URL (or TICKETQ_DELIVER_URLS=schema=url,...)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    Dispatcher(settings).run_forever()
+    if args.command is None:
+        Dispatcher(settings).run_forever()
+        return
+    from gateway import redeliver
+
+    dispatcher = Dispatcher(settings)
+    try:
+        if args.command == "dead":
+            done = redeliver.redeliver_dead(dispatcher)
+        else:
+            done = redeliver.redeliver_trimmed(dispatcher, args.margin_s)
+    finally:
+        dispatcher.close()
+    print(f"{done.delivered} delivered, {done.failed} failed" + (f" (last: {done.last_error})" if done.failed else ""))
+    if done.failed:
+        sys.exit(1)
+
+
+def _list_dead(settings: GatewaySettings) -> None:
+    from gateway import redeliver
+    from gateway.deliver import Dispatcher
+
+    dispatcher = Dispatcher(settings)
+    try:
+        letters = redeliver.dead_letters(dispatcher)
+    finally:
+        dispatcher.close()
+    for letter in letters:
+        print(f"{letter.dead_id}\t{letter.delivery_id}\t{letter.url}\t{letter.error}")
+    print(f"{len(letters)} dead letter(s) in ticketq:deliver:dead", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:

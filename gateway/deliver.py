@@ -3,7 +3,8 @@ POSTs each result, signed, to the configured URL, at least once.
 
 A result is acked (XACK) only after the receiver answered 2xx, or after it went to the dead-letter
 stream (`keys.DELIVER_DEAD_STREAM`, in the same MULTI as its ack). A dispatcher killed at any point
-leaves its unacked results pending in the group: on start it re-reads its own (same consumer name),
+leaves its unacked results pending in the group: on start it re-reads its own (same consumer name:
+TICKETQ_DELIVER_CONSUMER, by default the host name),
 and every dispatcher re-claims, with XAUTOCLAIM, any pending longer than TICKETQ_DELIVER_CLAIM_IDLE_S
 (a dispatcher that died). So a result may be POSTed more than once, never zero times; the receiver
 deduplicates by `X-Ticketq-Delivery`, the result's stream entry id, the same on every attempt.
@@ -15,14 +16,18 @@ sha256=<hex HMAC-SHA256(TICKETQ_DELIVER_SECRET, timestamp + "." + body)>`; the b
 Retries: a POST that fails (no answer, or not 2xx) is tried again after TICKETQ_DELIVER_BACKOFF_S,
 doubling up to TICKETQ_DELIVER_BACKOFF_MAX_S, with jitter (half the pause random), for at most
 TICKETQ_DELIVER_MAX_ATTEMPTS POSTs; then it is dead-lettered. Worst case per result: that many
-POSTs, each up to TICKETQ_DELIVER_TIMEOUT_S, plus the pauses (with the defaults: 8 POSTs over about
-a minute and a half of pauses), and again per dispatcher crash, whose count starts over. Before
+POSTs, each up to TICKETQ_DELIVER_TIMEOUT_S, plus the pauses (with the defaults: 30 POSTs over 11.5
+to 23 minutes of pauses, `pause_bounds`: a receiver down for ten minutes dead-letters nothing), and
+again per dispatcher crash, whose count starts over. Before
 each retry the entry is claimed again by its own consumer (one XCLAIM), so its idle time restarts
 and no other dispatcher takes a result that is merely backing off: an entry in work is never idle
 longer than one POST and one pause, which is why TICKETQ_DELIVER_CLAIM_IDLE_S must exceed
 TICKETQ_DELIVER_TIMEOUT_S + TICKETQ_DELIVER_BACKOFF_MAX_S (checked at start). A batch is
 TICKETQ_DELIVER_CONCURRENCY results, each POSTed by its own thread at once, and the next batch waits
 for the slowest: a receiver that is down holds the stream back, and gets the backlog once it is back.
+
+Reading the group (own pending entries, new ones, re-claims, ranges trimmed before they were read)
+is gateway.group's; the repair commands are gateway.redeliver's.
 """
 
 from __future__ import annotations
@@ -31,7 +36,6 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import random
 import signal
 import socket
@@ -44,6 +48,7 @@ from typing import Any
 import httpx
 import redis
 
+from gateway.group import Entry, GroupReader
 from gateway.keys import (
     DELIVER_DEAD_STREAM,
     DELIVERY_HEADER,
@@ -57,15 +62,19 @@ from ticketq import codec, connections
 from ticketq.names import RESULTS_STREAM
 
 log = logging.getLogger(__name__)
-READ_BLOCK_MS = 1000  # how long one XREADGROUP waits for new results
 REDIS_PAUSE_S = 1.0  # pause after a Redis error in the loop before asking again
-
-Entry = tuple[str, dict]
 
 
 def sign(secret: bytes, timestamp: str, body: bytes) -> str:
     """The X-Ticketq-Signature of `body` sent at `timestamp`: `sha256=<hex>`."""
     return "sha256=" + hmac.new(secret, timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
+
+
+def pause_bounds(attempts: int, base_s: float, cap_s: float) -> tuple[float, float]:
+    """Least and most time, in pauses, between the first and the last of `attempts` POSTs of one result:
+    a receiver down for less than the least loses nothing to the dead-letter stream."""
+    full = sum(min(cap_s, base_s * 2 ** (attempt - 1)) for attempt in range(1, attempts))
+    return full / 2, full
 
 
 def backoff_s(attempt: int, base_s: float, cap_s: float, rng: random.Random) -> float:
@@ -81,14 +90,20 @@ class Dispatcher:
         self.settings = settings
         self.metrics = metrics or DeliverMetrics.build()
         self.group = settings.deliver_group
-        self.consumer = settings.deliver_consumer or f"{socket.gethostname()}:{os.getpid()}"
+        self.consumer = self.consumer_name(settings)
         self.redis = connections.redis_client(settings.broker_url, **settings.sentinel, retries=3)
         self.http = httpx.Client(timeout=settings.deliver_timeout_s)
         self.secret = settings.deliver_secret.get_secret_value().encode() if settings.deliver_secret else None
         self.stop = threading.Event()
         self.rng = random.Random()
         self.pool = ThreadPoolExecutor(settings.deliver_concurrency, thread_name_prefix="deliver")
-        self._own_done = False  # this consumer's own pending entries (a restart under the same name) re-read
+        self.reader = GroupReader(self.redis, settings, self.metrics, self.consumer)
+
+    @staticmethod
+    def consumer_name(settings: GatewaySettings) -> str:
+        """TICKETQ_DELIVER_CONSUMER, else the host name: never the pid, so a restart is the same consumer
+        and re-reads its own pending entries (two dispatchers on one host each need their own name)."""
+        return settings.deliver_consumer or socket.gethostname()
 
     def run_forever(self) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -101,13 +116,13 @@ class Dispatcher:
         last_claim = 0.0
         while not self.stop.is_set():
             try:
-                self.ensure_group()
+                self.reader.ensure_group()
                 now = time.monotonic()
                 batch: list[Entry] = []
                 if now - last_claim >= self.settings.deliver_claim_idle_s / 2:
-                    batch = self.claim()
+                    batch = self.reader.claim()
                     last_claim = 0.0 if batch else now  # a page re-claimed: look for more at once
-                self.deliver(batch or self.read())
+                self.deliver(batch or self.reader.read())
             except (redis.exceptions.RedisError, OSError) as exc:
                 log.warning("Redis error, asking again in %.0f s: %s", REDIS_PAUSE_S, str(exc).splitlines()[0])
                 self.stop.wait(REDIS_PAUSE_S)
@@ -118,35 +133,6 @@ class Dispatcher:
         self.http.close()
         connections.close(self.redis)
 
-    def ensure_group(self) -> None:
-        """Create the group at the stream's start (results already there are delivered too) if absent."""
-        try:
-            self.redis.xgroup_create(RESULTS_STREAM, self.group, id="0", mkstream=True)
-        except redis.exceptions.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-
-    def read(self) -> list[Entry]:
-        """This consumer's own pending entries first (once), then new ones (blocking READ_BLOCK_MS)."""
-        start = ">" if self._own_done else "0"
-        count = self.settings.deliver_concurrency  # one thread each: none waits untouched in the pool
-        reply = self.redis.xreadgroup(self.group, self.consumer, {RESULTS_STREAM: start}, count=count,
-                                      block=None if start == "0" else READ_BLOCK_MS)  # fmt: skip
-        entries = _entries(reply[0][1]) if reply else []
-        if start == "0" and not entries:
-            self._own_done = True
-        return entries
-
-    def claim(self) -> list[Entry]:
-        """Entries pending in the group for longer than TICKETQ_DELIVER_CLAIM_IDLE_S, now ours."""
-        reply = self.redis.xautoclaim(RESULTS_STREAM, self.group, self.consumer,
-                                      int(self.settings.deliver_claim_idle_s * 1000), start_id="0-0",
-                                      count=self.settings.deliver_concurrency)  # fmt: skip
-        entries = _entries(reply[1])
-        if entries:
-            log.info("re-claimed %d result(s) left pending by a dispatcher that stopped", len(entries))
-        return entries
-
     def deliver(self, entries: Sequence[Entry]) -> None:
         """POST each entry (TICKETQ_DELIVER_CONCURRENCY at once); each is acked by its own thread."""
         for future in [self.pool.submit(self.deliver_one, entry_id, fields) for entry_id, fields in entries]:
@@ -156,8 +142,7 @@ class Dispatcher:
         """POST one result until 2xx (acked: True) or TICKETQ_DELIVER_MAX_ATTEMPTS (dead-lettered: False).
         Stopping part way leaves it pending: a later run delivers it."""
         result = codec.loads(fields[b"data"]) if b"data" in fields else None
-        url = self._url_for(result)
-        body = json.dumps({"delivery_id": entry_id, "result": result, "metadata": self._metadata(result)}).encode()
+        url, body = self._url_for(result), self.body(entry_id, result)
         error = "no receiver URL for its schema (TICKETQ_DELIVER_URLS)" if url is None else ""
         for attempt in range(1, self.settings.deliver_max_attempts + 1 if url else 0):
             if attempt > 1:
@@ -172,6 +157,17 @@ class Dispatcher:
                 return True
         self._dead_letter(entry_id, fields, url, error)
         return False
+
+    def body(self, delivery_id: str, result: Any) -> bytes:
+        """What is POSTed for one result: `{"delivery_id", "result", "metadata"}`."""
+        return json.dumps({"delivery_id": delivery_id, "result": result, "metadata": self._metadata(result)}).encode()
+
+    def post_once(self, delivery_id: str, result: Any) -> str:
+        """One POST of a result outside the group (the repair commands): "" when 2xx, else the error."""
+        url = self._url_for(result)
+        if url is None:
+            return "no receiver URL for its schema (TICKETQ_DELIVER_URLS)"
+        return self._post(url, delivery_id, self.body(delivery_id, result))
 
     def _post(self, url: str, entry_id: str, body: bytes) -> str:
         """"" when the receiver answered 2xx, else what went wrong (one line)."""
@@ -214,12 +210,3 @@ class Dispatcher:
             return None
         marker = self.redis.get(TICKET_KEY.format(queue=self.settings.queue, ticket_id=result["id"]))
         return json.loads(marker).get("metadata") if marker else None
-
-
-def _entries(raw: Sequence) -> list[Entry]:
-    """XREADGROUP/XAUTOCLAIM entries as (id, fields); a deleted entry (fields None) is skipped."""
-    out = []
-    for entry_id, fields in raw:
-        if fields:
-            out.append((entry_id.decode() if isinstance(entry_id, bytes) else entry_id, fields))
-    return out

@@ -14,6 +14,12 @@ TICKET_KEY = "ticketq:gateway:ticket:{queue}:{ticket_id}"
 IDEMPOTENCY_KEY = "ticketq:gateway:idem:{tenant}:{digest}"
 # Results the dispatcher gave up on after TICKETQ_DELIVER_MAX_ATTEMPTS POSTs, with the last error.
 DELIVER_DEAD_STREAM = "ticketq:deliver:dead"
+# Ranges of the results stream trimmed before a dispatcher group read them: {group, after, before,
+# count}; results stored in the Celery backend between `after` and `before` (stream ids, ms) are
+# what `ticketq-deliver redeliver-trimmed` re-POSTs, and it deletes each range it repaired.
+DELIVER_GAPS_STREAM = "ticketq:deliver:trimmed"
+# Celery's result backend key of a task (what `redeliver-trimmed` reads).
+CELERY_RESULT_KEY = "celery-task-meta-{task_id}"
 
 # HTTP headers of a delivered result.
 DELIVERY_HEADER = "X-Ticketq-Delivery"  # the same on every retry of one result: the receiver's idempotency key
@@ -30,3 +36,5 @@ DELIVERIES = "ticketq_deliver_deliveries"
 DELIVER_ATTEMPTS = "ticketq_deliver_attempts"
 DELIVER_DEAD = "ticketq_deliver_dead_letters"
 DELIVER_SECONDS = "ticketq_deliver_post_seconds"
+DELIVER_TRIMMED = "ticketq_deliver_trimmed_results"
+DELIVER_LAG = "ticketq_deliver_lag_results"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gateway import keys
 
@@ -42,6 +42,8 @@ class DeliverMetrics:
     attempts: Counter
     dead: Counter
     latency: Histogram
+    trimmed: Counter
+    lag: Gauge
 
     @classmethod
     def build(cls, registry: CollectorRegistry | None = None) -> DeliverMetrics:
@@ -55,4 +57,8 @@ class DeliverMetrics:
                     registry=registry),
             Histogram(keys.DELIVER_SECONDS, "Time of one POST to the receiver", buckets=LATENCY_BUCKETS,
                       registry=registry),
+            Counter(keys.DELIVER_TRIMMED, "Results trimmed from the stream before this group delivered them "
+                    "(re-POST them with `ticketq-deliver redeliver-trimmed`)", registry=registry),
+            Gauge(keys.DELIVER_LAG, "Results in the stream this group has not read yet, plus those pending",
+                  registry=registry),
         )

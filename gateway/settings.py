@@ -110,13 +110,17 @@ class GatewaySettings(ClientSettings):
     )
     deliver_secret: SecretStr | None = Field(None, description="HMAC-SHA256 key of the X-Ticketq-Signature header.")
     deliver_group: str = Field("ticketq-deliver", description="Consumer group on the results stream.")
-    deliver_consumer: str | None = Field(None, description="This dispatcher's consumer name (default: host:pid).")
-    deliver_max_attempts: int = Field(8, ge=1, description="POSTs of one result before it is dead-lettered.")
+    deliver_consumer: str | None = Field(
+        None, description="This dispatcher's consumer name, the same across restarts (default: the host name)."
+    )
+    deliver_max_attempts: int = Field(
+        30, ge=1, description="POSTs of one result before it is dead-lettered (defaults ride out 11+ minutes)."
+    )
     deliver_backoff_s: float = Field(0.5, gt=0, description="First pause after a failed POST; doubles per attempt.")
-    deliver_backoff_max_s: float = Field(30.0, gt=0, description="Longest pause between POSTs of one result.")
+    deliver_backoff_max_s: float = Field(60.0, gt=0, description="Longest pause between POSTs of one result.")
     deliver_timeout_s: float = Field(10.0, gt=0, description="Timeout of one POST to the receiver.")
     deliver_claim_idle_s: float = Field(
-        60.0, gt=0, description="Pending results unacked this long are re-claimed (a dispatcher that died)."
+        120.0, gt=0, description="Pending results unacked this long are re-claimed (a dispatcher that died)."
     )
     deliver_concurrency: int = Field(8, ge=1, description="Results POSTed at once.")
     deliver_metrics_port: int = Field(9108, ge=0, le=65535, description="Port of the dispatcher's /metrics; 0: off.")

@@ -10,7 +10,9 @@ import hmac
 import json
 import os
 import random
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -25,11 +27,13 @@ import httpx
 import pytest
 import redis
 from test_gateway import running_gateway
-from workers import ROOT, free_port, null_classifier_service, wait_for
+from workers import ROOT, RedisServer, free_port, null_classifier_service, skip_or_fail, wait_for
 
 from gateway.deliver import backoff_s, sign
-from gateway.keys import DELIVER_DEAD_STREAM
+from gateway.keys import DELIVER_DEAD_STREAM, DELIVER_GAPS_STREAM
+from gateway.settings import GatewaySettings
 from producer.api import Producer
+from ticketq import codec
 from ticketq.config import ClientSettings
 from ticketq.names import RESULTS_STREAM
 
@@ -56,10 +60,12 @@ class _Server(ThreadingHTTPServer):
 
 class Receiver:
     """An HTTP receiver: verifies each POST's signature, records its delivery id, answers 500 for
-    the first `fail_first` POSTs (all of them when `fail_first` is None), 200 after."""
+    the first `fail_first` POSTs (all of them when `fail_first` is None), or every POST in its first
+    `down_s` seconds, 200 after."""
 
-    def __init__(self, fail_first: int | None = 0, delay_s: float = 0.0) -> None:
+    def __init__(self, fail_first: int | None = 0, delay_s: float = 0.0, down_s: float = 0.0) -> None:
         self.fail_first, self.delay_s = fail_first, delay_s
+        self.up_at = time.monotonic() + down_s
         self.posts = 0
         self.seen: Counter = Counter()
         self.bodies: dict[str, dict] = {}  # delivery id -> the body delivered
@@ -87,7 +93,7 @@ class Receiver:
         delivery = request.headers["X-Ticketq-Delivery"]
         with self.lock:
             self.posts += 1
-            failing = self.fail_first is None or self.posts <= self.fail_first
+            failing = self.fail_first is None or self.posts <= self.fail_first or time.monotonic() < self.up_at
             if not ok:
                 self.bad_signatures += 1
             elif not failing:
@@ -142,6 +148,11 @@ class Dispatcher:
             self.proc.terminate()
             self.proc.wait(timeout=30)
 
+    def command(self, *args: str) -> subprocess.CompletedProcess:
+        """`python -m gateway deliver ARGS` (a repair command) with this dispatcher's settings."""
+        return subprocess.run([sys.executable, "-m", "gateway", "deliver", *args], cwd=ROOT, env=self.env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+
     def metric(self, name: str) -> float:
         for line in httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text.splitlines():
             if line.startswith(name + " "):
@@ -182,8 +193,8 @@ def _group() -> str:
 
 
 def test_kill_9_mid_stream_loses_nothing(results):
-    """Killed with results in flight and restarted (a new consumer: its pending entries are
-    re-claimed): every result delivered at least once; deduplicated, each exactly once."""
+    """Killed with results in flight and restarted (the same consumer name, the host's: it re-reads
+    its own pending entries): every result delivered at least once; deduplicated, each exactly once."""
     url, entries, workdir, queue = results
     group = _group()
     with receiving(delay_s=0.01) as receiver:
@@ -230,3 +241,125 @@ def test_a_receiver_failing_for_good_ends_in_the_dead_letter_stream(results):
     assert sorted(fields[b"entry_id"].decode() for _, fields in dead) == sorted(entries)
     assert all(b"answered 500" in fields[b"error"] for _, fields in dead)
     assert client.xpending(RESULTS_STREAM, group)["pending"] == 0
+    listed = dispatcher.command("dead")
+    assert listed.returncode == 0 and len(listed.stdout.splitlines()) == client.xlen(DELIVER_DEAD_STREAM)
+    assert all(line.split("\t")[1] in entries for line in listed.stdout.splitlines()[-len(entries):])
+    with receiving() as receiver:
+        dispatcher.env["TICKETQ_DELIVER_URL"] = receiver.url
+        again = dispatcher.command("dead", "--redeliver")
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert set(receiver.seen) >= set(entries)  # under their first delivery ids
+    assert client.xlen(DELIVER_DEAD_STREAM) == 0
+
+
+def test_a_restart_under_the_default_name_takes_its_own_pending_entries(results):
+    """No TICKETQ_DELIVER_CONSUMER and no re-claim (an hour's idle): what the killed dispatcher held
+    pending is delivered by its restart alone, and the group keeps one consumer name."""
+    url, entries, workdir, queue = results
+    group, env = _group(), {"TICKETQ_DELIVER_CLAIM_IDLE_S": "3600", "TICKETQ_DELIVER_CONCURRENCY": "4"}
+    client = redis.Redis.from_url(url)
+    with receiving(delay_s=0.02) as receiver:
+        first = Dispatcher(workdir, url, queue, receiver.url, group, **env).start()
+        wait_for(lambda: sum(receiver.seen.values()) >= 40, 60, "the first deliveries")
+        first.kill()
+        assert client.xpending(RESULTS_STREAM, group)["pending"] > 0, "killed with nothing in flight"
+        with dispatching(workdir, url, queue, receiver.url, group, **env):
+            wait_for(lambda: set(receiver.seen) >= set(entries), 60, "every result delivered")
+    assert [c["name"].decode() for c in client.xinfo_consumers(RESULTS_STREAM, group)] == [socket.gethostname()]
+    assert client.xpending(RESULTS_STREAM, group)["pending"] == 0
+
+
+def test_a_receiver_down_for_ten_minutes_with_the_default_schedule_scaled_down(results):
+    """The default schedule (TICKETQ_DELIVER_MAX_ATTEMPTS and the doubling) with every pause and the
+    outage 300 times shorter: ten minutes become 2 s, and nothing is dead-lettered."""
+    url, entries, workdir, queue = results
+    scale = 300
+    defaults = GatewaySettings.model_fields
+    env = {"TICKETQ_DELIVER_BACKOFF_S": str(defaults["deliver_backoff_s"].default / scale),
+           "TICKETQ_DELIVER_BACKOFF_MAX_S": str(defaults["deliver_backoff_max_s"].default / scale),
+           "TICKETQ_DELIVER_MAX_ATTEMPTS": str(defaults["deliver_max_attempts"].default)}  # fmt: skip
+    with receiving(down_s=600 / scale) as receiver, dispatching(workdir, url, queue, receiver.url, _group(),
+                                                                **env) as dispatcher:  # fmt: skip
+        wait_for(lambda: set(receiver.seen) >= set(entries), 60, "everything delivered after the outage")
+        assert dispatcher.metric('ticketq_deliver_attempts_total{outcome="http_500"}') > 0  # it was down
+        assert dispatcher.metric("ticketq_deliver_dead_letters_total") == 0
+
+
+def test_results_trimmed_before_delivery_are_counted_logged_once_and_redelivered(tmp_path):
+    """The dispatcher stopped while 10x TICKETQ_STREAM_MAXLEN results are produced: on restart it
+    delivers what the stream still holds, counts and logs (once) what was trimmed, and
+    `redeliver-trimmed` POSTs those from the Celery backend: every ticket's result arrives."""
+    maxlen, tickets = 100, [{"id": f"t{n}", "text": f"ticket {n}"} for n in range(1000)]
+    with null_classifier_service(tmp_path, "trim", TICKETQ_STREAM_MAXLEN=str(maxlen)) as (url, queue):
+        client, group = redis.Redis.from_url(url), _group()
+        client.xgroup_create(RESULTS_STREAM, group, id="0", mkstream=True)  # a dispatcher ran, then stopped
+        with Producer(ClientSettings(broker_url=url, queue=queue)) as producer:
+            rows = producer.wait(producer.submit_many(tickets, pack=10), timeout=120)
+        assert all(row["status"] == "ok" for row in rows)
+        kept = [entry_id.decode() for entry_id, _ in client.xrange(RESULTS_STREAM)]
+        assert len(kept) < len(tickets) // 2, "nothing was trimmed"
+        with receiving() as receiver:
+            with dispatching(tmp_path, url, queue, receiver.url, group) as dispatcher:
+                wait_for(lambda: set(receiver.seen) >= set(kept), 60, "what the stream holds delivered")
+                wait_for(lambda: dispatcher.metric("ticketq_deliver_trimmed_results_total") > 0, 10, "the count")
+                assert dispatcher.metric("ticketq_deliver_trimmed_results_total") == len(tickets) - len(kept)
+                wait_for(lambda: dispatcher.metric("ticketq_deliver_lag_results") == 0, 10, "no lag left")
+            assert dispatcher.log.read_text().count("were trimmed from") == 1
+            repaired = dispatcher.command("redeliver-trimmed")
+            assert repaired.returncode == 0, repaired.stdout + repaired.stderr
+            arrived = {body["result"]["id"] for body in receiver.bodies.values()}
+        assert arrived == {ticket["id"] for ticket in tickets}  # 0 lost
+        assert client.xlen(DELIVER_GAPS_STREAM) == 0  # the range repaired is forgotten
+        assert dispatcher.command("redeliver-trimmed").stdout.startswith("0 delivered")
+
+
+def test_the_dispatcher_alert_rules_fire_and_stay_quiet():
+    """deploy/prometheus/deliver-alerts.yml: delivery lag, trimmed results and dead letters page,
+    each with its text, and a healthy dispatcher does not (promtool's rule unit tests)."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        skip_or_fail("no promtool (Debian package `prometheus`)")
+    rules = ROOT / "deploy" / "prometheus"
+    checked = subprocess.run([promtool, "check", "rules", str(rules / "deliver-alerts.yml")], capture_output=True,
+                             text=True, timeout=60)  # fmt: skip
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    tested = subprocess.run([promtool, "test", "rules", str(rules / "deliver-alerts.test.yml")], capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+
+
+def test_consumers_of_stopped_dispatchers_are_forgotten(results):
+    """A name a stopped dispatcher left in the group (an old `host:pid`), holding nothing and idle
+    past TICKETQ_DELIVER_CLAIM_IDLE_S, is deleted; the running dispatcher's own name stays."""
+    url, _, workdir, queue = results
+    client, group = redis.Redis.from_url(url), _group()
+    client.xgroup_create(RESULTS_STREAM, group, id="$")
+    client.xgroup_createconsumer(RESULTS_STREAM, group, "old-host:4242")
+
+    def names() -> list[str]:
+        return [consumer["name"].decode() for consumer in client.xinfo_consumers(RESULTS_STREAM, group)]
+
+    with receiving() as receiver, dispatching(workdir, url, queue, receiver.url, group):
+        wait_for(lambda: names() == [socket.gethostname()], 60, "the stopped consumer forgotten")
+
+
+def test_pending_entries_trimmed_before_their_ack_are_counted(tmp_path):
+    """A dispatcher read five results and stopped before acking them; the stream was trimmed past
+    them. Restarted under the same name, it finds them without fields: counted as trimmed, recorded
+    for `redeliver-trimmed`, and acked, so they are not read as empty forever; new results flow on."""
+    server = RedisServer(tmp_path, aof=False).start()
+    try:
+        client, group = redis.Redis.from_url(server.url), _group()
+        client.xgroup_create(RESULTS_STREAM, group, id="0", mkstream=True)
+        for n in range(5):
+            client.xadd(RESULTS_STREAM, {"data": codec.dumps({"id": f"p{n}", "status": "ok"})})
+        assert len(client.xreadgroup(group, socket.gethostname(), {RESULTS_STREAM: ">"}, count=5)[0][1]) == 5
+        client.xtrim(RESULTS_STREAM, maxlen=0)
+        new = client.xadd(RESULTS_STREAM, {"data": codec.dumps({"id": "after", "status": "ok"})}).decode()
+        with receiving() as receiver, dispatching(tmp_path, server.url, "q", receiver.url, group) as dispatcher:
+            wait_for(lambda: new in receiver.seen, 60, "the new result delivered")
+            wait_for(lambda: dispatcher.metric("ticketq_deliver_trimmed_results_total") == 5, 10, "the count")
+        assert client.xpending(RESULTS_STREAM, group)["pending"] == 0
+        assert client.xlen(DELIVER_GAPS_STREAM) == 5
+    finally:
+        server.stop()

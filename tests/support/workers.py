@@ -105,11 +105,12 @@ class RedisServer:
 
 
 @contextmanager
-def null_classifier_service(workdir: Path, prefix: str) -> Iterator[tuple[str, str]]:
-    """A private redis-server and one null-classifier worker on a fresh queue: (broker url, queue)."""
+def null_classifier_service(workdir: Path, prefix: str, **extra: str) -> Iterator[tuple[str, str]]:
+    """A private redis-server and one null-classifier worker on a fresh queue (its environment plus
+    `extra`): (broker url, queue)."""
     server = RedisServer(workdir, aof=False).start()
     queue = f"{prefix}-{uuid.uuid4().hex[:8]}"
-    env = worker_env(None, server.url, queue, TICKETQ_NULL_CLASSIFIER="1")
+    env = worker_env(None, server.url, queue, TICKETQ_NULL_CLASSIFIER="1", **extra)
     try:
         with running_worker(env, workdir / "worker.log"):
             yield server.url, queue
