@@ -7,6 +7,7 @@ import logging
 import sys
 
 from gateway.settings import GatewaySettings
+from ticketq.cli import version_line
 from ticketq.config import SettingsError
 
 
@@ -15,6 +16,12 @@ def _settings(**overrides: object) -> GatewaySettings:
         return GatewaySettings.from_env(**overrides)
     except SettingsError as exc:
         sys.exit(f"ticketq-gateway: invalid settings:\n{exc}")
+
+
+def _add_version(parser: argparse.ArgumentParser) -> None:
+    """`--version` as on every other ticketq command (README): the same line, exit 0."""
+    parser.add_argument("--version", action="version", version=version_line(parser.prog),
+                        help="show the version and exit")  # fmt: skip
 
 
 def gateway_main(argv: list[str] | None = None) -> None:
@@ -27,6 +34,7 @@ def gateway_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", help="listen address (TICKETQ_GATEWAY_HOST)")
     parser.add_argument("--port", type=int, help="listen port (TICKETQ_GATEWAY_PORT)")
     parser.add_argument("--log-level", default="warning", help="uvicorn's log level (default: warning)")
+    _add_version(parser)
     args = parser.parse_args(argv)
     settings = _settings(gateway_host=args.host, gateway_port=args.port)
     if not settings.gateway_tokens and not settings.gateway_anonymous:
@@ -43,6 +51,7 @@ def deliver_main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="ticketq-deliver", description="POST each result to a webhook URL.")
     parser.add_argument("--url", help="receiver URL (TICKETQ_DELIVER_URL)")
+    _add_version(parser)
     args = parser.parse_args(argv)
     settings = _settings(deliver_url=args.url)
     if not settings.deliver_url and not settings.deliver_urls:
