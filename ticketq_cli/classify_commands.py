@@ -185,7 +185,7 @@ def evaluate(
     except TicketFileError as exc:
         fail(str(exc))
     with reader:
-        check_model(settings)
+        check_model(settings, hub=True)
         engine = _load_engine(settings)
         from tqdm import tqdm
 

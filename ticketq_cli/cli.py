@@ -33,7 +33,7 @@ def worker(
     from worker.httpserver import port_problem
 
     settings = read_settings()
-    check_model(settings)
+    check_model(settings, hub=True)  # before Celery's and the kernel probes' start-up lines
     if problem := port_problem(settings.metrics_host, settings.metrics_port):
         fail(problem)
     from worker.app import CannotStart, run_worker

@@ -117,3 +117,14 @@ def test_the_gateways_settings_are_no_misspellings_for_a_producer():
     assert added and all(name.startswith(GATEWAY_PREFIXES) for name in added)
     environ = {f"TICKETQ_{name.upper()}": "x" for name in added}
     assert ClientSettings.unknown_names({**environ, "TICKETQ_GATEWAY_PROT": "1"}) == []
+
+
+def test_a_worker_without_the_model_hub_says_so_first_and_alone(tmp_path):
+    """No Hub and a Hub id not in the cache: the one line naming `ticketq standin`, before Celery's
+    banner, the kernel probes or Redis are touched (the broker here is not even listening)."""
+    offline = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "TICKETQ_BROKER_URL": DEAD,
+               "TICKETQ_METRICS_PORT": "0"}  # fmt: skip
+    result = run(["ticketq", "worker"], offline, cwd=tmp_path, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert len(lines) == 1 and "ticketq standin" in lines[0] and "not reachable" in lines[0], lines
