@@ -128,3 +128,17 @@ def test_a_worker_without_the_model_hub_says_so_first_and_alone(tmp_path):
     assert result.returncode == 2, result.stdout + result.stderr
     lines = (result.stdout + result.stderr).strip().splitlines()
     assert len(lines) == 1 and "ticketq standin" in lines[0] and "not reachable" in lines[0], lines
+
+
+def test_a_setting_in_the_wrong_case_and_a_celery_variable_are_named_once(tmp_path):
+    """`ticketq_model` is used (the environment is read case-insensitively) and CELERY_BROKER_URL is
+    not: each says so once on stderr, and the latter names the setting to use."""
+    env = {"ticketq_model": "models/x", "CELERY_BROKER_URL": "redis://elsewhere:6379/0"}
+    result = run(["ticketq", "config"], env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "TICKETQ_MODEL=models/x" in result.stdout.splitlines()
+    lines = result.stderr.splitlines()
+    assert [line for line in lines if "ticketq_model" in line] == [
+        "ticketq_model is read as TICKETQ_MODEL (setting names are upper case); write it TICKETQ_MODEL"]
+    assert [line for line in lines if "CELERY_BROKER_URL" in line] == [
+        "CELERY_BROKER_URL is a Celery variable that ticketq does not read; set TICKETQ_BROKER_URL"]
