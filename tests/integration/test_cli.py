@@ -75,6 +75,34 @@ def test_version_on_the_gateway_programs(prog, capsys):
 
 
 @pytest.mark.parametrize("app", [ticketq_app, produce_app], ids=["ticketq", "ticketq-produce"])
+def test_help_names_values_as_click_does(app):
+    """No `<bool>` beside a flag, no `<path>` type column, no `{path}` in a usage line: a flag shows no
+    value, an option `PATH` or `TEXT`, an argument its name."""
+
+    def paths(group, path):
+        yield path
+        for name, sub in getattr(group, "commands", {}).items():
+            yield from paths(sub, [*path, name])
+
+    built, runner = command(app, "x"), CliRunner()
+
+    def help_of(path: list[str]) -> str:  # of the command main() runs, not one typer builds again
+        with runner.isolation(env={"COLUMNS": "100"}) as (stdout, _, _):
+            assert built.main([*path, "--help"], prog_name="x", standalone_mode=False) in (0, None), path
+            return stdout.getvalue().decode()
+
+    for path in paths(built, []):
+        if path in (["bench"], ["loadtest"]):  # their own argparse help
+            continue
+        shown = help_of(path)
+        usage = next(line for line in shown.splitlines() if "Usage:" in line)
+        assert "{" not in usage, (path, usage)
+        assert not re.search(r"<(bool|str|int|float|path|list\[\w+\])>", shown, re.I), (path, shown)
+    classify = help_of(["classify"] if app is ticketq_app else ["file"])
+    assert re.search(r"Usage: .* \[OPTIONS\] PATH\b", classify), classify
+
+
+@pytest.mark.parametrize("app", [ticketq_app, produce_app], ids=["ticketq", "ticketq-produce"])
 def test_help_texts_read_whole(app):
     """Command lists show each summary as one sentence (typer kept the docstring's line breaks),
     and help text shows its brackets (rich took `[labels]` for markup)."""
