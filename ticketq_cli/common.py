@@ -17,7 +17,8 @@ cli = typer.Typer(
     help="ticketq — route support tickets with a small LLM: Redis + Celery micro-batches, length-sorted, "
     "prefix-cached, label-constrained, checked against the unbatched reference.\n\n"
     "Exit status: 0 done; 1 some tickets failed; 2 bad settings, options or input, nothing done; "
-    "3 the input was read but nothing was classified; 4 (status) no worker answered.",
+    "3 the input was read but nothing was classified (result, dead show, dead requeue: no such id); "
+    "4 (status) no worker answered.",
     no_args_is_help=True,
     add_completion=False,
     context_settings=CONTEXT_SETTINGS,

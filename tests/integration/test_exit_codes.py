@@ -142,3 +142,19 @@ def test_a_setting_in_the_wrong_case_and_a_celery_variable_are_named_once(tmp_pa
         "ticketq_model is read as TICKETQ_MODEL (setting names are upper case); write it TICKETQ_MODEL"]
     assert [line for line in lines if "CELERY_BROKER_URL" in line] == [
         "CELERY_BROKER_URL is a Celery variable that ticketq does not read; set TICKETQ_BROKER_URL"]
+
+
+def test_a_lookup_of_an_unknown_id_exits_3_whichever_command(tmp_path):
+    """`result`, `dead show` and `dead requeue` of an id nothing has: 3 (read, nothing found), each
+    with one line saying so; 1 is for some of several tickets failing."""
+    workdir = tmp_path / "redis"
+    workdir.mkdir()
+    server = RedisServer(workdir, aof=False).start()
+    try:
+        env = {"TICKETQ_BROKER_URL": server.url}
+        for args in (["result", "nope"], ["dead", "show", "nope"], ["dead", "requeue", "nope"]):
+            result = run(["ticketq", *args], env, cwd=tmp_path, timeout=60)
+            assert result.returncode == 3, (args, result.stderr)
+            assert len(result.stderr.strip().splitlines()) == 1 and "nope" in result.stderr, (args, result.stderr)
+    finally:
+        server.kill()
