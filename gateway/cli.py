@@ -8,6 +8,7 @@ import logging
 import sys
 
 from gateway.settings import GatewaySettings
+from ticketq.cli import version_line
 from ticketq.config import SettingsError
 
 
@@ -16,6 +17,12 @@ def _settings(**overrides: object) -> GatewaySettings:
         return GatewaySettings.from_env(**overrides)
     except SettingsError as exc:
         sys.exit(f"ticketq-gateway: invalid settings:\n{exc}")
+
+
+def _add_version(parser: argparse.ArgumentParser) -> None:
+    """`--version` as on every other ticketq command (README): the same line, exit 0."""
+    parser.add_argument("--version", action="version", version=version_line(parser.prog),
+                        help="show the version and exit")  # fmt: skip
 
 
 def gateway_main(argv: list[str] | None = None) -> None:
@@ -29,6 +36,7 @@ def gateway_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", help="listen address (TICKETQ_GATEWAY_HOST)")
     parser.add_argument("--port", type=int, help="listen port (TICKETQ_GATEWAY_PORT)")
     parser.add_argument("--log-level", default="warning", help="uvicorn's log level (default: warning)")
+    _add_version(parser)
     args = parser.parse_args(argv)
     settings = _settings(gateway_host=args.host, gateway_port=args.port)
     if not settings.gateway_tokens and not settings.gateway_anonymous:
@@ -45,6 +53,7 @@ def deliver_main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="ticketq-deliver", description="POST each result to a webhook URL.")
     parser.add_argument("--url", help="receiver URL (TICKETQ_DELIVER_URL)")
+    _add_version(parser)
     commands = parser.add_subparsers(dest="command", metavar="{dead,redeliver-trimmed}")
     dead = commands.add_parser("dead", help="list the delivery dead letters (--redeliver: POST each once more)")
     dead.add_argument("--redeliver", action="store_true", help="POST each again; delete those answered 2xx")

@@ -18,6 +18,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperArgument, TyperOption
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"]}
 MAX_SHOWN = 20
@@ -39,7 +40,48 @@ def command(app: typer.Typer, prog: str) -> Callable[..., Any]:
     _add_version(app, flag)
     built = typer.main.get_command(app)
     _reflow_help(built)
+    _plain_metavars(built)
     return built
+
+
+def _plain_metavars(command: Any) -> None:
+    """Help in click's words, for `command` and every subcommand: typer 0.2x writes a type beside
+    each option (`--force <bool>`, `--out <path>`) and braces around a required argument in the
+    usage line (`{path}`); here a flag shows no value, an option its value as click names it
+    (`--out PATH`, `--format TEXT`) and an argument its name (`PATH`, `[PATH]`, `PATHS...`)."""
+    if not hasattr(TyperOption, "bare_type"):  # typer before it vendored click: click's words already
+        return
+    for param in getattr(command, "params", ()):
+        if isinstance(param, TyperOption) and param.metavar is None:
+            param.metavar = "" if param.is_flag else _value_name(param)
+        elif isinstance(param, TyperArgument) and param.metavar is None:
+            param.metavar = param.name.upper() + ("..." if param.nargs != 1 else "")
+            param.display_type_rich = lambda ctx: None  # the name column says it
+            param.get_usage_pieces = functools.partial(_argument_usage, param)
+    if hasattr(command, "get_help_option"):  # made on first use: a flag too
+        command.get_help_option = functools.partial(_flag_help_option, command.get_help_option)
+    for sub in getattr(command, "commands", {}).values():
+        _plain_metavars(sub)
+
+
+def _flag_help_option(made: Callable[[Any], Any], ctx: Any) -> Any:
+    option = made(ctx)
+    if option is not None:
+        option.metavar = ""
+    return option
+
+
+_VALUE_NAMES = {"str": "TEXT", "int": "INTEGER", "float": "FLOAT"}  # click's names for them
+
+
+def _value_name(param: TyperOption) -> str:
+    if param.type_descriptor.is_path:
+        return "PATH"
+    return _VALUE_NAMES.get(param.bare_type(), param.bare_type().upper())
+
+
+def _argument_usage(param: TyperArgument, ctx: object) -> list[str]:
+    return [param.metavar if param.required else f"[{param.metavar}]"]
 
 
 def _reflow_help(command: Any) -> None:

@@ -108,8 +108,8 @@ class ClientSettings(BaseSettings):
     def unknown_names(cls, environ: Mapping[str, str]) -> list[str]:
         """One line per TICKETQ_* variable in `environ` that is no ticketq setting (neither this
         class's nor a worker's), with the closest setting's name: a misspelt setting would
-        otherwise be ignored in silence. TICKETQ_TEST_* belong to the test suite, TICKETQ_GATEWAY_* and
-        TICKETQ_DELIVER_* to the gateway."""
+        otherwise be ignored in silence; and one per `_misnamed` variable. TICKETQ_TEST_* belong to
+        the test suite, TICKETQ_GATEWAY_* and TICKETQ_DELIVER_* to the gateway."""
         known = {f"TICKETQ_{name.upper()}" for name in (*cls.model_fields, *WORKER_SETTINGS)}
         lines = []
         for name in sorted(environ):
@@ -118,7 +118,7 @@ class ClientSettings(BaseSettings):
                 close = difflib.get_close_matches(name, known, n=1, cutoff=0.7)
                 hint = f"did you mean {close[0]}?" if close else "see `ticketq config` for every setting"
                 lines.append(f"{name} is not a ticketq setting and is ignored; {hint}")
-        return lines
+        return lines + [line for name in sorted(environ) if (line := _misnamed(name, known))]
 
     @field_validator("labels", mode="before")
     @classmethod
@@ -220,6 +220,20 @@ class ClientSettings(BaseSettings):
 # next URL (a Sentinel list) or a space, whatever it holds: a '#', '/' or '?' typed unencoded too.
 _USERINFO_PASSWORD = re.compile(r"(://[^/?#@:\s]*:)(?:(?!://)\S)*@")
 _QUERY_PASSWORD = re.compile(r"([?&]password=)[^&\s]*")  # redis-py also takes ?password=
+
+
+# Celery's own environment variables that a Celery user may expect ticketq to read; it reads its own.
+_CELERY_VARIABLES = {"CELERY_BROKER_URL": "TICKETQ_BROKER_URL", "CELERY_RESULT_BACKEND": "TICKETQ_RESULT_BACKEND"}
+
+
+def _misnamed(name: str, known: set[str]) -> str | None:
+    """The notice for `name` when it is a setting in the wrong case (used all the same: the
+    environment is read case-insensitively) or a Celery variable ticketq does not read; else None."""
+    if name != name.upper() and name.upper() in known:
+        return f"{name} is read as {name.upper()} (setting names are upper case); write it {name.upper()}"
+    if name in _CELERY_VARIABLES:
+        return f"{name} is a Celery variable that ticketq does not read; set {_CELERY_VARIABLES[name]}"
+    return None
 
 
 def mask_url(text: str) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 EXIT_OK = 0  # every row or ticket classified
 EXIT_FAILED = 1  # some rows or tickets failed (each one is reported)
 EXIT_USAGE = 2  # bad settings or options, unreadable input, Redis unreachable: nothing was done
-EXIT_NOTHING = 3  # the input was read, but not one ticket was classified
+EXIT_NOTHING = 3  # the input was read, but not one ticket was classified; a lookup found nothing
 EXIT_NO_WORKER = 4  # `ticketq status`: Redis answered, no worker did (or none could be asked)
 
 

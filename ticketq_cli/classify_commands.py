@@ -52,7 +52,7 @@ def classify(
     done, and it becomes OUT once every row is in. Stopped (Ctrl-C: exit status 130), a run keeps
     its rows there, and --resume continues it.
     """
-    settings = read_settings(ENGINE_FLAGS, model=model, dtype=dtype, device=device)
+    settings = _offline_settings(model, dtype, device)
     schema = _schema_option(schema_path)
     if fmt not in ("auto", "jsonl", "csv"):
         fail(f"--format {fmt}: must be auto, jsonl or csv")
@@ -170,7 +170,7 @@ def evaluate(
     (in a CSV, the cell holds that object as JSON); a multi-label field by per-label precision and
     recall and exact-set accuracy. A row naming a field or label the schema lacks is refused.
     """
-    settings = read_settings(ENGINE_FLAGS, model=model, dtype=dtype, device=device)
+    settings = _offline_settings(model, dtype, device)
     schema = _schema_option(schema_path)
     if fmt not in ("auto", "jsonl", "csv"):
         fail(f"--format {fmt}: must be auto, jsonl or csv")
@@ -185,7 +185,7 @@ def evaluate(
     except TicketFileError as exc:
         fail(str(exc))
     with reader:
-        check_model(settings)
+        check_model(settings, hub=True)
         engine = _load_engine(settings)
         from tqdm import tqdm
 
@@ -200,6 +200,16 @@ def evaluate(
     _report_evaluation(evaluation, cuts, engine.info.standin, json_out)
     if evaluation.scored == 0:
         raise typer.Exit(3)
+
+
+def _offline_settings(model: str | None, dtype: str | None, device: str | None):
+    """The settings for a model run in this process; TICKETQ_NULL_CLASSIFIER refused in one line:
+    it measures the queue's own cost, and here there is no queue, only hashed labels."""
+    settings = read_settings(ENGINE_FLAGS, model=model, dtype=dtype, device=device)
+    if settings.null_classifier:
+        fail("TICKETQ_NULL_CLASSIFIER is on: it measures a worker's queue overhead with hashed labels, and "
+             "classify/eval run no queue; unset it (or set it to 0) to use the model")
+    return settings
 
 
 def _schema_option(path: Path | None):

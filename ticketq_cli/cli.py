@@ -33,7 +33,7 @@ def worker(
     from worker.httpserver import port_problem
 
     settings = read_settings()
-    check_model(settings)
+    check_model(settings, hub=True)  # before Celery's and the kernel probes' start-up lines
     if problem := port_problem(settings.metrics_host, settings.metrics_port):
         fail(problem)
     from worker.app import CannotStart, run_worker
@@ -109,13 +109,13 @@ def config(
                           for env, value, default, _ in rows}, indent=2))  # fmt: skip
     elif fmt == "env":
         for env, value, _, _ in rows:
-            print(f"# {env}: INVALID {problems[env]}" if env in problems else f"{env}={value}")
+            print(_env_line(env, value, problems.get(env)))
     else:
         table = Table(title="ticketq settings (environment)")
         for column in ("setting", "value", "default", "meaning"):
             table.add_column(column, overflow="fold")  # wrap long values, never cut them with "…"
         for env, value, default, meaning in rows:
-            shown = f"[red]INVALID[/] {problems[env].split(': ', 1)[-1]}" if env in problems else value
+            shown = f"[red]INVALID[/] {problems[env].split(': ', 1)[-1]}" if env in problems else str(value)
             table.add_row(env, shown, default, meaning)
         Console().print(table)
     if problems:  # and the usual one line per problem on stderr, exit 2
@@ -123,8 +123,19 @@ def config(
         fail("invalid settings:\n" + "\n".join(lines) if len(lines) > 1 else lines[0])
 
 
-def _setting_rows(current, problems: dict[str, str]) -> list[tuple[str, str, str, str]]:
-    """(variable, effective value, default, meaning) of every setting, URLs' passwords masked."""
+def _env_line(env: str, value: str | None, problem: str | None) -> str:
+    """`NAME=value` quoted for a POSIX shell (`set -a; . ./env` reads it back as it was); an unset
+    or invalid setting as a comment, so that feeding the lines back never sets `None` or a bad value."""
+    import shlex
+
+    if problem is not None:
+        return f"# {env}: INVALID {problem}"
+    return f"# {env}= (unset)" if value is None else f"{env}={shlex.quote(value)}"
+
+
+def _setting_rows(current, problems: dict[str, str]) -> list[tuple[str, str | None, str, str]]:
+    """(variable, effective value or None where unset, default, meaning) of every setting, URLs'
+    passwords masked."""
     from ticketq.config import mask_url
     from worker.settings import Settings
 
@@ -132,7 +143,7 @@ def _setting_rows(current, problems: dict[str, str]) -> list[tuple[str, str, str
     for name, field in Settings.model_fields.items():
         value = getattr(current, name)
         shown = mask_url(value) if isinstance(value, str) and "://" in value else value
-        shown = ",".join(shown) if isinstance(shown, tuple) else str(shown)
+        shown = ",".join(shown) if isinstance(shown, tuple) else None if shown is None else str(shown)
         default = ",".join(field.default) if isinstance(field.default, tuple) else field.default
         rows.append((f"TICKETQ_{name.upper()}", shown, str(default), field.description or ""))
     return rows

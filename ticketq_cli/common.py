@@ -17,7 +17,8 @@ cli = typer.Typer(
     help="ticketq — route support tickets with a small LLM: Redis + Celery micro-batches, length-sorted, "
     "prefix-cached, label-constrained, checked against the unbatched reference.\n\n"
     "Exit status: 0 done; 1 some tickets failed; 2 bad settings, options or input, nothing done; "
-    "3 the input was read but nothing was classified; 4 (status) no worker answered.",
+    "3 the input was read but nothing was classified (result, dead show, dead requeue: no such id); "
+    "4 (status) no worker answered.",
     no_args_is_help=True,
     add_completion=False,
     context_settings=CONTEXT_SETTINGS,
@@ -44,12 +45,31 @@ def fail(message: str, status: int = EXIT_USAGE) -> NoReturn:
     raise typer.Exit(status)
 
 
-def check_model(settings) -> None:
+def check_model(settings, hub: bool = False) -> None:
+    """Refuse a model that cannot load, in one line, before any noisy start-up work: a missing
+    directory, a checkpoint that is no decoder and, with `hub` (for a command that loads the model
+    whatever its input), a Hub id with neither the Hub nor its cache."""
     from worker.settings import model_problem
 
-    problem = None if settings.null_classifier else model_problem(settings.model)
+    if settings.null_classifier:
+        return
+    problem = model_problem(settings.model) or (_hub_problem(settings.model) if hub else None)
     if problem:
         fail(problem)
+
+
+def _hub_problem(model: str) -> str | None:
+    """Why a Hub id cannot load here: the Hub does not answer and the id is not in its local cache."""
+    if Path(model).expanduser().exists():
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    from worker.engine.loading import hub_reachable
+
+    if isinstance(try_to_load_from_cache(model, "config.json"), str) or hub_reachable():
+        return None
+    return (f"TICKETQ_MODEL={model}: the model hub is not reachable and the model is not in its local cache; "
+            f"build a stand-in (`ticketq standin --out {DEFAULT_STANDIN}`) and set TICKETQ_MODEL={DEFAULT_STANDIN}")
 
 
 def log_to_stderr() -> None:

@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from ticketq.cli import CONTEXT_SETTINGS, error
-from ticketq.exits import EXIT_FAILED, EXIT_NO_WORKER, exit_status
+from ticketq.exits import EXIT_NO_WORKER, EXIT_NOTHING, exit_status
 from ticketq_cli.common import (
     console,
     fail,
@@ -112,7 +112,7 @@ def dead_show(key: Annotated[str, typer.Argument(help="Stream entry id or task i
     with _ops() as ops:
         letters = ops.find_dead(key)
     if not letters:
-        fail(f"no dead letter with entry id or task id {key}", EXIT_FAILED)
+        fail(f"no dead letter with entry id or task id {key}", EXIT_NOTHING)  # as `dead requeue` of it
     for letter in letters:
         fields = {k: v for k, v in letter.fields.items() if k not in ("payload", "payload_b64")}
         fields.update({"requeued_as": letter.requeued_as} if letter.requeued_as else {})
@@ -156,6 +156,6 @@ def result(key: Annotated[str, typer.Argument(help="Task id or ticket id.")]) ->
     with _ops() as ops:
         found = ops.result(key)
     if not found:
-        fail(f"no result for {key} (not in the results stream, pending or expired in the backend)", EXIT_FAILED)
+        fail(f"no result for {key} (not in the results stream, pending or expired in the backend)", EXIT_NOTHING)
     for row in found:
         print(json.dumps(row, ensure_ascii=False))

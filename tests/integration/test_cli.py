@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -60,6 +61,45 @@ def test_version_and_short_help_on_every_command(app):
         if path not in (["bench"], ["loadtest"]):  # these hand -h to their own argparse (SystemExit(0))
             short = runner.invoke(app, [*path, "-h"])
             assert short.exit_code == 0 and "Usage" in short.output, (path, short.output)
+
+
+@pytest.mark.parametrize("prog", ["gateway", "deliver"])
+def test_version_on_the_gateway_programs(prog, capsys):
+    """`ticketq-gateway --version` and `ticketq-deliver --version`: the README says every command takes it."""
+    from gateway.cli import deliver_main, gateway_main
+
+    with pytest.raises(SystemExit) as exited:
+        (gateway_main if prog == "gateway" else deliver_main)(["--version"])
+    assert exited.value.code in (0, None)
+    assert re.search(rf"^ticketq-{prog} \d+\.\d+\.\d+ \(Python", capsys.readouterr().out), prog
+
+
+@pytest.mark.parametrize("app", [ticketq_app, produce_app], ids=["ticketq", "ticketq-produce"])
+def test_help_names_values_as_click_does(app):
+    """No `<bool>` beside a flag, no `<path>` type column, no `{path}` in a usage line: a flag shows no
+    value, an option `PATH` or `TEXT`, an argument its name."""
+
+    def paths(group, path):
+        yield path
+        for name, sub in getattr(group, "commands", {}).items():
+            yield from paths(sub, [*path, name])
+
+    built, runner = command(app, "x"), CliRunner()
+
+    def help_of(path: list[str]) -> str:  # of the command main() runs, not one typer builds again
+        with runner.isolation(env={"COLUMNS": "100"}) as (stdout, _, _):
+            assert built.main([*path, "--help"], prog_name="x", standalone_mode=False) in (0, None), path
+            return stdout.getvalue().decode()
+
+    for path in paths(built, []):
+        if path in (["bench"], ["loadtest"]):  # their own argparse help
+            continue
+        shown = help_of(path)
+        usage = next(line for line in shown.splitlines() if "Usage:" in line)
+        assert "{" not in usage, (path, usage)
+        assert not re.search(r"<(bool|str|int|float|path|list\[\w+\])>", shown, re.I), (path, shown)
+    classify = help_of(["classify"] if app is ticketq_app else ["file"])
+    assert re.search(r"Usage: .* \[OPTIONS\] PATH\b", classify), classify
 
 
 @pytest.mark.parametrize("app", [ticketq_app, produce_app], ids=["ticketq", "ticketq-produce"])
@@ -253,6 +293,16 @@ def test_classify_never_overwrites(tmp_path, tiny_model_dir):
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
 
 
+@pytest.mark.parametrize("program", ["classify", "eval"])
+def test_classify_refuses_the_null_classifier_in_one_line(tmp_path, tiny_model_dir, program):
+    """TICKETQ_NULL_CLASSIFIER (the worker's queue-overhead meter) is not silently ignored in-process."""
+    (tmp_path / "t.jsonl").write_text('{"id": "a", "text": "refund please", "expected": "billing"}\n')
+    env = {**engine_env(tiny_model_dir), "TICKETQ_NULL_CLASSIFIER": "1"}
+    refused = run(["ticketq", program, "t.jsonl", "--no-progress"], env, cwd=tmp_path)
+    assert_one_line_error(refused, "TICKETQ_NULL_CLASSIFIER")
+    assert not (tmp_path / "results.jsonl").exists()
+
+
 def test_classify_with_nothing_classifiable_exits_3_and_still_writes_every_row(tmp_path, tiny_model_dir):
     tickets = tmp_path / "t.jsonl"
     tickets.write_text('[{"id": "a", "text": "a JSON array is not JSONL"}]\n{"id": "b", "text": "   "}\n')
@@ -354,13 +404,31 @@ def test_config_piped_is_one_grep_able_line_per_setting():
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert "TICKETQ_NULL_CLASSIFIER=True" in lines
-    assert "TICKETQ_BROKER_URL=redis://:**@h:6379/0" in lines and "s3cret" not in result.stdout
-    assert all(line.startswith("TICKETQ_") and "=" in line for line in lines)
+    assert "TICKETQ_BROKER_URL='redis://:**@h:6379/0'" in lines and "s3cret" not in result.stdout
+    assert all(line.startswith(("TICKETQ_", "# TICKETQ_")) and "=" in line for line in lines)
     assert len(lines) == len(Settings.model_fields)
     as_json = json.loads(run(["ticketq", "config", "--format", "json"], env).stdout)
     assert as_json["TICKETQ_NULL_CLASSIFIER"]["value"] == "True" and len(as_json) == len(Settings.model_fields)
     bad = run(["ticketq", "config"], {"TICKETQ_MAX_BATCH_TOKENS": "-1"})
     assert bad.returncode == EXIT_USAGE and "# TICKETQ_MAX_BATCH_TOKENS: INVALID" in bad.stdout
+
+
+def test_config_piped_round_trips_through_a_shell(tmp_path):
+    """`ticketq config > env; set -a; . ./env` sets every value as it was: quoted for sh (spaces,
+    apostrophes, `$`), unset settings as comments rather than `None` (which would then be invalid)."""
+    prompt = "You're a router; it's \"$HOME\" `date` and a \\ backslash"
+    env = {"TICKETQ_SYSTEM_PROMPT": prompt, "TICKETQ_LABELS": "billing,can't log in,other"}
+    first = run(["ticketq", "config"], env)
+    assert first.returncode == 0, first.stderr
+    assert "# TICKETQ_THREADS= (unset)" in first.stdout.splitlines() and "=None" not in first.stdout
+    (tmp_path / "env").write_text(first.stdout, encoding="utf-8")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
+    script = f"set -a; . ./env; set +a; exec {sys.executable} -m ticketq_cli.cli config"
+    again = subprocess.run(["sh", "-c", script], env={**clean, "PYTHONPATH": str(ROOT), "COLUMNS": "80"},
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == first.stdout
+    assert f"TICKETQ_SYSTEM_PROMPT={shlex.quote(prompt)}" in again.stdout.splitlines()
 
 
 def test_config_is_not_cut_at_80_columns():

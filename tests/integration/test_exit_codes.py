@@ -135,3 +135,44 @@ def test_plain_celery_with_another_pool_is_refused_in_one_line(tmp_path):
     output = done.stdout + done.stderr
     assert done.returncode == 2, output[-3000:]
     assert "concurrency 2" in output and "--pool threads --concurrency 1" in output, output[-3000:]
+
+
+def test_a_worker_without_the_model_hub_says_so_first_and_alone(tmp_path):
+    """No Hub and a Hub id not in the cache: the one line naming `ticketq standin`, before Celery's
+    banner, the kernel probes or Redis are touched (the broker here is not even listening)."""
+    offline = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "TICKETQ_BROKER_URL": DEAD,
+               "TICKETQ_METRICS_PORT": "0"}  # fmt: skip
+    result = run(["ticketq", "worker"], offline, cwd=tmp_path, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert len(lines) == 1 and "ticketq standin" in lines[0] and "not reachable" in lines[0], lines
+
+
+def test_a_setting_in_the_wrong_case_and_a_celery_variable_are_named_once(tmp_path):
+    """`ticketq_model` is used (the environment is read case-insensitively) and CELERY_BROKER_URL is
+    not: each says so once on stderr, and the latter names the setting to use."""
+    env = {"ticketq_model": "models/x", "CELERY_BROKER_URL": "redis://elsewhere:6379/0"}
+    result = run(["ticketq", "config"], env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "TICKETQ_MODEL=models/x" in result.stdout.splitlines()
+    lines = result.stderr.splitlines()
+    assert [line for line in lines if "ticketq_model" in line] == [
+        "ticketq_model is read as TICKETQ_MODEL (setting names are upper case); write it TICKETQ_MODEL"]
+    assert [line for line in lines if "CELERY_BROKER_URL" in line] == [
+        "CELERY_BROKER_URL is a Celery variable that ticketq does not read; set TICKETQ_BROKER_URL"]
+
+
+def test_a_lookup_of_an_unknown_id_exits_3_whichever_command(tmp_path):
+    """`result`, `dead show` and `dead requeue` of an id nothing has: 3 (read, nothing found), each
+    with one line saying so; 1 is for some of several tickets failing."""
+    workdir = tmp_path / "redis"
+    workdir.mkdir()
+    server = RedisServer(workdir, aof=False).start()
+    try:
+        env = {"TICKETQ_BROKER_URL": server.url}
+        for args in (["result", "nope"], ["dead", "show", "nope"], ["dead", "requeue", "nope"]):
+            result = run(["ticketq", *args], env, cwd=tmp_path, timeout=60)
+            assert result.returncode == 3, (args, result.stderr)
+            assert len(result.stderr.strip().splitlines()) == 1 and "nope" in result.stderr, (args, result.stderr)
+    finally:
+        server.kill()

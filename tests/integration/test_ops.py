@@ -66,7 +66,7 @@ def test_status_dead_letters_requeue_and_result_lookup(service):
 
     found = ticketq(["result", "OK-1"], url, queue)
     assert found.returncode == 0 and json.loads(found.stdout.splitlines()[0])["task_id"] == good.id
-    assert ticketq(["result", "nope"], url, queue).returncode == 1
+    assert ticketq(["result", "nope"], url, queue).returncode == 3
 
     # Blank text fails on every worker: the requeue says so and sends nothing; the letter stays.
     requeued = ticketq(["dead", "requeue", bad.id], url, queue)

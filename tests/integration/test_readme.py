@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -24,6 +25,10 @@ from workers import ROOT, RedisServer, running_worker, worker_env
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 QUICK_START = ("make demo", "make test")
+DOCUMENTED = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# Programs the docs run that this environment need not have (a container host's, a cluster's).
+ELSEWHERE = {"docker", "kubectl", "helm", "sudo", "prometheus", "promtool", "alertmanager", "amtool"}
+OPERATORS = {"|", "||", "&&", ";", "&", "(", ")", "|&"}
 
 pytestmark = pytest.mark.integration
 
@@ -62,3 +67,61 @@ def test_the_readme_shell_blocks_run_in_order(tmp_path, tiny_model_dir):
     finally:
         server.kill()
 
+
+
+def documented_command_lines() -> list[tuple[str, str]]:
+    """(file, line) for each command line of every ```bash block of the README and docs/: comments,
+    blank lines and here-document bodies dropped, continued lines joined."""
+    found = []
+    for path in DOCUMENTED:
+        for block in re.findall(r"```bash\n(.*?)```", path.read_text(encoding="utf-8"), flags=re.S):
+            heredoc_end = None
+            for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+                if heredoc_end is not None:
+                    heredoc_end = None if line.strip() == heredoc_end else heredoc_end
+                    continue
+                code = line.split("  #", 1)[0].strip()
+                if code and not code.startswith("#"):
+                    found.append((path.name, code))
+                    if match := re.search(r"<<-?'?(\w+)'?", code):
+                        heredoc_end = match.group(1)
+    return found
+
+
+def program_words(code: str) -> list[str]:
+    """The word that names the program of each command of a shell line (after VAR=value words)."""
+    lexer = shlex.shlex(code, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    words, starts = [], True
+    for token in lexer:
+        if token in OPERATORS:
+            starts = True
+        elif starts and not re.match(r"^[A-Za-z_]\w*=", token):
+            words.append(token)
+            starts = False
+    return words
+
+
+def test_every_documented_command_line_runs_as_pasted():
+    """No synopsis in a command block: `ticketq dead list | show ID | ...` pasted is a pipe into
+    programs named `show` and `requeue` (exit 127), and `[--prefill]` is an argument no program takes."""
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    bad = []
+    for name, code in documented_command_lines():
+        for word in program_words(code):
+            known = word in ELSEWHERE or shutil.which(word, path=path) or subprocess.run(
+                ["bash", "-c", f"type -t {shlex.quote(word)}"], capture_output=True).returncode == 0  # fmt: skip
+            if not known:
+                bad.append(f"{name}: {code!r}: {word!r} is no program")
+        bad += [f"{name}: {code!r}: {word!r} is a synopsis" for word in shlex.split(code, comments=True)
+                if re.fullmatch(r"\[-.*\]", word)]  # fmt: skip
+    assert not bad, "\n".join(bad)
+
+
+def test_documented_redis_servers_keep_their_files_out_of_the_repository():
+    """A `redis-server` that persists (AOF or RDB snapshots) is given a `--dir`: its files would
+    otherwise land in whatever folder the reader pasted it in, the repository's most likely."""
+    persisting = [(name, code) for name, code in documented_command_lines() if code.startswith("redis-server")
+                  and ("--appendonly yes" in code or '--save ""' not in code)]  # fmt: skip
+    assert persisting, "the docs start no redis-server of their own any more: drop this test"
+    assert [(name, code) for name, code in persisting if "--dir " not in code] == []
