@@ -3,7 +3,9 @@ scored): the commands, their options and what they print; `offline` and `evaluat
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -13,9 +15,9 @@ from rich.table import Table
 
 from producer.resultfile import OutputError, PartialResults, check_output
 from producer.ticketfile import TicketReader
-from producer.ticketrows import TicketFileError
+from producer.ticketrows import Row, TicketFileError
 from ticketq.cli import report
-from ticketq.exits import exit_status
+from ticketq.exits import EXIT_NOTHING, exit_status
 from ticketq_cli.common import (
     DEFAULT_OUT,
     ENGINE_FLAGS,
@@ -180,11 +182,8 @@ def evaluate(
         fail(f"--thresholds {thresholds!r}: must be numbers between 0 and 1, comma-separated")
     if not cuts or not all(0 <= cut <= 1 for cut in cuts):
         fail(f"--thresholds {thresholds!r}: must be numbers between 0 and 1, comma-separated")
-    try:
-        reader = TicketReader(path, fmt, settings.max_ticket_bytes)  # type: ignore[arg-type]
-    except TicketFileError as exc:
-        fail(str(exc))
-    with reader:
+    with _open_tickets(path, fmt, settings) as reader:
+        rows = _rows_to_score(reader)
         check_model(settings)
         engine = _load_engine(settings)
         from tqdm import tqdm
@@ -194,12 +193,30 @@ def evaluate(
 
         with tqdm(desc="scoring", unit="row", disable=not progress, file=None) as bar:
             if schema is None:
-                evaluation = run_eval(engine, reader, on_chunk=bar.update)
+                evaluation = run_eval(engine, rows, on_chunk=bar.update)
             else:
-                evaluation = evaluate_fields(engine.fields(schema), reader, on_chunk=bar.update)
+                evaluation = evaluate_fields(engine.fields(schema), rows, on_chunk=bar.update)
     _report_evaluation(evaluation, cuts, engine.info.standin, json_out)
     if evaluation.scored == 0:
-        raise typer.Exit(3)
+        raise typer.Exit(EXIT_NOTHING)
+
+
+def _open_tickets(path: Path, fmt: str, settings) -> TicketReader:
+    """The file's reader, or one line and exit 2 for a file that cannot be used."""
+    try:
+        return TicketReader(path, fmt, settings.max_ticket_bytes)  # type: ignore[arg-type]
+    except TicketFileError as exc:
+        fail(str(exc))
+
+
+def _rows_to_score(reader: TicketReader) -> Iterator[Row]:
+    """The reader's rows; for a file with none, one line and exit 3 before the model is looked at."""
+    rows = iter(reader)
+    first = next(rows, None)
+    if first is None:
+        fail(f"{reader.path}: no rows to score (the file is empty); each row needs a text and an expected label",
+             EXIT_NOTHING)  # fmt: skip
+    return itertools.chain([first], rows)
 
 
 def _schema_option(path: Path | None):
