@@ -137,15 +137,17 @@ def _load_engine(settings):
 
 
 def _report_classified(summary, path: Path, out: Path) -> None:
+    """The failed rows on stderr; the summary table and line on stdout, as `ticketq-produce` and `ticketq eval`."""
     report(console, summary.failures, f"{summary.failed} rows failed:", f" (every row is in {out})")
+    stdout = Console()
     table = Table(title=f"{path} → {out}")
     for column in ("rows", "ok", "failed", "items/s", "padding", "labels"):
         table.add_column(column, overflow="fold")
     labels = ", ".join(f"{k}={v}" for k, v in summary.labels.most_common())
     table.add_row(str(summary.rows), str(summary.ok), str(summary.failed), f"{summary.items_per_s:.2f}",
                   f"{summary.padding_ratio:.1%}", labels)  # fmt: skip
-    console.print(table)
-    console.print(f"{summary.line()}; results in {out}", highlight=False, markup=False, soft_wrap=True)
+    stdout.print(table)
+    stdout.print(f"{summary.line()}; results in {out}", highlight=False, markup=False, soft_wrap=True)
 
 
 def evaluate(
