@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
@@ -125,7 +126,12 @@ def _load_engine(settings):
     # torch's import and the model's load, the collector paused: the objects they make live as long
     # as this command, so they are frozen rather than scanned by every later collection.
     with paused_gc(freeze=True):
+        from transformers.utils import logging as hf_logging
+
         from worker.engine import Engine
+
+        if not sys.stderr.isatty():  # no progress frames in a pipe or a log: not transformers' "Loading weights" either
+            hf_logging.disable_progress_bar()
 
         try:
             engine = Engine.from_settings(settings)
@@ -193,7 +199,7 @@ def evaluate(
         from ticketq_cli.evaluate import evaluate as run_eval
         from ticketq_cli.evaluate import evaluate_fields
 
-        with tqdm(desc="scoring", unit="row", disable=not progress, file=None) as bar:
+        with tqdm(desc="scoring", unit="row", disable=None if progress else True) as bar:  # None: off in a pipe
             if schema is None:
                 evaluation = run_eval(engine, rows, on_chunk=bar.update)
             else:
