@@ -13,8 +13,9 @@ A malformed or refused row does not stop the file: it becomes a `RowError` namin
 line, and the good rows still go through. Every non-blank row ends as exactly one ticket or one
 error, so one result row can stand for each input row (`producer.resultfile` writes them). A
 file with nothing but blank lines has no rows, in either format. Only a file that cannot be read
-at all (missing, not UTF-8 for CSV, a CSV header without a `text` column) raises
-`TicketFileError`, and it does so when the reader is opened, before any row.
+at all (missing, compressed, binary, UTF-16, a JSON array rather than JSONL, not UTF-8 for CSV, a
+CSV header without a `text` column) raises `TicketFileError`, in one line that says what to do,
+and it does so when the reader is opened, before any row.
 """
 
 from __future__ import annotations
@@ -35,6 +36,16 @@ from ticketq.contract import MAX_TICKET_BYTES, Reason
 Format = Literal["auto", "jsonl", "csv"]
 
 _JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+SNIFF = 8192  # bytes read to tell text from a binary file: git's rule (a NUL byte in the first 8,000)
+# Files that are no ticket text, known by their first bytes: (magic, what it is, how to make text of it).
+_NOT_TEXT = (
+    (re.compile(rb"\x1f\x8b"), "gzip-compressed", "decompress it first: gunzip -k FILE"),
+    (re.compile(rb"BZh[1-9]1AY&SY"), "bzip2-compressed", "decompress it first: bunzip2 -k FILE"),
+    (re.compile(rb"\xfd7zXZ\x00"), "xz-compressed", "decompress it first: unxz -k FILE"),
+    (re.compile(rb"\x28\xb5\x2f\xfd"), "zstd-compressed", "decompress it first: unzstd FILE"),
+    (re.compile(rb"PK\x03\x04"), "zip archive", "extract it first: unzip FILE"),
+    (re.compile(rb"\xff\xfe|\xfe\xff"), "UTF-16 text", "convert it first: iconv -f UTF-16 -t UTF-8 FILE > FILE.utf8"),
+)  # fmt: skip
 
 
 @dataclass
@@ -111,7 +122,7 @@ class TicketReader:
     comes from a file that is then refused: that it can be read, its format (`fmt="auto"`: by
     extension, then by the first byte), and for a CSV that it is UTF-8 throughout (one pass over
     the file, a block at a time) and that its header names a `text` column. `bytes_read` of
-    `size` is how far reading has gone, for a progress bar. A reader is used once, then closed
+    `size` is how far reading has gone; `line_count()` is a progress bar's total. A reader is used once, then closed
     (it is a context manager).
     """
 
@@ -124,7 +135,11 @@ class TicketReader:
         try:
             self.size = self._file.seek(0, os.SEEK_END)
             self._file.seek(0)
+            check_text(self.path, self._file)
             self.format = _guess_format(self.path, self._file) if fmt == "auto" else fmt
+            if self.format == "jsonl" and _json_array(self.path, self._file):
+                raise TicketFileError(f"{self.path}: a JSON array; ticket files are JSONL, one object a line: "
+                                      f"convert it with  jq -c '.[]' {self.path} > tickets.jsonl")  # fmt: skip
             builder = RowBuilder(self.path, max_bytes)
             if self.format == "jsonl":
                 self._rows = _jsonl_rows(self._file, builder)
@@ -138,6 +153,22 @@ class TicketReader:
     @property
     def bytes_read(self) -> int:
         return self._file.tell()
+
+    def line_count(self) -> int:
+        """Lines in the file (the last one counts without its newline), for a progress bar's total.
+
+        One pass a block at a time; reading goes on where it was (the rows read through the same
+        file object, which holds no position of its own beyond it).
+        """
+        where = self._file.tell()
+        try:
+            self._file.seek(0)
+            lines, last = 0, b"\n"
+            while block := self._file.read(BLOCK):
+                lines, last = lines + block.count(b"\n"), block[-1:]
+            return lines + (last != b"\n")
+        finally:
+            self._file.seek(where)
 
     def __iter__(self) -> Iterator[Row]:
         try:
@@ -166,6 +197,26 @@ def _open(path: Path) -> BinaryIO:
     return handle
 
 
+def check_text(path: Path, handle: BinaryIO) -> None:
+    """Refuse, in one line naming the fix, a file that is no text: compressed, UTF-16, or binary.
+
+    Its rows would otherwise each fail (thousands of `invalid_utf8` lines) or, read as a CSV, be
+    called "not valid UTF-8". Binary is git's rule: a NUL byte in the first SNIFF bytes. The file
+    goes back to its start.
+    """
+    try:
+        head = handle.read(SNIFF)
+    finally:
+        handle.seek(0)
+    for magic, what, fix in _NOT_TEXT:
+        if magic.match(head):
+            raise TicketFileError(f"{path}: a {what} file; ticket files are JSONL or CSV text in UTF-8; "
+                                  f"{fix.replace('FILE', str(path))}")  # fmt: skip
+    if (nul := head.find(b"\x00")) >= 0:
+        raise TicketFileError(f"{path}: not a text file (a NUL byte at byte {nul}); ticket files are JSONL or "
+                              "CSV text in UTF-8")  # fmt: skip
+
+
 def _guess_format(path: Path, handle: BinaryIO) -> Format:
     suffix = path.suffix.lower()
     if suffix in _JSONL_SUFFIXES:
@@ -173,6 +224,24 @@ def _guess_format(path: Path, handle: BinaryIO) -> Format:
     if suffix == ".csv":
         return "csv"
     return "jsonl" if _first_content_byte(handle) == b"{" else "csv"
+
+
+def _json_array(path: Path, handle: BinaryIO) -> bool:
+    """A JSON array where JSONL is expected: a `.json` file that starts with `[`, or one whose first
+    line opens an array it does not close (pretty-printed, it would fail row by row). A `.jsonl`
+    line that is a whole array stays one failed row. The file goes back to its start."""
+    if _first_content_byte(handle) != b"[":
+        return False
+    if path.suffix.lower() == ".json":
+        return True
+    try:
+        first = next(line for line in handle if line.strip())
+        json.loads(first)
+    except ValueError:  # UnicodeDecodeError and JSONDecodeError alike
+        return True
+    finally:
+        handle.seek(0)
+    return False
 
 
 def _first_content_byte(handle: BinaryIO) -> bytes:

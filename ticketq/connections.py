@@ -16,6 +16,7 @@ at start-up.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from ticketq.errors import TicketqError
 
 CONNECT_TIMEOUT_S = 3.0  # a Redis that does not accept a connection in this long is down for us
 SOCKET_TIMEOUT_S = 10.0  # one command; blocking reads must stay well inside it
+PROBE_TIMEOUT_S = 1.0  # a plain-text PING to a `rediss://` port whose TLS handshake timed out
 SENTINEL_PORT = 26379
 _AUTH_ERRORS = (redis.exceptions.AuthenticationError, redis.exceptions.AuthenticationWrongNumberOfArgsError)
 
@@ -84,6 +86,9 @@ class RedisUnavailable(TicketqError, ConnectionError):
             )
         if tls := _tls_hint(self.reason):
             return f"Redis at {self.url} refused the TLS connection ({self.reason}): {tls}; {self.fix}."
+        if self.url.startswith("rediss://") and "timeout" in self.reason.lower() and _answers_plain_redis(self.url):
+            return (f"Redis at {self.url} does not speak TLS: the TLS handshake timed out and that port answers "
+                    f"plain Redis; use redis:// (or the server's TLS port); {self.fix}.")  # fmt: skip
         if is_sentinel_url(self.url):
             return (
                 f"Redis is not reachable at {self.url} ({self.reason}). Check that the sentinels run, that they "
@@ -233,6 +238,22 @@ def connect(
         close(client)
         raise error(url, exc) from None
     return client
+
+
+def _answers_plain_redis(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether a plain-text PING to the URL's host and port gets a Redis reply (`+PONG`, `-NOAUTH ...`).
+
+    A Redis without TLS reads a TLS ClientHello as the start of an inline command and waits for its
+    end, so the handshake only times out and OpenSSL has nothing to name; this asks the port itself.
+    """
+    parts = urlsplit(url)
+    try:
+        address = (parts.hostname or "127.0.0.1", parts.port or 6379)
+        with socket.create_connection(address, timeout=timeout_s) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64)[:1] in (b"+", b"-")
+    except (OSError, ValueError):
+        return False
 
 
 def write_refusal(reason: object) -> str | None:

@@ -3,7 +3,10 @@ scored): the commands, their options and what they print; `offline` and `evaluat
 
 from __future__ import annotations
 
+import itertools
 import json
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -13,9 +16,9 @@ from rich.table import Table
 
 from producer.resultfile import OutputError, PartialResults, check_output
 from producer.ticketfile import TicketReader
-from producer.ticketrows import TicketFileError
+from producer.ticketrows import Row, TicketFileError
 from ticketq.cli import report
-from ticketq.exits import exit_status
+from ticketq.exits import EXIT_NOTHING, exit_status
 from ticketq_cli.common import (
     DEFAULT_OUT,
     ENGINE_FLAGS,
@@ -123,7 +126,12 @@ def _load_engine(settings):
     # torch's import and the model's load, the collector paused: the objects they make live as long
     # as this command, so they are frozen rather than scanned by every later collection.
     with paused_gc(freeze=True):
+        from transformers.utils import logging as hf_logging
+
         from worker.engine import Engine
+
+        if not sys.stderr.isatty():  # no progress frames in a pipe or a log: not transformers' "Loading weights" either
+            hf_logging.disable_progress_bar()
 
         try:
             engine = Engine.from_settings(settings)
@@ -135,15 +143,17 @@ def _load_engine(settings):
 
 
 def _report_classified(summary, path: Path, out: Path) -> None:
+    """The failed rows on stderr; the summary table and line on stdout, as `ticketq-produce` and `ticketq eval`."""
     report(console, summary.failures, f"{summary.failed} rows failed:", f" (every row is in {out})")
+    stdout = Console()
     table = Table(title=f"{path} → {out}")
     for column in ("rows", "ok", "failed", "items/s", "padding", "labels"):
         table.add_column(column, overflow="fold")
     labels = ", ".join(f"{k}={v}" for k, v in summary.labels.most_common())
     table.add_row(str(summary.rows), str(summary.ok), str(summary.failed), f"{summary.items_per_s:.2f}",
                   f"{summary.padding_ratio:.1%}", labels)  # fmt: skip
-    console.print(table)
-    console.print(f"{summary.line()}; results in {out}", highlight=False, markup=False, soft_wrap=True)
+    stdout.print(table)
+    stdout.print(f"{summary.line()}; results in {out}", highlight=False, markup=False, soft_wrap=True)
 
 
 def evaluate(
@@ -180,11 +190,8 @@ def evaluate(
         fail(f"--thresholds {thresholds!r}: must be numbers between 0 and 1, comma-separated")
     if not cuts or not all(0 <= cut <= 1 for cut in cuts):
         fail(f"--thresholds {thresholds!r}: must be numbers between 0 and 1, comma-separated")
-    try:
-        reader = TicketReader(path, fmt, settings.max_ticket_bytes)  # type: ignore[arg-type]
-    except TicketFileError as exc:
-        fail(str(exc))
-    with reader:
+    with _open_tickets(path, fmt, settings) as reader:
+        rows = _rows_to_score(reader)
         check_model(settings, hub=True)
         engine = _load_engine(settings)
         from tqdm import tqdm
@@ -192,14 +199,32 @@ def evaluate(
         from ticketq_cli.evaluate import evaluate as run_eval
         from ticketq_cli.evaluate import evaluate_fields
 
-        with tqdm(desc="scoring", unit="row", disable=not progress, file=None) as bar:
+        with tqdm(desc="scoring", unit="row", disable=None if progress else True) as bar:  # None: off in a pipe
             if schema is None:
-                evaluation = run_eval(engine, reader, on_chunk=bar.update)
+                evaluation = run_eval(engine, rows, on_chunk=bar.update)
             else:
-                evaluation = evaluate_fields(engine.fields(schema), reader, on_chunk=bar.update)
+                evaluation = evaluate_fields(engine.fields(schema), rows, on_chunk=bar.update)
     _report_evaluation(evaluation, cuts, engine.info.standin, json_out)
     if evaluation.scored == 0:
-        raise typer.Exit(3)
+        raise typer.Exit(EXIT_NOTHING)
+
+
+def _open_tickets(path: Path, fmt: str, settings) -> TicketReader:
+    """The file's reader, or one line and exit 2 for a file that cannot be used."""
+    try:
+        return TicketReader(path, fmt, settings.max_ticket_bytes)  # type: ignore[arg-type]
+    except TicketFileError as exc:
+        fail(str(exc))
+
+
+def _rows_to_score(reader: TicketReader) -> Iterator[Row]:
+    """The reader's rows; for a file with none, one line and exit 3 before the model is looked at."""
+    rows = iter(reader)
+    first = next(rows, None)
+    if first is None:
+        fail(f"{reader.path}: no rows to score (the file is empty); each row needs a text and an expected label",
+             EXIT_NOTHING)  # fmt: skip
+    return itertools.chain([first], rows)
 
 
 def _offline_settings(model: str | None, dtype: str | None, device: str | None):

@@ -16,6 +16,7 @@ that large plans nearly as well as the whole file at once (docs/performance.md, 
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -133,8 +134,7 @@ def classify_rows(load_engine: Callable[[], Engine | FieldsEngine], reader: Tick
             if engine is None and any(isinstance(row, TicketRow) for row in chunk):
                 engine, started = load_engine(), time.perf_counter()
             if bar is None:  # made after the model's loading messages
-                bar = _Progress(reader, progress)
-            bar.chunk_read(chunk)
+                bar = _Progress(reader, progress, summary.rows)
             rows = classify_chunk(engine, chunk, summary, bar.batch_done)
             partial.append(rows)
             for row in rows:
@@ -148,30 +148,29 @@ def classify_rows(load_engine: Callable[[], Engine | FieldsEngine], reader: Tick
 
 
 class _Progress:
-    """A tqdm bar (stderr) over the input's bytes, as the number of rows is unknown until the end.
+    """A tqdm bar on stderr over the file's rows, only where stderr is a terminal (no frames in a pipe or a log).
 
-    A chunk's bytes are shown as its forward batches finish, a share per ticket: with the
-    full-size model a chunk of 2,048 tickets takes minutes.
+    Its total is the file's line count (`TicketReader.line_count`): a CSV record may span lines and
+    a blank line is no row, so the total is settled to the rows read at the end. Rows count as their
+    forward batches finish: with the full-size model a chunk of 2,048 tickets takes minutes. A
+    resumed run starts at the rows its partial file holds.
     """
 
-    def __init__(self, reader: TicketReader, enabled: bool) -> None:
-        self.reader = reader
-        self.bar = tqdm(total=reader.size, unit="B", unit_scale=True, unit_divisor=1024, desc="classifying",
-                        disable=not enabled)  # fmt: skip
-        self.per_ticket = 0.0
-
-    def chunk_read(self, chunk: Sequence[Row]) -> None:
-        tickets = sum(isinstance(row, TicketRow) for row in chunk)
-        self.per_ticket = (self.reader.bytes_read - self.bar.n) / max(tickets, 1)
+    def __init__(self, reader: TicketReader, enabled: bool, done: int) -> None:
+        live = enabled and sys.stderr.isatty()  # frames in a pipe are carriage returns; the summary says it all
+        total = max(reader.line_count() - (reader.format == "csv"), done) if live else None
+        self.bar = tqdm(total=total, initial=done, unit="row", desc="classifying", disable=not live)
 
     def batch_done(self, report: BatchReport) -> None:
-        self.bar.update(report.rows * self.per_ticket)
+        self.bar.update(report.rows)
 
     def chunk_done(self, rows: int) -> None:
-        self.bar.update(self.reader.bytes_read - self.bar.n)
-        self.bar.set_postfix_str(f"{rows:,} rows", refresh=False)
+        self.bar.update(rows - self.bar.n)
 
     def close(self) -> None:
+        if not self.bar.disable:
+            self.bar.total = self.bar.n
+            self.bar.refresh()
         self.bar.close()
 
 

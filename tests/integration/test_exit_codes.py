@@ -10,6 +10,7 @@ names only options the command has (and the port actually used).
 
 from __future__ import annotations
 
+import gzip
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,11 @@ def _files(tmp_path: Path) -> dict[str, Path]:
     (tmp_path / "empty.csv").write_text("id,text\n")
     (tmp_path / "notamodel").mkdir()
     (tmp_path / "notamodel" / "config.json").write_text("{}")
-    return {name: tmp_path / name for name in ("t.jsonl", "empty.jsonl", "empty.csv", "notamodel")}
+    (tmp_path / "binary.jsonl").write_bytes(bytes(range(256)) * 64)
+    (tmp_path / "t.jsonl.gz").write_bytes(gzip.compress(b'{"id": "a", "text": "my invoice is wrong"}\n'))
+    (tmp_path / "array.json").write_text('[\n  {"id": "a", "text": "my invoice is wrong"}\n]\n')
+    names = ("t.jsonl", "empty.jsonl", "empty.csv", "notamodel", "binary.jsonl", "t.jsonl.gz", "array.json")
+    return {name: tmp_path / name for name in names}
 
 
 # (command, env, expected status, text the one-line message must hold, text it must not)
@@ -49,6 +54,16 @@ CASES = {
     "classify, missing file": (["ticketq", "classify", "{missing}", "-o", "{out}"], {}, 2, "cannot read", None),
     "classify, empty JSONL": (["ticketq", "classify", "{empty_jsonl}", "-o", "{out}"], {}, 3, "", None),
     "classify, empty CSV": (["ticketq", "classify", "{empty_csv}", "-o", "{out}"], {}, 3, "", None),
+    "produce, binary JSONL": (["ticketq-produce", "file", "{binary_jsonl}"], {"TICKETQ_BROKER_URL": DEAD}, 2,
+                              "not a text file", "rows refused"),
+    "classify, binary JSONL": (["ticketq", "classify", "{binary_jsonl}", "-o", "{out}"], {}, 2, "not a text file",
+                               "rows failed"),
+    "classify, gzip JSONL": (["ticketq", "classify", "{t_jsonl_gz}", "-o", "{out}"], {}, 2, "gzip-compressed",
+                             "UTF-8 (byte"),
+    "produce, JSON array": (["ticketq-produce", "file", "{array_json}"], {"TICKETQ_BROKER_URL": DEAD}, 2,
+                            "a JSON array; ticket files are JSONL", "rows refused"),
+    "eval, empty JSONL": (["ticketq", "eval", "{empty_jsonl}"], {"TICKETQ_MODEL": "/nonexistent/model"}, 3,
+                          "no rows to score", "TICKETQ_MODEL"),
 }  # fmt: skip
 
 
@@ -82,6 +97,21 @@ def test_worker_with_a_wrong_password_or_a_directory_that_is_no_model_exits_2(tm
         output = no_model.stdout + no_model.stderr
         assert no_model.returncode == 2, output[-3000:]
         assert "holds no loadable model" in output and "ticketq standin" not in output, output[-3000:]
+    finally:
+        server.kill()
+
+
+def test_rediss_to_a_plain_redis_port_says_to_use_redis(tmp_path):
+    workdir = tmp_path / "redis"
+    workdir.mkdir()
+    server = RedisServer(workdir, aof=False).start()
+    try:
+        tls = server.url.replace("redis://", "rediss://")
+        result = run(["ticketq", "status"], {"TICKETQ_BROKER_URL": tls}, cwd=tmp_path, timeout=60)
+        output = result.stdout + result.stderr
+        assert result.returncode == 2, output[-2000:]
+        assert "does not speak TLS" in output and "use redis://" in output, output[-2000:]
+        assert len(result.stderr.strip().splitlines()) == 1, output[-2000:]
     finally:
         server.kill()
 

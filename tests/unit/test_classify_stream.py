@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import io
 import json
 import os
 import re
@@ -25,7 +26,7 @@ import pytest
 from commands import engine_env, run, sigint_as_in_a_terminal
 
 from producer.synthetic import generate_tickets
-from producer.ticketfile import read_tickets
+from producer.ticketfile import TicketReader, read_tickets
 from ticketq.cli import summary_line
 from ticketq.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
@@ -129,8 +130,56 @@ def test_streamed_results_equal_the_whole_file_path(tmp_path, tiny_model_dir, ti
     reasons = {row["reason"] for row in want if row["status"] != "ok"}
     assert {"duplicate_id", "empty_text", "oversize"} <= reasons
     assert ("invalid_json" if fmt == "jsonl" else "malformed_csv") in reasons
-    assert f"{summary_line(want)[0]}; results in r.jsonl" in done.stderr
+    assert f"{summary_line(want)[0]}; results in r.jsonl" in done.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([tickets.name, "r.jsonl"])  # no partial left
+
+
+def three_tickets() -> list[dict]:
+    return [{"id": f"T-{i}", "text": f"my invoice number {i} is wrong"} for i in range(3)]
+
+
+def test_progress_is_off_in_a_pipe_and_the_summary_is_on_stdout(tmp_path, tiny_model_dir):
+    tickets = write_csv(tmp_path / "t.csv", three_tickets())
+    done = run(["ticketq", "classify", str(tickets), "-o", "r.jsonl"], stream_env(tiny_model_dir), cwd=tmp_path)
+    assert done.returncode == EXIT_OK, done.stderr
+    # stderr is a pipe here: no frames, neither ours nor transformers' (text mode turns their \r into \n)
+    assert "classifying" not in done.stderr and "Loading weights" not in done.stderr, done.stderr
+    assert "stand-in model: labels are meaningless" in done.stderr  # the model did load
+    assert "read 3 rows" in done.stdout and "read 3 rows" not in done.stderr
+    assert "rows" in done.stdout and "items/s" in done.stdout  # the summary table
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_progress_bar_counts_rows_of_the_file(tmp_path, monkeypatch):
+    from ticketq_cli.offline import _Progress
+
+    tickets = write_csv(tmp_path / "t.csv", three_tickets())
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    with TicketReader(tickets) as reader:
+        rows = iter(reader)
+        next(rows)  # a small CSV is read whole by now: a bar over bytes would be at 100%
+        bar = _Progress(reader, True, 0)
+        bar.chunk_done(1)
+        assert (bar.bar.n, bar.bar.total) == (1, 3)
+        bar.chunk_done(3)
+        bar.close()
+    assert "3/3" in terminal.getvalue() and "row/s" in terminal.getvalue() and "B/s" not in terminal.getvalue()
+
+
+def test_no_progress_bar_where_stderr_is_no_terminal(tmp_path, monkeypatch):
+    from ticketq_cli.offline import _Progress
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    with TicketReader(write_jsonl(tmp_path / "t.jsonl", three_tickets())) as reader:
+        bar = _Progress(reader, True, 0)
+        bar.chunk_done(3)
+        bar.close()
+    assert sys.stderr.getvalue() == ""
 
 
 # --- the first row early; Ctrl-C; --resume ---
@@ -179,7 +228,7 @@ def test_first_row_comes_early_ctrl_c_keeps_whole_rows_and_resume_finishes(tmp_p
     rows = rows_of(tmp_path / "r.jsonl")
     assert [row["source"] for row in rows] == [f"{tickets.name}:{i}" for i in range(1, n + 1)]
     assert len({row["id"] for row in rows}) == n and all(row["status"] == "ok" for row in rows)
-    assert f"read {n} rows: {n} ok, 0 failed" in resumed.stderr
+    assert f"read {n} rows: {n} ok, 0 failed" in resumed.stdout
     assert not partial.exists()
 
 

@@ -195,3 +195,15 @@ def test_eval_without_schema_refuses_an_object_and_says_why(tmp_path, tiny_model
     assert result.returncode == 0, result.stderr
     assert f"{path}:2: invalid_expected: an object of fields; score it with --schema" in result.stderr
     assert "scored 1 of 2 rows" in result.stdout
+
+
+@pytest.mark.parametrize("content", ["", "\n  \n"], ids=["zero-bytes", "blank-lines"])
+def test_eval_of_an_empty_file_is_one_line_before_the_model(tmp_path, content):
+    path = tmp_path / "labelled.jsonl"
+    path.write_text(content, encoding="utf-8")
+    # No model at all: the refusal must come before the model is looked at, let alone loaded.
+    result = run(["ticketq", "eval", str(path)], {"TICKETQ_MODEL": str(tmp_path / "no-model-here")})
+    assert result.returncode == 3, result.stderr
+    assert result.stderr.strip().splitlines() == [f"error: {path}: no rows to score (the file is empty); each row "
+                                                  "needs a text and an expected label"]  # fmt: skip
+    assert result.stdout == ""

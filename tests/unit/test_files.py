@@ -168,6 +168,45 @@ def test_a_csv_is_refused_whole_when_opened_before_any_row(tmp_path):
         TicketReader(path)
 
 
+
+def _gzip(data: bytes) -> bytes:
+    import gzip
+
+    return gzip.compress(data)
+
+
+NOT_TEXT = {  # (file name, its bytes, what the one line must say)
+    "gzip": ("t.jsonl.gz", _gzip(b'{"text": "hi"}\n' * 50), r"t\.jsonl\.gz: a gzip-compressed file; .*gunzip -k "),
+    "gzip-named-jsonl": ("t.jsonl", _gzip(b'{"text": "hi"}\n'), r"gzip-compressed.*gunzip -k "),
+    "binary": ("t.jsonl", bytes(range(256)) * 40, r"t\.jsonl: not a text file \(a NUL byte at byte 0\)"),
+    "binary-csv": ("t.csv", b"id,text\n1,a\x00b\n", r"not a text file \(a NUL byte at byte 11\)"),
+    "utf-16": ("t.csv", "id,text\n1,hi\n".encode("utf-16"), r"UTF-16 text.*iconv -f UTF-16 -t UTF-8"),
+    "json-array": ("t.json", b'[\n  {"id": "a", "text": "hi"},\n  {"id": "b", "text": "yo"}\n]\n',
+                   r"t\.json: a JSON array; ticket files are JSONL, one object a line: .*jq -c '\.\[\]'"),
+    "json-array-forced": ("t.txt", b' [{"text": "hi"},\n {"text": "yo"}]', r"a JSON array"),
+    "json-array-pretty": ("t.jsonl", b'[\n  {"text": "hi"}\n]\n', r"t\.jsonl: a JSON array"),
+}
+
+
+@pytest.mark.parametrize("case", NOT_TEXT.values(), ids=NOT_TEXT.keys())
+def test_a_file_that_is_no_ticket_text_is_refused_in_one_line_naming_the_fix(tmp_path, case):
+    name, content, message = case
+    path = tmp_path / name
+    path.write_bytes(content)
+    fmt = "jsonl" if name == "t.txt" else "auto"
+    with pytest.raises(TicketFileError, match=message) as refused:
+        TicketReader(path, fmt)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_latin1_jsonl_row_is_still_one_failed_row_not_a_refused_file(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    parsed = read_tickets(path)
+    assert [(error.line, error.reason) for error in parsed.errors] == [(2, "invalid_utf8")]
+    assert len(parsed.tickets) == 1
+
+
 @pytest.mark.parametrize(
     ("name", "content"),
     [("e.jsonl", b""), ("e.csv", b""), ("e.csv", b"\n\r\n  \n"), ("e.csv", b"\xef\xbb\xbfid,text\n"), ("e", b"")],

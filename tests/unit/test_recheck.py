@@ -120,16 +120,23 @@ def test_every_field_of_a_schema_is_checked(cache, tmp_path, tiny_settings, tiny
     assert any(a.rechecked for a in answers) and {a.precision for a in answers} <= {"int8", "float32"}
 
 
-def test_a_checked_worker_measures_its_schemas_bounds_before_its_first_job(cache, tmp_path, tiny_settings):
+def test_a_checked_worker_measures_its_schemas_bounds_before_its_first_job(cache, tmp_path, tiny_settings, caplog):
     from worker.service.routing import Routing
 
     path = tmp_path / "triage.toml"
     path.write_text(SCHEMA)
     settings = tiny_settings.model_copy(update={"dtype": "int8", "recheck": "always", "schemas": str(path)})
     engine = Engine.from_settings(settings)
-    routing = Routing.of(engine, settings)
+    with caplog.at_level(logging.INFO, logger="worker.engine"):
+        routing = Routing.of(engine, settings)
     assert routing.schemas.prefixes_computed == 1 and "triage" in engine.error_bounds()
     assert len(list(cache.glob("int8-*.json"))) == 2  # the engine's own field's bound and the schema's
+    # The schema's calibration says when it starts and where it is, not only when it ends.
+    messages = [record.getMessage() for record in caplog.records]
+    steps = [next(i for i, m in enumerate(messages) if text in m) for text in (
+        "int8 for schema triage: calibrating against float32", "int8 for schema triage: ", "calibrated against")]
+    assert steps == sorted(steps), messages
+    assert any("tickets answered in" in m and "now the float32 reference" in m for m in messages), messages
 
 
 def test_off_the_fast_precision_answers_as_it_comes(cache, tiny_settings, texts):

@@ -200,8 +200,8 @@ class Engine:
         if self.recheck is None:
             return runner
         exact = self.recheck.exact.compile(schema)
-        key = [*runner.prompt.prefix_ids, -1, *runner.segment_ids]
-        recheck = attach_recheck(runner, exact, self.precision, key, fields_of(schema), self._force_recheck)
+        recheck = attach_recheck(runner, exact, self.precision, [*runner.prompt.prefix_ids, -1, *runner.segment_ids],
+                                 fields_of(schema), self._force_recheck, schema.name)  # fmt: skip
         if recheck is None:  # the check would not pay for this schema: float32 answers it
             return exact
         self.bounds[schema.name] = recheck.bound

@@ -228,14 +228,22 @@ def expected_gain(speed: float, share: float) -> float:
 
 def calibrate(precision: str, fast: Callable[[Sequence[str]], list], exact: Callable[[Sequence[str]], list],
               fields: Mapping[str, Field] | None = None,
-              texts: Iterable[str] | None = None) -> Calibration:  # fmt: skip
+              texts: Iterable[str] | None = None, label: str = "") -> Calibration:  # fmt: skip
     """`fast` (a batch classifier) against `exact` over `texts` (default: `calibration_texts`), each
-    timed after a warm-up on two tickets."""
+    timed after a warm-up on two tickets. `label` names what is calibrated in the log (a schema).
+
+    It logs as it starts and between its two passes: on a slow or loaded machine it takes minutes
+    (tens of seconds per schema on the full-size stand-in), and a worker says nothing else meanwhile.
+    """
     texts = list(texts) if texts is not None else calibration_texts()
+    what = f"{precision} for {label}" if label else precision
+    log.info("%s: calibrating against float32 on %d tickets (once on this machine, then read from its cache)",
+             what, len(texts))  # fmt: skip
     fast(texts[:2]), exact(texts[:2])  # warm-up: kernel selection, oneDNN primitives
     started = time.perf_counter()
     answers = fast(texts)
     between = time.perf_counter()
+    log.info("%s: %d tickets answered in %.1fs; now the float32 reference", what, len(texts), between - started)
     reference = exact(texts)
     ended = time.perf_counter()
     measured = max(decision_error(f, e) for f, e in zip(answers, reference, strict=True))

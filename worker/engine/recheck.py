@@ -102,11 +102,11 @@ class Recheck:
 
 
 def attach_recheck(fast: Any, exact: Any, precision: str, prompt_ids: Sequence[int], fields: Mapping[str, Field],
-                   force: bool = False) -> Recheck | None:  # fmt: skip
+                   force: bool = False, schema: str = "") -> Recheck | None:  # fmt: skip
     """Give `fast` (a runner in `precision`) its float32 twin `exact` and a measured error bound:
     this machine's cached calibration, else `calibrate` now. None (and `fast` left unchecked) where
     the calibration predicts the re-checked precision under MIN_GAIN x float32's speed, unless `force`
-    (the bench shows what it would do). `fast` must not be re-checked yet."""
+    (the bench shows what it would do). `fast` must not be re-checked yet; `schema` names its schema in the log."""
     path = cache_dir("precision") / f"{precision}-{cache_key_digest(_key(fast, precision, prompt_ids, fields))}.json"
     calibration = load_calibration(path)
     if calibration is not None:
@@ -115,7 +115,8 @@ def attach_recheck(fast: Any, exact: Any, precision: str, prompt_ids: Sequence[i
     fresh = calibration is None
     if fresh:
         calibration = calibrate(precision, lambda texts: fast.classify(texts)[0],
-                                lambda texts: exact.classify(texts)[0], fields)  # fmt: skip
+                                lambda texts: exact.classify(texts)[0], fields,
+                                label=f"schema {schema}" if schema else "")  # fmt: skip
     bound = ErrorBound(precision, calibration.measured, calibration.samples, path, speed=calibration.speed,
                        share=calibration.share)  # fmt: skip
     if fresh:  # a cached one is already on disk; a widening saves itself
