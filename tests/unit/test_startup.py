@@ -56,7 +56,7 @@ def imported(modules: set[str], names: tuple[str, ...]) -> list[str]:
 
 def test_classify_imports_no_queue_machinery(tmp_path, tiny_model_dir):
     done, modules = classify(tmp_path, engine_env(tiny_model_dir))
-    assert "read 3 rows: 3 ok, 0 failed" in done.stderr
+    assert "read 3 rows: 3 ok, 0 failed" in done.stdout  # the summary goes to stdout, as ticketq-produce's
     assert "torch" in modules and "worker.engine.model" in modules  # it did load the model
     assert imported(modules, QUEUE_MACHINERY) == []
 
