@@ -237,6 +237,7 @@ class Classified(TypedDict):
     standin: bool  # a stand-in model: the label means nothing
     precision: str  # the arithmetic that answered: float32, bfloat16, float16 or int8
     rechecked: bool  # answered in float32 because the fast precision's answer was within its error bound
+    scorer: str  # who scored the labels: "zero-shot" (the LM head's label rows) or "head:<digest>" (TICKETQ_HEAD)
     worker: str  # host:pid
     queue_wait_s: float | None  # submitted_at to batch start; None without submitted_at
     processing_s: float  # batch start to this result
@@ -270,6 +271,7 @@ class Triaged(TypedDict):
     standin: bool
     precision: str  # as in `Classified`
     rechecked: bool
+    scorer: str  # as in `Classified`
     worker: str
     queue_wait_s: float | None
     processing_s: float

@@ -356,6 +356,7 @@ class TicketFields:
     truncation: str | None  # None: read whole; else the mode that cut it (head, tail, head+tail)
     precision: str = "float32"  # the arithmetic that answered: float32, bfloat16, float16 or int8
     rechecked: bool = False  # answered in float32 after the fast precision's answer fell within its error bound
+    scorer: str = "zero-shot"  # who scored the labels (a fitted head: "head:<digest>", `worker.engine.head`)
 
     @property
     def truncated(self) -> bool:

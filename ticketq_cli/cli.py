@@ -12,7 +12,7 @@ from rich.table import Table
 
 from ticketq.cli import CONTEXT_SETTINGS, command, error
 from ticketq.exits import EXIT_USAGE
-from ticketq_cli import classify_commands, ops_commands
+from ticketq_cli import classify_commands, fit, ops_commands
 from ticketq_cli.common import (
     DEFAULT_STANDIN,
     check_model,
@@ -70,6 +70,7 @@ def standin(
 
 cli.command()(classify_commands.classify)
 cli.command(name="eval")(classify_commands.evaluate)
+cli.command()(fit.fit)
 
 
 @cli.command()

@@ -217,7 +217,7 @@ def _answers(engine: Engine | FieldsEngine, tickets: list[TicketRow], summary: S
     for row, prediction in zip(good, predictions, strict=True):
         answers[row.line] = {"id": row.result_id, "status": "ok", **_answer(prediction), "model": info.name,
                              "standin": info.standin, "precision": prediction.precision,
-                             "rechecked": prediction.rechecked}  # fmt: skip
+                             "rechecked": prediction.rechecked, "scorer": prediction.scorer}  # fmt: skip
     return answers
 
 

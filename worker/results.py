@@ -15,6 +15,7 @@ class Prediction:
     tokens: int  # ticket tokens after truncation
     precision: str = "float32"  # the arithmetic that answered: float32, bfloat16, float16 or int8
     rechecked: bool = False  # answered in float32 after the fast precision's answer fell within its error bound
+    scorer: str = "zero-shot"  # who scored the labels: the LM head's label rows, or a fitted head ("head:<digest>")
 
 
 class PaddedTokens:

@@ -90,6 +90,11 @@ class Settings(ClientSettings):
         DEFAULT_SYSTEM_PROMPT, description="System instructions before the label list."
     )
     max_ticket_tokens: int = Field(512, ge=8, description="Longer tickets are truncated and flagged.")
+    head: str | None = Field(
+        None, description="A label head fitted by `ticketq fit` (a file): it scores the labels from the answer "
+        "position's hidden state instead of the LM head's label rows; refused at start-up when fitted for another "
+        "model or prompt (docs/learning.md).",
+    )
     truncation: Literal["head", "tail", "head+tail"] = Field(
         "head", description="How a ticket over TICKETQ_MAX_TICKET_TOKENS is cut: keep its start, its end (where a "
         "reply thread puts the newest message) or half of each; a schema may set its own.",

@@ -103,7 +103,7 @@ def whole_file_results(engine, path: Path) -> list[dict]:
     predictions, _ = engine.classify([ticket["text"] for ticket in source.tickets])
     results = [{"id": ticket["id"], "status": "ok", "label": p.label, "probs": p.probs, "margin": p.margin,
                 "truncated": p.truncated, "model": engine.info.name, "standin": engine.info.standin,
-                "precision": p.precision, "rechecked": p.rechecked}
+                "precision": p.precision, "rechecked": p.rechecked, "scorer": p.scorer}
                for ticket, p in zip(source.tickets, predictions, strict=True)]  # fmt: skip
     return source.results_in_order(results)
 

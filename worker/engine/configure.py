@@ -39,6 +39,7 @@ class ModelInfo:
     # the load-time self-check's verdict (`selfcheck.verify`): the batched path's largest |Δp| against
     # the reference, and whether the fused decoder had to give way to transformers' layers
     self_check: str = ""
+    scorer: str = "zero-shot"  # who scores the labels: the LM head's label rows, or a fitted head (TICKETQ_HEAD)
 
 
 def load_configured(settings: Settings):

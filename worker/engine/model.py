@@ -33,6 +33,7 @@ from worker.engine.configure import ModelInfo, cast_copy, load_configured
 from worker.engine.cost import CostModel
 from worker.engine.fields import FieldsEngine
 from worker.engine.fused import FusedDecoder
+from worker.engine.head import LabelHead, attach_head
 from worker.engine.int8 import INT8, quantize_linears_int8
 from worker.engine.kernels import dtype_name
 from worker.engine.layout import padded_ids, prefix_mask
@@ -84,6 +85,7 @@ class Engine:
         self.int8 = int8
         self.dedup = dedup  # a run computes duplicate tickets once (TICKETQ_DEDUP)
         self.recheck: Recheck | None = None  # the float32 twin of a fast precision (`check_with`)
+        self.head: LabelHead | None = None  # issue 43: a fitted label head scores the answer position (`head`)
         self.bounds: dict[str, ErrorBound] = {}  # schema name -> its runner's error bound, where re-checked
         self._force_recheck = False  # re-checked whatever the calibration predicts (TICKETQ_RECHECK=always)
         self.float_decoder = model.get_decoder()  # the prefix cache is computed once, exactly, in float32
@@ -122,9 +124,11 @@ class Engine:
         if exact_model is not None:
             exact = cls(exact_model, tokenizer, info=replace(info, dtype="float32", recheck=False), cost=cost(),
                         **options)  # fmt: skip
+            attach_head(settings.head, engine, exact)  # issue 43: TICKETQ_HEAD, checked against the float32 model
             verify(exact, also=(engine,))  # the float32 twin held to the reference; the fast copy unfused with it
             # float32 where the check would not pay (TICKETQ_RECHECK=auto)
             return engine if engine.check_with(exact, force=settings.recheck == "always") else exact
+        attach_head(settings.head, engine)  # issue 43: TICKETQ_HEAD
         verify(engine)  # float32: held to the reference, unfused where the fused decoder differs
         return engine
 
@@ -134,6 +138,7 @@ class Engine:
         engine left unchecked) where the calibration predicts it would not pay, unless `force`."""
         prompt = self.prompt
         key = [*prompt.prefix_ids, -1, *prompt.suffix_ids, -1, *sorted(prompt.trie.branches)]
+        key += [self.head.digest] if self.head is not None else []  # issue 43: a head's own calibration
         recheck = attach_recheck(self, exact, self.precision, key, {}, force)
         self._force_recheck = force  # the schemas compiled later are held to the same rule
         if recheck is not None:
@@ -286,6 +291,10 @@ class Engine:
         mask = prefix_mask(self.prefix_len, lengths, width, 0, self.dtype)  # (B, 1, W, P+W)
         positions = self.prefix_len + torch.arange(width, device=self.device).expand(len(rows), -1)  # (B, W)
         last = self.decode(ids, mask, positions, cache, keep=(lengths - 1)[:, None])[:, 0]  # (B, H)
+        if self.head is not None:  # issue 43: a fitted label head answers from the same hidden state (`head`)
+            answers = self.head.answers(last, rows, self.precision)
+            if answers is not None:  # None: a tap (`ticketq fit`) that only records the states
+                return self.recheck.screen(answers) if self.recheck is not None else answers
         scores = {}
         for path in self.prompt.trie.branches:  # the root is one only where the labels' first tokens differ
             after = self._continuation(path, lengths, width, cache) if path else last  # (B, H)
@@ -320,6 +329,8 @@ class Engine:
         if self.recheck is not None:
             return self.recheck.exact.reference(text)
         encoded = self.prompt.encode(text)
+        if self.head is not None:  # issue 43: the head on the full prompt's last hidden state (`head`)
+            return self.head.reference_answer(self, encoded)
         full = self.prompt.full_ids(encoded)
         branch = {path: choice_logprobs(self.last_logits([*full, *path]), kids)  # (C,) per branch
                   for path, kids in self.prompt.trie.branches.items()}  # fmt: skip

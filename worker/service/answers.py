@@ -33,11 +33,11 @@ class Answers:
             "margin": prediction.margin,
             "truncated": prediction.truncated,
             "truncation": self.truncation if prediction.truncated else None,
-        }, prediction.precision, prediction.rechecked)  # fmt: skip
+        }, prediction.precision, prediction.rechecked, prediction.scorer)  # fmt: skip
 
     def triaged(self, slot: Slot, answer: TicketFields, now: float) -> Triaged:
         """A ticket answered with a schema: every field's answer."""
-        return self._ok(slot, now, answer.to_json(), answer.precision, answer.rechecked)
+        return self._ok(slot, now, answer.to_json(), answer.precision, answer.rechecked, answer.scorer)
 
     def answer(self, slot: Slot, answer: Prediction | TicketFields, now: float) -> Classified | Triaged:
         if isinstance(answer, TicketFields):
@@ -55,7 +55,7 @@ class Answers:
             "worker": self.worker_name,
         }
 
-    def _ok(self, slot: Slot, now: float, answer: dict, precision: str, rechecked: bool) -> Any:
+    def _ok(self, slot: Slot, now: float, answer: dict, precision: str, rechecked: bool, scorer: str) -> Any:
         ticket, started = slot.ticket, slot.joined
         return {
             "id": slot_result_id(slot, ticket.id),
@@ -65,6 +65,7 @@ class Answers:
             **self.model_fields,
             "precision": precision,
             "rechecked": rechecked,
+            "scorer": scorer,
             "worker": self.worker_name,
             "queue_wait_s": round(started - ticket.submitted_at, 6) if ticket.submitted_at else None,
             "processing_s": round(now - started, 6),
