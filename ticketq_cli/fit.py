@@ -61,12 +61,16 @@ def read_labelled(path: Path, fmt: str, max_bytes: int) -> Labelled:
 def fit(
     path: Annotated[Path, typer.Argument(help="Labelled tickets: JSONL or CSV rows with text and expected.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="The head file to write (safetensors).")],
-    holdout: Annotated[Path | None, typer.Option(help="Held-out labelled tickets to score on (default: a share of "
-                       "PATH, never trained on).")] = None,  # fmt: skip
-    holdout_share: Annotated[float, typer.Option(min=0.05, max=0.5, help="Share of PATH held out when no "
-                             "--holdout is given.")] = 0.2,  # fmt: skip
-    validation_share: Annotated[float, typer.Option(min=0.05, max=0.5, help="Share of the training rows for "
-                                "early stopping and the penalty.")] = 0.15,  # fmt: skip
+    holdout: Annotated[
+        Path | None,
+        typer.Option(help="Held-out labelled tickets to score on (default: a share of PATH, never trained on)."),
+    ] = None,
+    holdout_share: Annotated[
+        float, typer.Option(min=0.05, max=0.5, help="Share of PATH held out when no --holdout is given.")
+    ] = 0.2,
+    validation_share: Annotated[
+        float, typer.Option(min=0.05, max=0.5, help="Share of the training rows for early stopping and the penalty.")
+    ] = 0.15,
     seed: Annotated[int, typer.Option(help="Seed of the splits.")] = 0,
     fmt: Annotated[str, typer.Option("--format", help="auto (by extension, then content), jsonl or csv.")] = "auto",
     force: Annotated[bool, typer.Option("--force", "-f", help="Replace --out if it exists.")] = False,
@@ -90,8 +94,11 @@ def fit(
     held = read_labelled(holdout, fmt, settings.max_ticket_bytes) if holdout is not None else None
     labels = tuple(sorted(set(data.expected)))
     if len(data.texts) < MIN_ROWS or len(labels) < 2:
-        fail(f"{path}: {len(data.texts)} labelled rows over {len(labels)} labels; a head needs at least {MIN_ROWS} "
-             "rows and two labels", EXIT_NOTHING)  # fmt: skip
+        fail(
+            f"{path}: {len(data.texts)} labelled rows over {len(labels)} labels; a head needs at least {MIN_ROWS} "
+            "rows and two labels",
+            EXIT_NOTHING,
+        )
     check_model(settings, hub=True)
     from ticketq_cli.classify_commands import _load_engine
 
@@ -130,9 +137,14 @@ def _fit_and_score(engine, data: Labelled, held: Labelled | None, labels, shares
     head.summary.update(collect_s=round(time.perf_counter() - started, 1), holdout=len(test))
     answers = head.answers(states[test], engine.encode([texts[i] for i in test]), "float32")
     truth = [expected[i] for i in test]
-    return {"head": head, "labels": labels, "scores": {
-        head.scorer: _scores(labels, truth, answers), "zero-shot": _scores(labels, truth, [zero_shot[i] for i in test]),
-    }}  # fmt: skip
+    return {
+        "head": head,
+        "labels": labels,
+        "scores": {
+            head.scorer: _scores(labels, truth, answers),
+            "zero-shot": _scores(labels, truth, [zero_shot[i] for i in test]),
+        },
+    }
 
 
 def _scores(labels, truth: list[str], answers) -> dict:
@@ -144,8 +156,12 @@ def _scores(labels, truth: list[str], answers) -> dict:
         scores.add(want, answer.label, answer.margin)
     correct = [want == answer.label for want, answer in zip(truth, answers, strict=True)]
     ece = expected_calibration_error([max(a.probs.values()) for a in answers], correct)
-    return {"accuracy": sum(correct) / len(correct) if correct else 0.0, "ece": ece, "per_label": scores.per_label(),
-            "scored": len(correct)}  # fmt: skip
+    return {
+        "accuracy": sum(correct) / len(correct) if correct else 0.0,
+        "ece": ece,
+        "per_label": scores.per_label(),
+        "scored": len(correct),
+    }
 
 
 def _report(figures: dict, path: Path, out: Path, standin: bool, json_out: Path | None) -> None:
@@ -158,16 +174,27 @@ def _report(figures: dict, path: Path, out: Path, standin: bool, json_out: Path 
     table.add_row("accuracy", *(f"{s['accuracy']:.1%}" for s in scores.values()))
     table.add_row("ECE", *(f"{s['ece']:.3f}" for s in scores.values()))
     for label in figures["labels"]:
-        table.add_row(f"{label} P / R", *(f"{s['per_label'][label]['precision']:.1%} / "
-                                          f"{s['per_label'][label]['recall']:.1%}" for s in scores.values()))  # fmt: skip
+        table.add_row(
+            f"{label} P / R",
+            *(
+                f"{s['per_label'][label]['precision']:.1%} / {s['per_label'][label]['recall']:.1%}"
+                for s in scores.values()
+            ),
+        )
     stdout.print(table)
-    stdout.print(f"fitted on {summary['train']} tickets ({summary['validation']} for early stopping, penalty "
-                 f"{summary['penalty']:g}, {summary['steps']} steps) in {summary['fit_s']:.1f} s after "
-                 f"{summary['collect_s']:.1f} s of hidden states; head {head.scorer} written to {out}; "
-                 f"serve it with TICKETQ_HEAD={out}", highlight=False, soft_wrap=True)  # fmt: skip
+    stdout.print(
+        f"fitted on {summary['train']} tickets ({summary['validation']} for early stopping, penalty "
+        f"{summary['penalty']:g}, {summary['steps']} steps) in {summary['fit_s']:.1f} s after "
+        f"{summary['collect_s']:.1f} s of hidden states; head {head.scorer} written to {out}; "
+        f"serve it with TICKETQ_HEAD={out}",
+        highlight=False,
+        soft_wrap=True,
+    )
     if standin:
-        console.print("[yellow]stand-in model: random weights, so zero-shot is chance; the head learned from its "
-                      "features what the synthetic tickets' words say[/]")  # fmt: skip
+        console.print(
+            "[yellow]stand-in model: random weights, so zero-shot is chance; the head learned from its "
+            "features what the synthetic tickets' words say[/]"
+        )
     if json_out is not None:
         data = {"head": head.scorer, "summary": summary, "scores": scores, "standin": standin, "input": str(path)}
         json_out.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

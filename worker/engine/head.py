@@ -51,8 +51,13 @@ def model_fingerprint(model: Any) -> str:
     head = model.get_output_embeddings().weight
     vectors = [p for p in model.get_decoder().parameters() if p.dim() == 1 and p.layout == torch.strided]
     sums = [float(head[:64].detach().double().sum()), sum(float(p.detach().double().sum()) for p in vectors)]
-    key = [getattr(config, "model_type", "?"), getattr(config, "hidden_size", 0),
-           getattr(config, "num_hidden_layers", 0), getattr(config, "vocab_size", 0), [f"{s:.5e}" for s in sums]]  # fmt: skip
+    key = [
+        getattr(config, "model_type", "?"),
+        getattr(config, "hidden_size", 0),
+        getattr(config, "num_hidden_layers", 0),
+        getattr(config, "vocab_size", 0),
+        [f"{s:.5e}" for s in sums],
+    ]
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
 
 
@@ -94,8 +99,10 @@ class LabelHead:
     def answers(self, hidden: torch.Tensor, rows: Sequence[EncodedTicket], precision: str) -> list[Prediction]:
         """One `Prediction` per row from its answer-position hidden state (B, H), scored by this head."""
         table = self.logprobs(hidden).tolist()  # (B, L)
-        return [replace(make_prediction(dict(zip(self.labels, lps, strict=True)), row, precision), scorer=self.scorer)
-                for lps, row in zip(table, rows, strict=True)]  # fmt: skip
+        return [
+            replace(make_prediction(dict(zip(self.labels, lps, strict=True)), row, precision), scorer=self.scorer)
+            for lps, row in zip(table, rows, strict=True)
+        ]
 
     def reference_answer(self, engine: Any, encoded: EncodedTicket) -> Prediction:
         """The reference: the full prompt, no cache, the whole model's decoder; the head at its last token."""
@@ -106,8 +113,13 @@ class LabelHead:
     def save(self, path: Path) -> None:
         from safetensors.torch import save_file
 
-        meta = {"format": FORMAT, "labels": list(self.labels), "model": self.model, "prompt": self.prompt,
-                "summary": self.summary}  # fmt: skip
+        meta = {
+            "format": FORMAT,
+            "labels": list(self.labels),
+            "model": self.model,
+            "prompt": self.prompt,
+            "summary": self.summary,
+        }
         tensors = {"weight": self.weight.float().contiguous(), "bias": self.bias.float().contiguous()}
         save_file(tensors, str(path), metadata={META_KEY: json.dumps(meta)})
 
@@ -135,11 +147,15 @@ def check_head(head: LabelHead, path: str | Path, model: Any, prompt: PromptTemp
     fingerprint, digest = model_fingerprint(model), prompt_digest(prompt)
     hidden = model.config.hidden_size
     if head.model != fingerprint or head.weight.shape[1] != hidden:
-        raise HeadMismatch(f"head {path} was fitted for another model (fingerprint {head.model}, this model's is "
-                           f"{fingerprint}): fit a head for this model with `ticketq fit`")  # fmt: skip
+        raise HeadMismatch(
+            f"head {path} was fitted for another model (fingerprint {head.model}, this model's is "
+            f"{fingerprint}): fit a head for this model with `ticketq fit`"
+        )
     if head.prompt != digest:
-        raise HeadMismatch(f"head {path} was fitted with another prompt (digest {head.prompt}, this worker's is "
-                           f"{digest}: system prompt, labels or template changed): fit it again with `ticketq fit`")  # fmt: skip
+        raise HeadMismatch(
+            f"head {path} was fitted with another prompt (digest {head.prompt}, this worker's is "
+            f"{digest}: system prompt, labels or template changed): fit it again with `ticketq fit`"
+        )
 
 
 def attach_head(path: str | None, engine: Any, exact: Any = None) -> None:
@@ -153,5 +169,10 @@ def attach_head(path: str | None, engine: Any, exact: Any = None) -> None:
         if runner is not None:
             runner.head = head
             runner.info = replace(runner.info, scorer=head.scorer)
-    log.info("label head %s (%s): %s, fitted on %s tickets", path, head.scorer, ", ".join(head.labels),
-             head.summary.get("train", "?"))  # fmt: skip
+    log.info(
+        "label head %s (%s): %s, fitted on %s tickets",
+        path,
+        head.scorer,
+        ", ".join(head.labels),
+        head.summary.get("train", "?"),
+    )

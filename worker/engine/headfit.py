@@ -47,8 +47,9 @@ class StateTap:
         return None
 
 
-def collect(engine, texts: Sequence[str], chunk: int = 256,
-            on_chunk: Callable[[int], None] | None = None) -> tuple[torch.Tensor, list[Prediction]]:  # fmt: skip
+def collect(
+    engine, texts: Sequence[str], chunk: int = 256, on_chunk: Callable[[int], None] | None = None
+) -> tuple[torch.Tensor, list[Prediction]]:
     """(N, H) answer-position hidden states of `texts` and their zero-shot answers, through the
     engine's batched path a chunk at a time (the tap emptied after each chunk: memory is the states)."""
     tap, states, answers = StateTap(), [], []
@@ -82,8 +83,7 @@ def split(count: int, share: float, seed: int = 0) -> Split:
     return Split(sorted(order[cut:]), sorted(order[:cut]))
 
 
-def fit_head(states: torch.Tensor, targets: torch.Tensor, labels: tuple[str, ...], parts: Split,
-             engine) -> LabelHead:  # fmt: skip
+def fit_head(states: torch.Tensor, targets: torch.Tensor, labels: tuple[str, ...], parts: Split, engine) -> LabelHead:
     """The head fitted on `states[parts.train]` (N, H) -> `targets` (N,) label indices, stopped and its
     penalty chosen on `parts.validation`, for `engine`'s model and prompt."""
     started = time.perf_counter()
@@ -97,13 +97,21 @@ def fit_head(states: torch.Tensor, targets: torch.Tensor, labels: tuple[str, ...
         if best is None or loss < best[2]:
             best = (weight, bias, loss, steps, penalty)
     weight, bias, loss, steps, penalty = best
-    folded = weight / scale  # (L, H): logits = ((h - mean) / scale) W^T + b = h (W / scale)^T + (b - mean (W / scale)^T)
-    summary = {"train": len(parts.train), "validation": len(parts.validation), "penalty": penalty, "steps": steps,
-               "validation_loss": round(loss, 5), "fit_s": round(time.perf_counter() - started, 2),
-               "hidden": states.shape[1]}  # fmt: skip
+    # logits = ((h - mean) / scale) W^T + b = h (W / scale)^T + (b - mean (W / scale)^T)
+    folded = weight / scale  # (L, H)
+    summary = {
+        "train": len(parts.train),
+        "validation": len(parts.validation),
+        "penalty": penalty,
+        "steps": steps,
+        "validation_loss": round(loss, 5),
+        "fit_s": round(time.perf_counter() - started, 2),
+        "hidden": states.shape[1],
+    }
     fp = model_fingerprint(getattr(engine.recheck, "exact", engine).model if engine.recheck else engine.model)
-    return LabelHead(labels, folded.contiguous(), (bias - mean @ folded.T).contiguous(), fp, prompt_digest(engine.prompt),
-                     summary)  # fmt: skip
+    return LabelHead(
+        labels, folded.contiguous(), (bias - mean @ folded.T).contiguous(), fp, prompt_digest(engine.prompt), summary
+    )
 
 
 def _fit_one(x, y, xv, yv, classes: int, penalty: float):
