@@ -205,8 +205,24 @@ def evaluate(
             else:
                 evaluation = evaluate_fields(engine.fields(schema), rows, on_chunk=bar.update)
     _report_evaluation(evaluation, cuts, engine.info.standin, json_out)
+    if schema is None and engine.head is not None:  # a fitted head (TICKETQ_HEAD): zero-shot on the same rows
+        _compare_zero_shot(path, fmt, settings, engine, evaluation, progress)
     if evaluation.scored == 0:
         raise typer.Exit(EXIT_NOTHING)
+
+
+def _compare_zero_shot(path: Path, fmt: str, settings, engine, evaluation, progress: bool) -> None:
+    """The same rows scored zero-shot (the LM head's label rows), one line beside the head's accuracy."""
+    from tqdm import tqdm
+
+    from ticketq_cli.evaluate import evaluate as run_eval
+    from worker.engine.head import zero_shot
+
+    with _open_tickets(path, fmt, settings) as reader, tqdm(desc="zero-shot", unit="row",
+                                                              disable=None if progress else True) as bar:  # fmt: skip
+        base = run_eval(zero_shot(engine), _rows_to_score(reader), on_chunk=bar.update)
+    Console().print(f"{engine.info.scorer}: accuracy {evaluation.scores.accuracy:.1%}; zero-shot on the same "
+                    f"{base.scored} rows: {base.scores.accuracy:.1%}", highlight=False, markup=False)  # fmt: skip
 
 
 def _open_tickets(path: Path, fmt: str, settings) -> TicketReader:

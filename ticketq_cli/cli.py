@@ -71,6 +71,7 @@ def standin(
 cli.command()(classify_commands.classify)
 cli.command(name="eval")(classify_commands.evaluate)
 cli.command()(fit.fit)
+cli.command()(fit.synthetic)
 
 
 @cli.command()

@@ -118,7 +118,9 @@ def evaluate(engine, rows: Iterable[Row], on_batch=None, on_chunk=None) -> Evalu
     """Classify every labelled row of `rows` (chunked, as `ticketq classify` does) and score it."""
     from ticketq_cli.offline import Summary, chunked, classify_chunk
 
-    evaluation, summary = Evaluation(Scores(tuple(engine.labels))), Summary()
+    from worker.engine.head import answer_labels
+
+    evaluation, summary = Evaluation(Scores(answer_labels(engine))), Summary()
     for chunk in chunked(rows):
         evaluation.rows += len(chunk)
         labelled: list[Row] = []

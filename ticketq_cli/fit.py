@@ -198,3 +198,22 @@ def _report(figures: dict, path: Path, out: Path, standin: bool, json_out: Path 
     if json_out is not None:
         data = {"head": head.scorer, "summary": summary, "scores": scores, "standin": standin, "input": str(path)}
         json_out.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def synthetic(
+    count: Annotated[int, typer.Argument(min=1, help="How many labelled tickets to write.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="The labelled JSONL file to write.")],
+    seed: Annotated[int, typer.Option(help="Random seed: the same seed, the same tickets.")] = 0,
+    force: Annotated[bool, typer.Option("--force", "-f", help="Replace --out if it exists.")] = False,
+) -> None:
+    """Write synthetic labelled tickets (JSONL: id, text, expected), the format `ticketq fit` and
+    `ticketq eval` read. Each label has its own vocabulary, so a head can learn it from the text;
+    fit on one seed and hold out another."""
+    from producer.synthetic import generate_tickets
+
+    if out.exists() and not force:
+        fail(f"--out {out} exists: pass --force to replace it")
+    with out.open("w", encoding="utf-8") as handle:
+        for ticket in generate_tickets(count, seed=seed):
+            handle.write(json.dumps(ticket, ensure_ascii=False) + "\n")
+    Console().print(f"{count} labelled tickets (seed {seed}) written to {out}", highlight=False, markup=False)

@@ -17,6 +17,7 @@ whose fingerprint or prompt digest is not its own (`HeadMismatch`, one line, exi
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -176,3 +177,18 @@ def attach_head(path: str | None, engine: Any, exact: Any = None) -> None:
         ", ".join(head.labels),
         head.summary.get("train", "?"),
     )
+
+
+def answer_labels(engine: Any) -> tuple[str, ...]:
+    """The labels `engine` answers with: its head's where it has one, else its prompt's."""
+    return engine.head.labels if engine.head is not None else tuple(engine.labels)
+
+
+def zero_shot(engine: Any) -> Any:
+    """`engine` scoring zero-shot (the LM head's label rows) for a comparison: a shallow copy without
+    the head, of the float32 twin where the engine is re-checked (so its answers are float32's)."""
+    base = engine.recheck.exact if engine.recheck is not None else engine
+    view = copy.copy(base)
+    view.head = None
+    view.info = replace(base.info, scorer="zero-shot")
+    return view
