@@ -117,7 +117,6 @@ class Evaluation:
 def evaluate(engine, rows: Iterable[Row], on_batch=None, on_chunk=None) -> Evaluation:
     """Classify every labelled row of `rows` (chunked, as `ticketq classify` does) and score it."""
     from ticketq_cli.offline import Summary, chunked, classify_chunk
-
     from worker.engine.head import answer_labels
 
     evaluation, summary = Evaluation(Scores(answer_labels(engine))), Summary()
