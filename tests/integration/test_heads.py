@@ -95,8 +95,9 @@ def _engine_settings(model_dir) -> dict:
 def test_a_worker_refuses_a_head_fitted_for_another_prompt(head_file, tiny_model_dir):
     redis_or_skip(REDIS_URL)
     work, _ = head_file
-    env = worker_env(tiny_model_dir, REDIS_URL, f"heads-{uuid.uuid4().hex[:8]}",
-                     TICKETQ_HEAD=str(work / "head.safetensors"), TICKETQ_SYSTEM_PROMPT="Route the ticket.")  # fmt: skip
+    queue, head = f"heads-{uuid.uuid4().hex[:8]}", str(work / "head.safetensors")
+    env = worker_env(tiny_model_dir, REDIS_URL, queue,
+                     TICKETQ_HEAD=head, TICKETQ_SYSTEM_PROMPT="Route the ticket.")  # fmt: skip
     done = run(["ticketq", "worker"], env, timeout=180)
     output = done.stdout + done.stderr
     assert done.returncode == EXIT_USAGE, output[-3000:]
