@@ -20,8 +20,7 @@ as JSON). Every row is answered by the schema's `FieldsEngine`, and each field i
 rows that name it: a single-label field as above (`Scores`, the confidence being its margin), a
 multi-label field per label (precision, recall, F1) and by exact-set accuracy (`SetScores`). A row
 whose `expected` names a field or a label the schema does not have is refused with one line
-naming it (`parse_expected`), and scored for no field.
-"""
+naming it (`parse_expected`), and scored for no field. With a label head (TICKETQ_HEAD), its labels."""
 
 from __future__ import annotations
 

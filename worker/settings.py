@@ -36,9 +36,7 @@ class Settings(ClientSettings):
 
     # --- model and engine ---
     model: str = Field(DEFAULT_MODEL, description="Hub id or local directory of the causal LM.")
-    device: Literal["auto", "cpu", "cuda", "mps"] = Field(
-        "auto", description="auto: cuda, then mps, then cpu."
-    )
+    device: Literal["auto", "cpu", "cuda", "mps"] = Field("auto", description="auto: cuda, then mps, then cpu.")
     dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = Field(
         "auto",
         description="The precision batches run in. auto: the fastest this machine has: bfloat16 on cuda, and on a "
@@ -86,15 +84,11 @@ class Settings(ClientSettings):
         "only. Off: transformers' layers.",
     )
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice).")
-    system_prompt: str = Field(
-        DEFAULT_SYSTEM_PROMPT, description="System instructions before the label list."
-    )
+    system_prompt: str = Field(DEFAULT_SYSTEM_PROMPT, description="System instructions before the label list.")
     max_ticket_tokens: int = Field(512, ge=8, description="Longer tickets are truncated and flagged.")
-    head: str | None = Field(
-        None, description="A label head fitted by `ticketq fit` (a file): it scores the labels from the answer "
-        "position's hidden state instead of the LM head's label rows; refused at start-up when fitted for another "
-        "model or prompt (docs/learning.md).",
-    )
+    head: str | None = Field(None, description="A label head fitted by `ticketq fit` (a file): it scores the labels "
+                             "from the answer position's hidden state, not the LM head's label rows; refused at "
+                             "start-up when fitted for another model or prompt (docs/learning.md).")  # fmt: skip
     truncation: Literal["head", "tail", "head+tail"] = Field(
         "head", description="How a ticket over TICKETQ_MAX_TICKET_TOKENS is cut: keep its start, its end (where a "
         "reply thread puts the newest message) or half of each; a schema may set its own.",

@@ -51,7 +51,8 @@ def model_fingerprint(model: Any) -> str:
     config = model.config
     head = model.get_output_embeddings().weight
     vectors = [p for p in model.get_decoder().parameters() if p.dim() == 1 and p.layout == torch.strided]
-    sums = [float(head[:64].detach().double().sum()), sum(float(p.detach().double().sum()) for p in vectors)]
+    # summed as bfloat16 values: a model cast to bfloat16 (TICKETQ_RECHECK=never) has the same fingerprint
+    sums = [_checksum(head[:64]), sum(_checksum(p) for p in vectors)]
     key = [
         getattr(config, "model_type", "?"),
         getattr(config, "hidden_size", 0),
@@ -60,6 +61,10 @@ def model_fingerprint(model: Any) -> str:
         [f"{s:.5e}" for s in sums],
     ]
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+
+
+def _checksum(tensor: torch.Tensor) -> float:
+    return float(tensor.detach().to(torch.bfloat16).double().sum())
 
 
 def prompt_digest(prompt: PromptTemplate) -> str:
@@ -97,8 +102,10 @@ class LabelHead:
         weight, bias = self.weight.to(hidden.device), self.bias.to(hidden.device)
         return torch.log_softmax(hidden.float() @ weight.T + bias, dim=-1)  # (B, L)
 
-    def answers(self, hidden: torch.Tensor, rows: Sequence[EncodedTicket], precision: str) -> list[Prediction]:
-        """One `Prediction` per row from its answer-position hidden state (B, H), scored by this head."""
+    def answers(self, hidden: torch.Tensor, rows: Sequence[EncodedTicket], precision: str,
+                zero_shot: Sequence[Prediction] = ()) -> list[Prediction]:  # fmt: skip
+        """One `Prediction` per row from its answer-position hidden state (B, H), scored by this head
+        (`zero_shot`, the LM head's answers for the same rows, is what a `headfit.StateTap` returns)."""
         table = self.logprobs(hidden).tolist()  # (B, L)
         return [
             replace(make_prediction(dict(zip(self.labels, lps, strict=True)), row, precision), scorer=self.scorer)
@@ -159,24 +166,19 @@ def check_head(head: LabelHead, path: str | Path, model: Any, prompt: PromptTemp
         )
 
 
-def attach_head(path: str | None, engine: Any, exact: Any = None) -> None:
-    """Load the head in `path` (TICKETQ_HEAD; nothing where unset), check it against the float32 model
-    (`exact` where the engine has a float32 twin) and the prompt, and have both engines score with it."""
+def attach_head(path: str | None, engine: Any, *others: Any) -> Any:
+    """`engine`, scoring with the head in `path` (TICKETQ_HEAD; nothing where unset) once it is checked
+    against `engine`'s model and prompt, and so are `others` (copies of its model in another precision)."""
     if not path:
-        return
+        return engine
     head = LabelHead.load(path)
-    check_head(head, path, (exact or engine).model, engine.prompt)
-    for runner in (engine, exact):
-        if runner is not None:
-            runner.head = head
-            runner.info = replace(runner.info, scorer=head.scorer)
-    log.info(
-        "label head %s (%s): %s, fitted on %s tickets",
-        path,
-        head.scorer,
-        ", ".join(head.labels),
-        head.summary.get("train", "?"),
-    )
+    check_head(head, path, engine.model, engine.prompt)
+    for runner in (engine, *others):
+        runner.head = head
+        runner.info = replace(runner.info, scorer=head.scorer)
+    log.info("label head %s (%s): %s, fitted on %s tickets", path, head.scorer, ", ".join(head.labels),
+             head.summary.get("train", "?"))  # fmt: skip
+    return engine
 
 
 def answer_labels(engine: Any) -> tuple[str, ...]:

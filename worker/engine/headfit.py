@@ -4,7 +4,8 @@ regularised multinomial logistic regression on them, early stopping on a validat
 `collect` runs the engine's own batched path (the worker's prompt, the cached prefix, the
 planner, duplicates computed once) with a `StateTap` in the head's place: every forward hands it
 the final hidden state at each row's answer position (B, H), the same vector the zero-shot scorer
-reads, and the zero-shot answers come back as usual (the comparison `ticketq fit` prints). Only
+reads, and the zero-shot answers (the engine computes them beside any head) come back as usual
+(the comparison `ticketq fit` prints). Only
 those vectors are kept (N x H floats: 3.5 MB for 1,000 tickets on a 896-wide model); no logits.
 
 `fit_head` standardises the features, fits softmax regression with an L2 penalty by full-batch
@@ -41,10 +42,11 @@ class StateTap:
     def __init__(self) -> None:
         self.states: dict[tuple[int, ...], torch.Tensor] = {}  # a ticket's token ids -> its (H,) float32 state
 
-    def answers(self, hidden: torch.Tensor, rows: Sequence[EncodedTicket], precision: str) -> None:
+    def answers(self, hidden: torch.Tensor, rows: Sequence[EncodedTicket], precision: str,
+                zero_shot: Sequence[Prediction] = ()) -> list[Prediction]:  # fmt: skip
         for state, row in zip(hidden.float().cpu(), rows, strict=True):  # (H,) each
             self.states[tuple(row.ids)] = state.clone()
-        return None
+        return list(zero_shot)
 
 
 def collect(

@@ -114,22 +114,19 @@ class Engine:
         labels = settings.label_names
         options = dict(
             labels=labels, system=system_text(settings.system_prompt, labels, settings.label_descriptions),
-            max_ticket_tokens=settings.max_ticket_tokens, truncation=settings.truncation,
-            max_batch_tokens=settings.max_batch_tokens, max_batch_size=settings.max_batch_size,
+            max_ticket_tokens=settings.max_ticket_tokens, truncation=settings.truncation, fuse=settings.fuse,
+            max_batch_tokens=settings.max_batch_tokens, max_batch_size=settings.max_batch_size, dedup=settings.dedup,
             schema=default_schema(labels, settings.system_prompt, settings.label_descriptions),
-            fuse=settings.fuse, dedup=settings.dedup,
         )  # fmt: skip
         cost = lambda: CostModel(settings.cost_fixed_ms, settings.cost_token_ms, settings.cost_quad_ms)  # noqa: E731
         engine = cls(model, tokenizer, info=info, int8=info.dtype == INT8, cost=cost(), **options)
         if exact_model is not None:
             exact = cls(exact_model, tokenizer, info=replace(info, dtype="float32", recheck=False), cost=cost(),
                         **options)  # fmt: skip
-            attach_head(settings.head, engine, exact)  # issue 43: TICKETQ_HEAD, checked against the float32 model
-            verify(exact, also=(engine,))  # the float32 twin held to the reference; the fast copy unfused with it
-            # float32 where the check would not pay (TICKETQ_RECHECK=auto)
-            return engine if engine.check_with(exact, force=settings.recheck == "always") else exact
-        attach_head(settings.head, engine)  # issue 43: TICKETQ_HEAD
-        verify(engine)  # float32: held to the reference, unfused where the fused decoder differs
+            # the float32 twin (and its fast copy) with its label head (issue 43, TICKETQ_HEAD), held to the reference
+            verify(attach_head(settings.head, exact, engine), also=(engine,))
+            return engine if engine.check_with(exact, force=settings.recheck == "always") else exact  # else float32
+        verify(attach_head(settings.head, engine))  # float32 (issue 43: with its head) held to the reference
         return engine
 
     def check_with(self, exact: Engine, force: bool = False) -> bool:
@@ -138,7 +135,6 @@ class Engine:
         engine left unchecked) where the calibration predicts it would not pay, unless `force`."""
         prompt = self.prompt
         key = [*prompt.prefix_ids, -1, *prompt.suffix_ids, -1, *sorted(prompt.trie.branches)]
-        key += [self.head.digest] if self.head is not None else []  # issue 43: a head's own calibration
         recheck = attach_recheck(self, exact, self.precision, key, {}, force)
         self._force_recheck = force  # the schemas compiled later are held to the same rule
         if recheck is not None:
@@ -265,13 +261,12 @@ class Engine:
                  more: MoreCallback | None = None) -> tuple[list[Prediction], list[BatchReport]]:  # fmt: skip
         """Classify `texts` (in their order) with the planned, cached, label-only path.
 
-        `on_predictions(indices, predictions)` gets each forward batch's answers as soon as that
-        batch is computed (indices into `texts`), so a server can publish them without waiting
-        for the rest of the plan. `more()`, asked before the first forward and after every one,
-        returns tickets that arrived meanwhile: they join the ones not yet computed and the rest is
-        planned again, so every forward is chosen from everything waiting at its start. Their
-        indices follow `texts` (the first one returned is `len(texts)`), and so do their predictions.
-        """
+        `on_predictions(indices, predictions)` gets each forward batch's answers as soon as that batch is
+        computed (indices into `texts`), so a server can publish them without waiting for the rest of the plan.
+        `more()`, asked before the first forward and after every one, returns tickets that arrived meanwhile:
+        they join the ones not yet computed and the rest is planned again, so every forward is chosen from
+        everything waiting at its start. Their indices follow `texts` (the first returned is `len(texts)`),
+        and so do their predictions."""
         return self.classify_encoded(self.encode(texts), plan, on_batch, on_predictions, more)
 
     def classify_encoded(self, encoded: Sequence[EncodedTicket], plan: Plan | None = None,
@@ -291,16 +286,13 @@ class Engine:
         mask = prefix_mask(self.prefix_len, lengths, width, 0, self.dtype)  # (B, 1, W, P+W)
         positions = self.prefix_len + torch.arange(width, device=self.device).expand(len(rows), -1)  # (B, W)
         last = self.decode(ids, mask, positions, cache, keep=(lengths - 1)[:, None])[:, 0]  # (B, H)
-        if self.head is not None:  # issue 43: a fitted label head answers from the same hidden state (`head`)
-            answers = self.head.answers(last, rows, self.precision)
-            if answers is not None:  # None: a tap (`ticketq fit`) that only records the states
-                return self.recheck.screen(answers) if self.recheck is not None else answers
         scores = {}
         for path in self.prompt.trie.branches:  # the root is one only where the labels' first tokens differ
             after = self._continuation(path, lengths, width, cache) if path else last  # (B, H)
             scores[path] = branch_logprobs(after, self._branch_rows[path])  # (B, C)
         answers = [self._prediction(row, lambda path, child, i=i: float(scores[path][i, child]))
                    for i, row in enumerate(rows)]  # fmt: skip
+        answers = self.head.answers(last, rows, self.precision, answers) if self.head else answers  # issue 43, `head`
         return self.recheck.screen(answers) if self.recheck is not None else answers
 
     def _continuation(self, path: tuple[int, ...], lengths: torch.Tensor, width: int, cache) -> torch.Tensor:
@@ -324,8 +316,7 @@ class Engine:
 
     @torch.inference_mode()
     def reference(self, text: object) -> Prediction:
-        """One ticket, full prompt, no cache, full-vocabulary logits: the answer to match (float32's, where
-        this engine has a float32 twin)."""
+        """The answer to match: one ticket, full prompt, no cache, full logits (float32's where re-checked)."""
         if self.recheck is not None:
             return self.recheck.exact.reference(text)
         encoded = self.prompt.encode(text)

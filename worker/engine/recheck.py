@@ -133,7 +133,8 @@ def attach_recheck(fast: Any, exact: Any, precision: str, prompt_ids: Sequence[i
 
 def _key(fast: Any, precision: str, prompt_ids: Sequence[int], fields: Mapping[str, Field]) -> list:
     """What the calibration depends on: the machine, torch, the model's weights, the prompt, the
-    precision, and the thresholds that decide with the labels (the share within the bound)."""
+    precision, the thresholds that decide with the labels (the share within the bound), and the scorer
+    (issue 43: a label head, TICKETQ_HEAD, has its own bound)."""
     host = getattr(fast, "engine", fast)
     head = host.model.get_output_embeddings().weight
     # a checksum: the head's first rows and the decoder's dense vectors (its norms' weights, biases),
@@ -142,4 +143,5 @@ def _key(fast: Any, precision: str, prompt_ids: Sequence[int], fields: Mapping[s
     weights = [float(head[:64].detach().double().sum()), sum(float(p.detach().double().sum()) for p in vectors)]
     return [cpu_model(), sorted(cpu_flags()), platform.machine(), torch.__version__, torch.get_num_threads(),
             getattr(host.model, "name_or_path", "?"), weights, precision, getattr(host.info, "matmul", ""),
-            list(prompt_ids), sorted((name, f.select, f.threshold) for name, f in fields.items())]  # fmt: skip
+            list(prompt_ids), sorted((name, f.select, f.threshold) for name, f in fields.items()),
+            getattr(host.info, "scorer", "zero-shot")]  # fmt: skip
