@@ -125,9 +125,17 @@ class InProcessRun(ModeRun):
         entry = self.result.figures.setdefault("recheck", {"share": [], "bound": [], "measured": [],
                                                            "precision": engine.precision})  # fmt: skip
         entry["share"].append(sum(a.rechecked for a in answers) / len(answers))
-        entry["bound"].append(engine.recheck.bound.bound)
-        entry["measured"].append(engine.recheck.bound.measured)
+        entry["bound"].append(engine.policy.bound.bound)
+        entry["measured"].append(engine.policy.bound.measured)
         entry["forwards"] = sum(r.recheck for r in reports)
+        first = [r for r in reports if not r.recheck]  # every ticket's first forward: fast, or straight to float32
+        entry.setdefault("tokens_share", []).append(
+            sum(r.real_tokens for r in reports if r.recheck) / max(sum(r.real_tokens for r in first), 1))
+        entry.setdefault("straight_share", []).append(sum(r.rows for r in first if r.straight) / len(answers))
+        parts = {"fast_s": [r for r in first if not r.straight], "straight_s": [r for r in first if r.straight],
+                 "recheck_s": [r for r in reports if r.recheck]}  # fmt: skip
+        for part, chosen in parts.items():
+            entry.setdefault(part, []).append(sum(r.seconds for r in chosen))
 
     def ceiling(self, engine, reports: list[BatchReport], seconds: float) -> None:
         """The round's tokens/s against its linear layers' ceiling at its mean forward (see `ceiling`)."""
@@ -198,10 +206,12 @@ def prepare_fast(bench: Bench, mode: str, console: Console) -> str | None:
     if engine.precision != "float32":
         return f"{mode} skipped: it is built on a float32 engine (--dtype float32), this one runs {engine.precision}"
     if mode == "ticketq-checked":
-        from worker.engine.kernels import resolve_precision
+        from worker.engine.kernels import int8_available, resolve_precision
 
         precision, checked = resolve_precision("auto", engine.device, engine.info.matmul, recheck=True)
-        if not checked:
+        if not checked and engine.device.type == "cpu" and int8_available():
+            precision = "int8"  # the candidate where auto finds nothing faster: shown, its note says a worker's choice
+        elif not checked:
             return (f"ticketq-checked skipped: no precision measures faster than float32 on this {engine.device.type} "
                     "(TICKETQ_DTYPE=auto runs float32 here)")  # fmt: skip
     else:
@@ -225,17 +235,18 @@ def prepare_fast(bench: Bench, mode: str, console: Console) -> str | None:
 
 
 def describe_fast(mode: str, engine) -> str:
+    from worker.engine.policy import MIN_GAIN
     from worker.engine.precision import SAFETY, expected_gain
-    from worker.engine.recheck import MIN_GAIN
 
     if mode == "ticketq-checked":
-        bound = engine.recheck.bound
+        bound = engine.policy.bound
         gain = expected_gain(bound.speed, bound.share)
         served = (f"a worker serves it (>= {MIN_GAIN}x needed)" if gain >= MIN_GAIN else
                   f"a worker would answer in float32 here (< {MIN_GAIN}x): shown for the figures")  # fmt: skip
         return (f"ticketq-checked: answers in {engine.precision}, a ticket whose decision gap is under "
-                f"{bound.bound:.3g} ({SAFETY:g} x the largest {engine.precision} error measured, {bound.measured:.3g}) "
-                f"computed again in float32; every label is compared with the reference. Its calibration: "
+                f"{SAFETY:g} x {bound.rate:.3g} x tokens^{bound.exponent:g} (the envelope of the {engine.precision} "
+                f"errors measured, largest {bound.measured:.3g}) computed again in float32, a length whose tickets "
+                f"mostly are sent straight to float32; every label is compared with the reference. Its calibration: "
                 f"{engine.precision} {bound.speed:.2f}x float32's speed, {bound.share:.0%} of its tickets re-checked, "
                 f"{gain:.2f}x predicted: {served}")  # fmt: skip
     return f"{mode}: answers in {engine.precision} as they come (unchecked, inexact)"
