@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from ticketq_bench import baselines
 from ticketq_bench.ceiling import linear_ceiling
+from ticketq_bench.checked import describe_fast, recheck_figures
 from ticketq_bench.memory import peak_rss_mb, reset_peak_rss
 from ticketq_bench.procs import ROOT, free_port, running_worker
 from ticketq_bench.records import Answer, Bench, Load, ModeResult
@@ -122,20 +123,7 @@ class InProcessRun(ModeRun):
 
     def rechecks(self, engine, answers: list[Answer], reports: list[BatchReport]) -> None:
         """The round's re-check share and the bound it was cut at (the report's notes read them from the row)."""
-        entry = self.result.figures.setdefault("recheck", {"share": [], "bound": [], "measured": [],
-                                                           "precision": engine.precision})  # fmt: skip
-        entry["share"].append(sum(a.rechecked for a in answers) / len(answers))
-        entry["bound"].append(engine.policy.bound.bound)
-        entry["measured"].append(engine.policy.bound.measured)
-        entry["forwards"] = sum(r.recheck for r in reports)
-        first = [r for r in reports if not r.recheck]  # every ticket's first forward: fast, or straight to float32
-        entry.setdefault("tokens_share", []).append(
-            sum(r.real_tokens for r in reports if r.recheck) / max(sum(r.real_tokens for r in first), 1))
-        entry.setdefault("straight_share", []).append(sum(r.rows for r in first if r.straight) / len(answers))
-        parts = {"fast_s": [r for r in first if not r.straight], "straight_s": [r for r in first if r.straight],
-                 "recheck_s": [r for r in reports if r.recheck]}  # fmt: skip
-        for part, chosen in parts.items():
-            entry.setdefault(part, []).append(sum(r.seconds for r in chosen))
+        recheck_figures(self.result.figures, engine, answers, reports)
 
     def ceiling(self, engine, reports: list[BatchReport], seconds: float) -> None:
         """The round's tokens/s against its linear layers' ceiling at its mean forward (see `ceiling`)."""
@@ -232,24 +220,6 @@ def prepare_fast(bench: Bench, mode: str, console: Console) -> str | None:
             fast.check_with(engine, force=True)
     bench.fast_engines[mode] = fast
     return None
-
-
-def describe_fast(mode: str, engine) -> str:
-    from worker.engine.policy import MIN_GAIN
-    from worker.engine.precision import SAFETY, expected_gain
-
-    if mode == "ticketq-checked":
-        bound = engine.policy.bound
-        gain = expected_gain(bound.speed, bound.share)
-        served = (f"a worker serves it (>= {MIN_GAIN}x needed)" if gain >= MIN_GAIN else
-                  f"a worker would answer in float32 here (< {MIN_GAIN}x): shown for the figures")  # fmt: skip
-        return (f"ticketq-checked: answers in {engine.precision}, a ticket whose decision gap is under "
-                f"{SAFETY:g} x {bound.rate:.3g} x tokens^{bound.exponent:g} (the envelope of the {engine.precision} "
-                f"errors measured, largest {bound.measured:.3g}) computed again in float32, a length whose tickets "
-                f"mostly are sent straight to float32; every label is compared with the reference. Its calibration: "
-                f"{engine.precision} {bound.speed:.2f}x float32's speed, {bound.share:.0%} of its tickets re-checked, "
-                f"{gain:.2f}x predicted: {served}")  # fmt: skip
-    return f"{mode}: answers in {engine.precision} as they come (unchecked, inexact)"
 
 
 def prepare_nodedup(bench: Bench) -> None:

@@ -13,7 +13,7 @@ import pytest
 from worker.engine.batching import plan_optimal
 from worker.engine.cost import CostModel
 from worker.engine.policy import MIN_SEEN, PROBE_EVERY, Checked, LengthRoute
-from worker.engine.precision import ErrorBound
+from worker.engine.precision import Calibration, ErrorBound
 from worker.engine.prompt import EncodedTicket
 from worker.engine.scheduler import Exact, PlannedRun, Ticketed, drain
 from worker.results import Prediction
@@ -49,7 +49,7 @@ class Engine:
 def checked(gap=lambda tokens: 0.05, speed: float = 2.0) -> tuple[Checked, Engine, Engine]:
     """A bf16 engine held to a float32 twin; bound 2 x 0.01 x sqrt(tokens): 0.08 at 16 tokens, 0.4 at 400."""
     fast, exact = Engine("bfloat16", gap), Engine("float32", gap)
-    policy = Checked(fast, exact, ErrorBound("bfloat16", 0.2, 48, speed=speed, exponent=0.5, rate=0.01))
+    policy = Checked(fast, exact, ErrorBound("bfloat16", Calibration(0.2, 48, speed, 0.0, 0.5, 0.01)))
     fast.policy = policy
     return policy, fast, exact
 

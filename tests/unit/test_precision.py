@@ -126,7 +126,7 @@ def _schema_answer(logits: dict[str, float], odds: dict[str, float], category: F
 
 def test_the_bound_only_widens_and_is_saved_at_once(tmp_path):
     path = tmp_path / "bound.json"
-    bound = ErrorBound("int8", 0.1, 16, path)
+    bound = ErrorBound("int8", Calibration(0.1, 16, 0.0, 0.0, 0.0, 0.1), path)
     assert bound.bound == pytest.approx(0.1 * SAFETY)
     assert bound.unsettled(prediction(normalised({"a": 0.15, "b": 0.0})))
     assert not bound.unsettled(prediction(normalised({"a": 0.25, "b": 0.0})))
@@ -134,7 +134,7 @@ def test_the_bound_only_widens_and_is_saved_at_once(tmp_path):
     assert bound.observe(0.3, "test") and bound.bound == pytest.approx(0.3 * SAFETY)
     assert load_calibration(path) == Calibration(0.3, 18, 0.0, 0.0, 0.0, 0.3)
     assert not bound.observe(math.nan, "test")
-    assert ErrorBound("bfloat16", 0.0, 1).bound == FLOOR  # never under float32's own rounding
+    assert ErrorBound("bfloat16", Calibration(0.0, 1, 0.0, 0.0)).bound == FLOOR  # never under float32's own rounding
 
 
 def test_the_bound_grows_with_the_ticket_as_its_calibration_measured():
@@ -143,7 +143,7 @@ def test_the_bound_grows_with_the_ticket_as_its_calibration_measured():
     errors = [(tokens, 0.01 * math.sqrt(tokens)) for tokens in (16, 64, 256, 400)]
     exponent, rate = envelope(errors)
     assert exponent == 0.5 and rate == pytest.approx(0.01)
-    bound = ErrorBound("bfloat16", 0.2, 4, exponent=exponent, rate=rate)
+    bound = ErrorBound("bfloat16", Calibration(0.2, 4, 0.0, 0.0, exponent, rate))
     assert bound.bound_at(16) == pytest.approx(0.08) and bound.bound_at(400) == pytest.approx(0.4) == bound.bound
     short = replace(prediction(normalised({"a": 0.1, "b": 0.0})), tokens=16)  # gap 0.1: over 0.08
     assert not bound.unsettled(short) and bound.unsettled(replace(short, tokens=400))
@@ -151,7 +151,7 @@ def test_the_bound_grows_with_the_ticket_as_its_calibration_measured():
 
 
 def test_a_live_error_above_the_envelope_at_its_length_widens_it():
-    bound = ErrorBound("bfloat16", 0.2, 4, exponent=0.5, rate=0.01)
+    bound = ErrorBound("bfloat16", Calibration(0.2, 4, 0.0, 0.0, 0.5, 0.01))
     assert not bound.observe(0.15, "re-check", tokens=400)  # under 0.01 x 20 at that length: kept
     assert bound.observe(0.15, "shadow check", tokens=100)  # 0.015 per sqrt-token: the envelope rises
     assert bound.rate == pytest.approx(0.015) and bound.bound_at(400) == pytest.approx(0.6)
@@ -165,7 +165,7 @@ def test_the_predicted_gain_counts_each_recheck_as_a_float32_answer():
 
 
 def test_the_bound_is_widened_safely_from_two_threads(tmp_path):
-    bound = ErrorBound("int8", 0.0, 0, tmp_path / "b.json")
+    bound = ErrorBound("int8", Calibration(0.0, 0, 0.0, 0.0), tmp_path / "b.json")
     threads = [threading.Thread(target=lambda k=k: [bound.observe(k + i / 1000, "t") for i in range(200)])
                for k in range(4)]  # fmt: skip
     for thread in threads:

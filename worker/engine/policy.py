@@ -213,8 +213,7 @@ def check(fast: Any, exact: Any, precision: str, prompt_ids: Sequence[int], fiel
         calibration = calibrate(precision, lambda texts: fast.classify(texts)[0],
                                 lambda texts: exact.classify(texts)[0], fields,
                                 label=f"schema {schema}" if schema else "")  # fmt: skip
-    bound = ErrorBound(precision, calibration.measured, calibration.samples, path, speed=calibration.speed,
-                       share=calibration.share, exponent=calibration.exponent, rate=calibration.rate)  # fmt: skip
+    bound = ErrorBound(precision, calibration, path)
     if fresh:  # a cached one is already on disk; a widening saves itself
         save_bound(path, bound)
     if calibration.gain < MIN_GAIN and not force:

@@ -187,15 +187,14 @@ class ErrorBound:
     Thread-safe: the classifying thread reads it, the shadow checker's thread may widen it.
     """
 
-    def __init__(self, precision: str, measured: float, samples: int, path: Path | None = None,
-                 on_change: Callable[[ErrorBound], None] | None = None, speed: float = 0.0,
-                 share: float = 0.0, exponent: float = 0.0, rate: float | None = None) -> None:  # fmt: skip
+    def __init__(self, precision: str, calibration: Calibration, path: Path | None = None,
+                 on_change: Callable[[ErrorBound], None] | None = None) -> None:  # fmt: skip
         self.precision = precision
-        self.measured = measured  # the largest error measured, at any length
-        self.samples = samples  # tickets measured so far (calibration and live)
-        self.speed, self.share = speed, share  # the calibration's (`Calibration`)
-        self.exponent = exponent
-        self.rate = measured if rate is None else rate  # the largest error / tokens**exponent measured
+        self.measured = calibration.measured  # the largest error measured, at any length
+        self.samples = calibration.samples  # tickets measured so far (calibration and live)
+        self.speed, self.share = calibration.speed, calibration.share  # the calibration's
+        self.exponent = calibration.exponent
+        self.rate = calibration.rate  # the largest error / tokens**exponent measured
         self.path = path
         self.on_change = on_change
         self._lock = threading.Lock()
@@ -295,14 +294,14 @@ def calibrate(precision: str, fast: Callable[[Sequence[str]], list], exact: Call
     ended = time.perf_counter()
     errors = [(f.tokens, decision_error(f, e)) for f, e in zip(answers, reference, strict=True)]
     exponent, rate = envelope(errors)
-    bound = ErrorBound(precision, max(e for _, e in errors), len(texts), exponent=exponent, rate=rate)
-    share = sum(bound.unsettled(a, fields) for a in answers) / len(answers)
-    calibration = Calibration(bound.measured, len(texts), (ended - between) / max(between - started, 1e-9), share,
-                              exponent, rate)  # fmt: skip
+    speed = (ended - between) / max(between - started, 1e-9)
+    calibration = Calibration(max(e for _, e in errors), len(texts), speed, 0.0, exponent, rate)
+    bound = ErrorBound(precision, calibration)
+    calibration = calibration._replace(share=sum(bound.unsettled(a, fields) for a in answers) / len(answers))
     log.info("%s calibrated against float32 on %d tickets in %.1fs: largest decision error %.3g (bound %.3g x "
              "tokens^%g), %.2fx float32's speed, %.0f%% within the bound: re-checked, %.2fx float32's speed "
              "predicted", precision, len(texts), ended - started, bound.measured, SAFETY * rate, exponent,
-             calibration.speed, 100 * share, calibration.gain)  # fmt: skip
+             calibration.speed, 100 * calibration.share, calibration.gain)  # fmt: skip
     return calibration
 
 

@@ -180,11 +180,6 @@ class PlannedRun:
         self.duplicates = 0  # tickets answered with another's answer, not computed
         self.rechecked = 0  # tickets computed again by a deferred engine
 
-    @property
-    def waiting(self) -> bool:
-        """Whether any ticket waits to be computed."""
-        return any(batches for _, batches in self._plans.values())
-
     def add(self, tickets: Sequence[Ticketed], plan: Plan | None = None) -> dict[Hashable, Any]:
         """Tickets (engine, encoded, key) join the run, indexed after those before them. `plan`: the
         plan of the first tickets of a one-engine run (indices into `tickets`), else planned here.
