@@ -91,7 +91,7 @@ def test_a_rechecked_fast_precision_serves_float32s_head_labels(fitted, tiny_set
     path, head, held, *_ = fitted
     exact = Engine.from_settings(changed(tiny_settings, head=str(path)))
     fast = Engine.from_settings(changed(tiny_settings, head=str(path), dtype=precision, recheck="always"))
-    assert fast.recheck is not None and fast.precision == precision
+    assert fast.policy.checked and fast.precision == precision
     texts = [t["text"] for t in held]
     served, _ = fast.classify(texts)
     assert sum(a.rechecked for a in served) > 0  # the tiny model's near-ties: some answers re-checked

@@ -189,7 +189,7 @@ def answer_labels(engine: Any) -> tuple[str, ...]:
 def zero_shot(engine: Any) -> Any:
     """`engine` scoring zero-shot (the LM head's label rows) for a comparison: a shallow copy without
     the head, of the float32 twin where the engine is re-checked (so its answers are float32's)."""
-    base = engine.recheck.exact if engine.recheck is not None else engine
+    base = engine.policy.exact if engine.policy.checked else engine
     view = copy.copy(base)
     view.head = None
     view.info = replace(base.info, scorer="zero-shot")

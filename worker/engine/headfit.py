@@ -110,7 +110,7 @@ def fit_head(states: torch.Tensor, targets: torch.Tensor, labels: tuple[str, ...
         "fit_s": round(time.perf_counter() - started, 2),
         "hidden": states.shape[1],
     }
-    fp = model_fingerprint(getattr(engine.recheck, "exact", engine).model if engine.recheck else engine.model)
+    fp = model_fingerprint((engine.policy.exact if engine.policy.checked else engine).model)
     return LabelHead(
         labels, folded.contiguous(), (bias - mean @ folded.T).contiguous(), fp, prompt_digest(engine.prompt), summary
     )
