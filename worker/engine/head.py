@@ -30,6 +30,7 @@ import torch
 
 from worker.engine.kernels import dtype_name
 from worker.engine.loading import ModelNotFound
+from worker.engine.policy import Exact
 from worker.engine.prompt import EncodedTicket, PromptTemplate
 from worker.engine.scoring import make_prediction
 from worker.results import Prediction
@@ -191,6 +192,6 @@ def zero_shot(engine: Any) -> Any:
     the head, of the float32 twin where the engine is re-checked (so its answers are float32's)."""
     base = engine.policy.exact if engine.policy.checked else engine
     view = copy.copy(base)
-    view.head = None
+    view.head, view.policy = None, Exact(view)  # the copy's own policy routes its tickets to the copy
     view.info = replace(base.info, scorer="zero-shot")
     return view
