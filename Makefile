@@ -14,8 +14,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -e '.[dev]'
 	touch $@
 
+# `make demo FIT=300`: fit a label head on 300 synthetic labelled tickets first and serve it (docs/learning.md)
 demo: setup
-	$(VENV)/bin/ticketq demo
+	$(VENV)/bin/ticketq demo $(if $(FIT),--fit $(FIT))
 
 lint: setup
 	$(VENV)/bin/ruff check ticketq worker producer gateway ticketq_cli ticketq_bench tests docs/bench

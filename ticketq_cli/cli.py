@@ -78,12 +78,14 @@ cli.command()(fit.synthetic)
 def demo(
     tickets: Annotated[int, typer.Option(help="Synthetic tickets to send.")] = 600,
     seed: Annotated[int, typer.Option(help="Synthetic ticket seed.")] = 0,
+    fit: Annotated[int, typer.Option(help="First fit a label head on this many synthetic labelled tickets of "
+                                     "another seed and serve it (0: zero-shot).")] = 0,
 ) -> None:
     """End to end: model (or the full stand-in), a worker on local Redis, N tickets, figures."""
     from ticketq_cli.demo import run_demo
 
     log_to_stderr()
-    raise typer.Exit(run_demo(tickets, seed, console))
+    raise typer.Exit(run_demo(tickets, seed, console, fit))
 
 
 @cli.command()

@@ -4,11 +4,18 @@ Model (the configured one, or the full stand-in when no model hub is reachable) 
 process on the local Redis -> N synthetic tickets through the producer -> items/s, padding ratio,
 time to the first result (against the mean forward pass: results stream out per forward batch, so
 the first comes after about one), label counts and the metrics URL.
+
+With `--fit N` (issue 43) a label head is fitted first (`ticketq fit`, in its own process) on N
+synthetic labelled tickets of another seed than the ones then classified, and the worker serves it
+(TICKETQ_HEAD); the report adds the accuracy on the classified tickets, none of which the fit saw.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -50,7 +57,24 @@ def resolve_model(name: str, console: Console) -> str:
     return str(STANDIN_DIR)
 
 
-def run_demo(tickets: int, seed: int, console: Console) -> int:
+FIT_SEED_OFFSET = 1000  # the fit's tickets: seed + this, never the classified ones
+
+
+def fit_head(model: str, count: int, seed: int, console: Console) -> Path | None:
+    """A head fitted on `count` synthetic labelled tickets (seed + FIT_SEED_OFFSET) by `ticketq fit`, or None."""
+    from producer.synthetic import generate_tickets as labelled
+
+    data, head = Path("ticketq-demo-fit.jsonl"), Path("ticketq-demo-head.safetensors")
+    data.write_text("".join(json.dumps(t) + "\n" for t in labelled(count, seed=seed + FIT_SEED_OFFSET)))
+    console.print(f"fitting a label head on {count} synthetic labelled tickets (seed {seed + FIT_SEED_OFFSET}; "
+                  f"the demo then classifies seed {seed}, never seen by the fit)…", highlight=False)  # fmt: skip
+    env = {**os.environ, "TICKETQ_MODEL": model}
+    done = subprocess.run([sys.executable, "-m", "ticketq_cli.cli", "fit", str(data), "--out", str(head), "--force"],
+                          env=env)  # fmt: skip
+    return head if done.returncode == 0 else None
+
+
+def run_demo(tickets: int, seed: int, console: Console, fit: int = 0) -> int:
     settings = Settings()
     try:
         from worker.app import preflight
@@ -63,6 +87,10 @@ def run_demo(tickets: int, seed: int, console: Console) -> int:
     port = free_port(settings.metrics_port or 9808)
     queue = f"ticketq-demo-{os.getpid()}"
     env = {**os.environ, "TICKETQ_MODEL": model, "TICKETQ_QUEUE": queue, "TICKETQ_METRICS_PORT": str(port)}
+    head = fit_head(model, fit, seed, console) if fit else None
+    if fit and head is None:
+        return 2
+    env.update({"TICKETQ_HEAD": str(head)} if head else {})
     log_path = Path("ticketq-demo-worker.log")
     worker = WorkerProcess(env, log_path)
     try:
@@ -78,6 +106,8 @@ def run_demo(tickets: int, seed: int, console: Console) -> int:
         seconds = time.perf_counter() - start
         first = arrivals[0] - start if arrivals else None
         report(console, results, seconds, worker.metrics(), worker.metrics_url, model, first)
+        if head is not None:
+            report_head(console, results, batch)
         return 0 if all(r["status"] == "ok" for r in results) else 1
     finally:
         worker.stop()
@@ -117,6 +147,21 @@ def report(
     if ok and ok[0].get("standin"):
         console.print("[yellow]stand-in model: labels are meaningless; speed is real[/]")
     console.print(f"metrics were served at {url} (the demo worker has now stopped; `ticketq worker` keeps one up)")
+
+
+def report_head(console: Console, results: list[dict], batch: list[dict]) -> None:
+    """What the head's accuracy on the classified tickets means, honestly."""
+    expected = {t["id"]: t["expected"] for t in batch}
+    ok = [r for r in results if r["status"] == "ok"]
+    right = sum(r["label"] == expected.get(r["id"]) for r in ok)
+    console.print(f"label head {ok[0]['scorer'] if ok else '?'}: {right} of {len(ok)} classified tickets right "
+                  f"({right / max(len(ok), 1):.1%}; chance is {1 / max(len(set(expected.values())), 1):.0%})",
+                  highlight=False)  # fmt: skip
+    if ok and ok[0].get("standin"):
+        console.print("[yellow]stand-in model: its weights are random, so zero-shot labels are chance; the head "
+                      "learned the synthetic tickets' vocabulary from the random model's features. A real "
+                      "model and your own labelled tickets are what make this figure mean something "
+                      "(docs/learning.md).[/]")  # fmt: skip
 
 
 def _precision(ran: dict[str, str], ok: list[dict]) -> str:
