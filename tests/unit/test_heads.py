@@ -122,3 +122,12 @@ def test_expected_calibration_error():
     assert expected_calibration_error([1.0, 1.0], [True, True]) == 0.0
     assert expected_calibration_error([0.9, 0.9], [False, False]) == pytest.approx(0.9)
     assert expected_calibration_error([0.55, 0.95], [True, False]) == pytest.approx(0.5 * 0.45 + 0.5 * 0.95)
+
+
+def test_the_fingerprint_is_the_models_whatever_its_precision_or_kernels(tiny_engine):
+    import copy
+
+    from worker.engine.head import model_fingerprint
+
+    fast = copy.deepcopy(tiny_engine.model).to(torch.bfloat16)  # a worker's unchecked bfloat16 copy
+    assert model_fingerprint(fast) == model_fingerprint(tiny_engine.model)
