@@ -14,7 +14,7 @@ from commands import engine_env, run
 from workers import Worker, redis_or_skip, worker_env
 
 from ticketq.exits import EXIT_NOTHING, EXIT_USAGE
-from worker.engine import Engine
+from worker.engine.replicas import load_engine
 from worker.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -79,7 +79,7 @@ def test_a_worker_serves_the_head_as_its_reference_and_as_classify_offline(head_
             producer.close()
     finally:
         worker.stop()
-    reference = Engine.from_settings(Settings(**_engine_settings(tiny_model_dir), head=head))
+    reference = load_engine(Settings(**_engine_settings(tiny_model_dir), head=head))
     scorer = reference.info.scorer
     for ticket, result in zip(held, sorted(results, key=lambda r: r["id"]), strict=True):
         assert result["id"] == ticket["id"] and result["status"] == "ok"

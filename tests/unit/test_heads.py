@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from producer.synthetic import generate_tickets
-from worker.engine import Engine
 from worker.engine.head import HeadMismatch, LabelHead, answer_labels, zero_shot
 from worker.engine.headfit import collect, expected_calibration_error, fit_head, split
+from worker.engine.replicas import load_engine
 
 TRAIN, HELD = 400, 200
 
@@ -59,7 +59,7 @@ def test_the_head_file_holds_tensors_and_metadata_and_round_trips(fitted):
 
 @pytest.fixture(scope="module")
 def head_engine(fitted, tiny_settings):
-    return Engine.from_settings(changed(tiny_settings, head=str(fitted[0])))
+    return load_engine(changed(tiny_settings, head=str(fitted[0])))
 
 
 def test_the_served_head_equals_its_unbatched_reference_on_every_ticket(fitted, head_engine):
@@ -89,8 +89,8 @@ def test_a_rechecked_fast_precision_serves_float32s_head_labels(fitted, tiny_set
                                                                  precision):  # fmt: skip
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # its own calibration, measured with the head
     path, head, held, *_ = fitted
-    exact = Engine.from_settings(changed(tiny_settings, head=str(path)))
-    fast = Engine.from_settings(changed(tiny_settings, head=str(path), dtype=precision, recheck="always"))
+    exact = load_engine(changed(tiny_settings, head=str(path)))
+    fast = load_engine(changed(tiny_settings, head=str(path), dtype=precision, recheck="always"))
     assert fast.policy.checked and fast.precision == precision
     texts = [t["text"] for t in held]
     served, _ = fast.classify(texts)
@@ -104,18 +104,18 @@ def test_a_head_for_another_model_is_refused_in_one_line(fitted, tiny_settings, 
 
     other = build("tiny", tmp_path / "other", seed=1)
     with pytest.raises(HeadMismatch, match="another model") as refused:
-        Engine.from_settings(changed(tiny_settings, model=str(other), head=str(fitted[0])))
+        load_engine(changed(tiny_settings, model=str(other), head=str(fitted[0])))
     assert "\n" not in str(refused.value) and "ticketq fit" in str(refused.value)
 
 
 def test_a_head_for_another_prompt_is_refused_in_one_line(fitted, tiny_settings, tmp_path):
     other = changed(tiny_settings, head=str(fitted[0]), system_prompt="Route this ticket to a team.")
     with pytest.raises(HeadMismatch, match="another prompt") as refused:
-        Engine.from_settings(other)
+        load_engine(other)
     assert "\n" not in str(refused.value)
     (tmp_path / "junk").write_bytes(b"not a head")
     with pytest.raises(HeadMismatch, match="cannot be read"):
-        Engine.from_settings(changed(tiny_settings, head=str(tmp_path / "junk")))
+        load_engine(changed(tiny_settings, head=str(tmp_path / "junk")))
 
 
 def test_expected_calibration_error():
