@@ -11,6 +11,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -319,3 +320,40 @@ def test_freshdesk_write_back_skips_what_is_not_its_own_and_dead_letters_what_fa
         assert again.returncode == 0 and "1 written, 0 failed" in again.stdout, again.stdout + again.stderr
         assert freshdesk.tickets["9999"].group_id == 7
         assert redis.Redis.from_url(url).xlen(WRITEBACK_DEAD_STREAM) == 0
+
+
+# --- docs/helpdesks.md's examples, as written ---
+
+DOC = (ROOT / "docs" / "helpdesks.md").read_text(encoding="utf-8")
+
+
+def doc_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", DOC, flags=re.S)
+
+
+def test_the_docs_config_files_load(tmp_path):
+    from gateway.webhooks import load_sources
+    from gateway.writeback.config import load_targets
+
+    sources, targets = doc_blocks("toml")
+    (tmp_path / "sources.toml").write_text(sources)
+    assert set(load_sources(str(tmp_path / "sources.toml"))) == {"zendesk", "freshdesk"}
+    (tmp_path / "writeback.toml").write_text(targets)
+    assert load_targets(tmp_path / "writeback.toml")["zendesk"].labels["billing"].group_id == 360001
+
+
+def test_the_docs_shell_examples_run_as_written(redis_server, idle_gateway, tmp_path):
+    gateway, queue = idle_gateway
+    by_hand, writeback = doc_blocks("bash")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")},
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", "GATEWAY": gateway.url,
+           "HELPSCOUT_SECRET": SECRETS["helpscout"], "FRESHDESK_AUTH": SECRETS["freshdesk"],
+           "TICKETQ_BROKER_URL": redis_server.url, "ZENDESK_API_TOKEN": "zd", "FRESHDESK_API_KEY": "fd"}  # fmt: skip
+    sent = subprocess.run(["bash", "-ec", by_hand], env=env, capture_output=True, text=True, timeout=60)
+    assert sent.returncode == 0 and sent.stdout.count('"accepted"') == 2, sent.stdout + sent.stderr
+    assert sorted(t["id"] for t in queued(redis_server.url, queue)) == ["freshdesk:1042", "helpscout:2391938111"]
+    (tmp_path / "writeback.toml").write_text(doc_blocks("toml")[1])
+    listed = subprocess.run(["bash", "-ec", writeback], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=60)  # fmt: skip
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    assert "0 dead letter(s) in ticketq:writeback:dead" in listed.stderr
