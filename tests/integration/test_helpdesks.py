@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import itertools
 import json
 import os
 import re
@@ -255,6 +256,8 @@ def test_zendesk_write_back_end_to_end_through_429s(tmp_path, tiny_model_dir):
                 assert ticket.group_id == 100 + ("billing", "technical", "account").index(label)
                 assert ticket.custom_fields == {360002: label}
                 assert zendesk.statuses() == [429, 429, 429, 200]
+                gaps = [later - earlier for earlier, later in itertools.pairwise(zendesk.times)]
+                assert min(gaps) >= 1.0, gaps  # each 429's Retry-After: 1 honoured (a correctness bound, not speed)
                 assert writeback.metric('ticketq_writeback_requests_total{outcome="http_429"}') == 3
                 assert writeback.metric("ticketq_writeback_dead_letters_total") == 0
                 # The same result again (a re-read, a repair): the state is there already, nothing is sent.

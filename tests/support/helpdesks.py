@@ -15,6 +15,7 @@ import base64
 import json
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -41,6 +42,7 @@ class FakeHelpdesk:
         self.throttled = throttled  # the first this many requests are answered 429
         self.retry_after = retry_after
         self.requests: list[tuple[int, str, bytes]] = []  # (status answered, path, raw body)
+        self.times: list[float] = []  # time.monotonic() of each request
         self.changed = threading.Condition()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -114,6 +116,7 @@ class FakeHelpdesk:
                 with fake.changed:
                     status, headers, body = fake.answer(method, self.path, self.headers, raw)
                     fake.requests.append((status, self.path, raw))
+                    fake.times.append(time.monotonic())
                     fake.changed.notify_all()
                 data = json.dumps(body).encode()
                 self.send_response(status)
