@@ -64,7 +64,7 @@ def test_bfloat16_rechecked_in_float32_loads_and_gives_float32_labels(family, fa
     """GPT-2 used to crash here (the calibration's cache key read a `norm` only Llama-style decoders have)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a fresh calibration, not this machine's cached one
     engine = Engine.from_settings(settings(family_dirs[family], dtype="bfloat16", matmul="auto", recheck="always"))
-    assert engine.precision == "bfloat16" and engine.recheck is not None
+    assert engine.precision == "bfloat16" and engine.policy.checked
     texts = tickets(engine)[:4]
     answers, _ = engine.classify(texts)
     assert [a.label for a in answers] == [engine.reference(t).label for t in texts]

@@ -17,7 +17,8 @@
 - `selfcheck` — at load, the batched path held to the reference: the fused decoder's fallback, or a refusal.
 - `int8` — the dynamic int8 decoder.
 - `precision` — decision gaps and errors of a fast precision's answers; `ErrorBound` (no torch).
-- `recheck` — a fast runner's float32 twin, re-checking the answers within its error bound.
+- `policy` — the precision policy the scheduler consults: which engine computes a ticket first, and
+  which answers a fast runner's float32 twin computes again.
 - `loading` — `from_pretrained` (the garbage collector paused) and the transformers cache API.
 - `autotune` — the planner's cost model fitted to the device: measured at start-up, refitted while serving.
 

@@ -10,8 +10,10 @@
 `TICKETQ_DTYPE=int8` (CPU) swaps the optimised path's decoder for a copy whose linear layers (all
 but the MLP's down projection) run torch's dynamic int8 kernels; the model, the prefix cache and
 `reference` stay float32, so every int8 answer is still judged against float32. A fast precision
-(bfloat16, int8) is re-checked by default (`recheck`): answers within its measured error bound
-are computed again by the float32 twin, so the labels are float32's.
+(bfloat16, int8) is re-checked by default: the engine's `policy` (`worker.engine.policy.Checked`)
+holds it to its float32 twin, and the scheduler consults it for which engine computes a ticket and
+which answers are computed again, so the labels are float32's. The engine itself only computes,
+in its own precision: `forward_batch` and `reference` never hand a ticket to another engine.
 `TICKETQ_MATMUL` chooses who multiplies the decoder's weights on a CPU (`kernels`); with the
 weights prepacked for oneDNN, batches run through `fused.FusedDecoder`.
 
@@ -37,10 +39,10 @@ from worker.engine.int8 import INT8, quantize_linears_int8
 from worker.engine.kernels import dtype_name
 from worker.engine.layout import padded_ids, prefix_mask
 from worker.engine.loading import ModelNotFound, cache_tensors, prefix_cache
+from worker.engine.policy import Checked, check
 from worker.engine.precision import ErrorBound, decision_error, fields_of
 from worker.engine.prompt import EncodedTicket, PromptTemplate, system_text
-from worker.engine.recheck import Recheck, attach_recheck
-from worker.engine.scheduler import AnswersCallback, BatchCallback, MoreCallback, run_planned
+from worker.engine.scheduler import AnswersCallback, BatchCallback, Exact, MoreCallback, Policy, run_planned
 from worker.engine.scoring import HeadRows, branch_logprobs, choice_logprobs, label_logprobs, make_prediction
 from worker.engine.selfcheck import verify
 from worker.results import BatchReport, Prediction
@@ -83,7 +85,7 @@ class Engine:
             raise ValueError(f"TICKETQ_DTYPE=int8 needs a float32 model on the CPU, got {self.dtype} on {self.device}")
         self.int8 = int8
         self.dedup = dedup  # a run computes duplicate tickets once (TICKETQ_DEDUP)
-        self.recheck: Recheck | None = None  # the float32 twin of a fast precision (`check_with`)
+        self.policy: Policy = Exact(self)  # how its answers are held to float32's (`check_with`)
         self.bounds: dict[str, ErrorBound] = {}  # schema name -> its runner's error bound, where re-checked
         self._force_recheck = False  # re-checked whatever the calibration predicts (TICKETQ_RECHECK=always)
         self.float_decoder = model.get_decoder()  # the prefix cache is computed once, exactly, in float32
@@ -130,15 +132,16 @@ class Engine:
 
     def check_with(self, exact: Engine, force: bool = False) -> bool:
         """Re-check in `exact` (this model's float32 twin) every answer within this precision's error
-        bound, measured now or cached for this machine (`recheck.attach_recheck`). False (and this
-        engine left unchecked) where the calibration predicts it would not pay, unless `force`."""
+        bound, measured now or cached for this machine (`policy.check`). False (and this engine
+        left unchecked) where the calibration predicts it would not pay, unless `force`."""
         prompt = self.prompt
         key = [*prompt.prefix_ids, -1, *prompt.suffix_ids, -1, *sorted(prompt.trie.branches)]
-        recheck = attach_recheck(self, exact, self.precision, key, {}, force)
+        policy = check(self, exact, self.precision, key, {}, force)
         self._force_recheck = force  # the schemas compiled later are held to the same rule
-        if recheck is not None:
-            self.bounds[self._own_schema] = recheck.bound
-        return recheck is not None
+        if policy is not None:
+            self.policy = policy
+            self.bounds[self._own_schema] = policy.bound
+        return policy is not None
 
     def unfuse(self) -> None:
         """Run batches through transformers' layers from now on (the self-check's fallback, `selfcheck`)."""
@@ -153,7 +156,7 @@ class Engine:
         """A live shadow check of a fast answer: its error against the reference may widen the bound."""
         bound = self.bounds.get(served.schema if isinstance(served, TicketFields) else self._own_schema)
         if bound is not None and served.precision != "float32":
-            bound.observe(decision_error(served, reference), "shadow check")
+            bound.observe(decision_error(served, reference), "shadow check", served.tokens)
 
     @property
     def _own_schema(self) -> str:
@@ -197,14 +200,15 @@ class Engine:
     def compile(self, schema: Schema) -> FieldsEngine:
         """A new `FieldsEngine` for `schema` on this model, re-checked by the float32 twin's where this engine is."""
         runner = FieldsEngine(self, schema)
-        if self.recheck is None:
+        if not isinstance(self.policy, Checked):
             return runner
-        exact = self.recheck.exact.compile(schema)
-        recheck = attach_recheck(runner, exact, self.precision, [*runner.prompt.prefix_ids, -1, *runner.segment_ids],
-                                 fields_of(schema), self._force_recheck, schema.name)  # fmt: skip
-        if recheck is None:  # the check would not pay for this schema: float32 answers it
+        exact = self.policy.exact.compile(schema)
+        policy = check(runner, exact, self.precision, [*runner.prompt.prefix_ids, -1, *runner.segment_ids],
+                       fields_of(schema), self._force_recheck, schema.name)  # fmt: skip
+        if policy is None:  # the check would not pay for this schema: float32 answers it
             return exact
-        self.bounds[schema.name] = recheck.bound
+        runner.policy = policy
+        self.bounds[schema.name] = policy.bound
         return runner
 
     # ----- the model: prefix cache, batched decode, last-position logits --------------------
@@ -276,9 +280,7 @@ class Engine:
 
     @torch.inference_mode()
     def forward_batch(self, rows: Sequence[EncodedTicket], width: int | None = None) -> list[Prediction]:
-        """One forward pass over `rows` right-padded to `width`, after the cached prefix."""
-        if self.recheck is not None and not self.recheck.pays:  # the re-checks cost more than they saved
-            return self.recheck.exact.forward_batch(rows, width)
+        """One forward pass over `rows` right-padded to `width`, after the cached prefix, in this engine's precision."""
         lengths = torch.tensor([len(r.ids) for r in rows], device=self.device)  # (B,)
         width = width or int(lengths.max())
         ids = padded_ids([row.ids for row in rows], width, self.pad_id, self.device)  # (B, W)
@@ -292,7 +294,7 @@ class Engine:
             scores[path] = branch_logprobs(after, self._branch_rows[path])  # (B, C)
         answers = [self._prediction(row, lambda path, child, i=i: float(scores[path][i, child]))
                    for i, row in enumerate(rows)]  # fmt: skip
-        return self.recheck.screen(answers) if self.recheck is not None else answers
+        return answers
 
     def _continuation(self, path: tuple[int, ...], lengths: torch.Tensor, width: int, cache) -> torch.Tensor:
         """Hidden state after a shared label prefix `path`, appended to each row's real tokens via the batch cache."""
@@ -315,10 +317,8 @@ class Engine:
 
     @torch.inference_mode()
     def reference(self, text: object) -> Prediction:
-        """One ticket, full prompt, no cache, full-vocabulary logits: the answer to match (float32's, where
-        this engine has a float32 twin)."""
-        if self.recheck is not None:
-            return self.recheck.exact.reference(text)
+        """One ticket, full prompt, no cache, full-vocabulary logits, in this engine's model: the answer to
+        match (a fast engine's answers are held to its float32 twin's: `policy.reference`)."""
         encoded = self.prompt.encode(text)
         full = self.prompt.full_ids(encoded)
         branch = {path: choice_logprobs(self.last_logits([*full, *path]), kids)  # (C,) per branch
