@@ -8,6 +8,7 @@ import base64
 import hashlib
 import hmac
 import json
+import os
 
 import pytest
 
@@ -220,3 +221,19 @@ def test_retry_after_and_labels():
     assert label_of({"label": "billing"}, "label") == "billing"
     assert label_of({"fields": {"category": {"label": "account"}}}, "category") == "account"
     assert label_of({"fields": {"tags": {"labels": ["a"]}}}, "tags") is None
+
+
+def test_writeback_refuses_to_start_without_targets_or_secrets(tmp_path, monkeypatch):
+    from gateway.writeback.cli import main
+
+    for name in [name for name in os.environ if name.startswith("TICKETQ_")]:
+        monkeypatch.delenv(name)
+    with pytest.raises(SystemExit, match="no write-back targets: set TICKETQ_WRITEBACK_CONFIG"):
+        main([])
+    path = tmp_path / "writeback.toml"
+    path.write_text(WRITEBACK)
+    monkeypatch.setenv("TICKETQ_WRITEBACK_SECRETS", "zendesk=TOK")
+    with pytest.raises(SystemExit, match=r"no API secret for target\(s\) freshdesk in TICKETQ_WRITEBACK_SECRETS"):
+        main(["--config", str(path)])
+    with pytest.raises(SystemExit, match="No such file"):
+        main(["--config", str(tmp_path / "missing.toml")])
