@@ -5,8 +5,9 @@
   added and the other labels' tags removed (`additional_tags`/`remove_tags`), so the ticket's other
   tags stay and a changed answer replaces the old one's.
 - Freshdesk: `PUT {url}/api/v2/tickets/{id}` with `{"tags", "group_id", "custom_fields": {name:
-  value}}`; Basic auth `{api key}:X`. Freshdesk's update sets `tags` whole (it has no add/remove):
-  map labels to a custom field or a group where a ticket carries other tags.
+  value}}`; Basic auth `{api key}:X`. Freshdesk's update sets `tags` whole (it has no add/remove),
+  so where a label maps tags the ticket is read first (`GET` the same URL) and `merge_tags` keeps
+  its other tags.
 
 Both answer `429` with `Retry-After` (seconds) when the account's rate limit is reached.
 The same label written twice is the same request: re-running a write leaves the same state.
@@ -59,6 +60,12 @@ def write_for(target: Target, ticket: str, label: str) -> Write | None:
     if action.group_id is not None:
         body["group_id"] = action.group_id
     return Write(target.name, ticket, label, "PUT", f"{target.url}/api/v2/tickets/{ticket}", body)
+
+
+def merge_tags(target: Target, current: list[str], wanted: list[str]) -> list[str]:
+    """A ticket's tags with every label's tags replaced by `wanted` (its other tags kept), sorted."""
+    ours = {tag for action in target.labels.values() for tag in action.tags}
+    return sorted((set(current) - ours) | set(wanted))
 
 
 def auth_header(target: Target, secret: str) -> str:

@@ -35,7 +35,7 @@ from gateway.auth import DEFAULT_TENANT
 from gateway.deliver import Dispatcher
 from gateway.keys import TICKET_KEY, WRITEBACK_DEAD_STREAM, WRITEBACK_WRITTEN_KEY
 from gateway.metrics import LATENCY_BUCKETS, DeliverMetrics
-from gateway.writeback.adapters import Write, auth_header, write_for
+from gateway.writeback.adapters import Write, auth_header, merge_tags, write_for
 from gateway.writeback.config import Target, load_targets
 from gateway.writeback.settings import WritebackSettings
 from ticketq import codec
@@ -176,23 +176,37 @@ class Writeback(Dispatcher):
         return json.dumps(write.payload if isinstance(write, Write) else {}).encode()
 
     def _post(self, url: str, entry_id: str, body: bytes) -> str:
-        """One PUT to the helpdesk: "" when 2xx, else what went wrong; a 429 first waits its Retry-After."""
+        """One write to the helpdesk: "" when 2xx, else what went wrong. Freshdesk's tags are set whole,
+        so its ticket's tags are read first and only the labels' own are replaced (`adapters.merge_tags`)."""
         target = self._target_of(url)
+        payload = json.loads(body)
+        if target.kind == "freshdesk" and "tags" in payload:
+            current = self._request("GET", url, entry_id, target)
+            if isinstance(current, str):
+                return current
+            payload["tags"] = merge_tags(target, current.json().get("tags") or [], payload["tags"])
+            body = json.dumps(payload).encode()
+        answered = self._request("PUT", url, entry_id, target, body)
+        return answered if isinstance(answered, str) else ""
+
+    def _request(self, method: str, url: str, entry_id: str, target: Target, body: bytes | None = None
+                 ) -> httpx.Response | str:  # fmt: skip
+        """The 2xx response of one request, else what went wrong; a 429 first waits its Retry-After."""
         headers = {"Content-Type": "application/json", "Authorization": auth_header(target, self.secrets[target.name])}
         try:
             with self.metrics.latency.time():
-                response = self.http.request("PUT", url, content=body, headers=headers)
+                response = self.http.request(method, url, content=body, headers=headers)
         except httpx.HTTPError as exc:
             self.metrics.attempts.labels("error").inc()
-            return f"PUT {url} failed: {type(exc).__name__}: {exc}"
+            return f"{method} {url} failed: {type(exc).__name__}: {exc}"
         self.metrics.attempts.labels("ok" if response.is_success else f"http_{response.status_code}").inc()
         if response.status_code == 429:
             wait_s = min(retry_after_s(response.headers.get("retry-after")), self.settings.deliver_backoff_max_s)
             if wait_s and not self.stop.wait(wait_s):
                 self._touch(entry_id)  # its idle time restarts: no other consumer takes a write that waits
         if response.is_success:
-            return ""
-        return f"PUT {url} answered {response.status_code}: {' '.join(response.text[:200].split())}"
+            return response
+        return f"{method} {url} answered {response.status_code}: {' '.join(response.text[:200].split())}"
 
     def _target_of(self, url: str) -> Target:
         return next(target for target in self.targets.values() if url.startswith(target.url + "/api/"))

@@ -269,6 +269,7 @@ def test_zendesk_write_back_end_to_end_through_429s(tmp_path, tiny_model_dir):
         server.stop()
 
 
+LABELS = ("billing", "technical", "account")
 FRESHDESK_CONFIG = """
 [targets.freshdesk]
 kind = "freshdesk"
@@ -278,11 +279,11 @@ url = "{url}"
 
 
 def test_freshdesk_write_back_skips_what_is_not_its_own_and_dead_letters_what_fails(tmp_path):
-    """Null classifier: a Freshdesk ticket is written (custom field, group); one the fake does not know
-    (404) is dead-lettered after TICKETQ_DELIVER_MAX_ATTEMPTS and listed by `ticketq-writeback dead`;
-    a bearer-token ticket whose metadata names a Freshdesk ticket is never written."""
+    """Null classifier: a Freshdesk ticket is written (custom field, group, tags merged with its own);
+    one the fake does not know (404) is dead-lettered after TICKETQ_DELIVER_MAX_ATTEMPTS and listed by
+    `ticketq-writeback dead`; a bearer-token ticket whose metadata names a Freshdesk ticket is never written."""
     labels = "".join(f'[targets.freshdesk.labels.{label}]\ncustom_fields = {{ cf_category = "{label}" }}\n'
-                     f'group_id = 7\n\n' for label in ("billing", "technical", "account"))  # fmt: skip
+                     f'group_id = 7\ntags = ["ai-{label}"]\n\n' for label in LABELS)  # fmt: skip
     secrets = "freshdesk=FD-API-KEY"
     with null_classifier_service(tmp_path, "wbfd") as (url, queue), \
             FakeHelpdesk("freshdesk", "FD-API-KEY:X", [1042]) as freshdesk, \
@@ -311,8 +312,9 @@ def test_freshdesk_write_back_skips_what_is_not_its_own_and_dead_letters_what_fa
                      "the bearer-token ticket skipped")  # fmt: skip
             assert freshdesk.tickets["1042"].group_id == 7
             assert set(freshdesk.tickets["1042"].custom_fields) == {"cf_category"}
-            assert freshdesk.tickets["1042"].tags == {"vip"}  # no tags mapped: none set
-            assert [path for _, path, _ in freshdesk.requests].count("/api/v2/tickets/1042") == 1
+            label = freshdesk.tickets["1042"].custom_fields["cf_category"]
+            assert freshdesk.tickets["1042"].tags == {"vip", f"ai-{label}"}  # read first: its own tag kept
+            assert [path for _, path, _ in freshdesk.requests].count("/api/v2/tickets/1042") == 2  # GET, PUT
             listed = writeback.command("dead")
         assert listed.returncode == 0, listed.stderr
         assert "/api/v2/tickets/9999" in listed.stdout and "answered 404" in listed.stdout

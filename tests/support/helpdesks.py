@@ -5,8 +5,8 @@ first N requests. Never the real service.
 
 - Zendesk: `PUT /api/v2/tickets/{id}.json`, auth `email/token:TOKEN`, body `{"ticket": {...}}` with
   `additional_tags`, `remove_tags`, `tags`, `group_id`, `custom_fields: [{"id": int, "value"}]`.
-- Freshdesk: `PUT /api/v2/tickets/{id}`, auth `API_KEY:X`, body with `tags`, `group_id`,
-  `custom_fields: {name: value}`.
+- Freshdesk: `GET` and `PUT /api/v2/tickets/{id}`, auth `API_KEY:X`, body with `tags` (set whole),
+  `group_id`, `custom_fields: {name: value}`.
 """
 
 from __future__ import annotations
@@ -69,8 +69,13 @@ class FakeHelpdesk:
             self.throttled -= 1
             return 429, {"Retry-After": self.retry_after}, {"error": "APIRateLimitExceeded"}
         match = (ZENDESK_PATH if self.kind == "zendesk" else FRESHDESK_PATH).fullmatch(path)
-        if method != "PUT" or match is None:
+        if method not in ("GET", "PUT") or match is None:
             return 404, {}, {"error": "InvalidEndpoint"}
+        if method == "GET":
+            found = self.tickets.get(match.group(1))
+            if found is None:
+                return 404, {}, {"error": "RecordNotFound"}
+            return 200, {}, {"id": int(match.group(1)), "tags": sorted(found.tags), "group_id": found.group_id}
         if not headers.get("Content-Type", "").startswith("application/json"):
             return 415, {}, {"error": "Content-Type must be application/json"}
         ticket = self.tickets.get(match.group(1))
@@ -128,6 +133,9 @@ class FakeHelpdesk:
 
             def do_PUT(self) -> None:
                 self._serve("PUT")
+
+            def do_GET(self) -> None:
+                self._serve("GET")
 
             def do_POST(self) -> None:
                 self._serve("POST")

@@ -14,7 +14,7 @@ import pytest
 
 from gateway import webhooks
 from gateway.signatures import BadSignature
-from gateway.writeback.adapters import auth_header, write_for
+from gateway.writeback.adapters import auth_header, merge_tags, write_for
 from gateway.writeback.config import load_targets
 from gateway.writeback.consumer import label_of, retry_after_s
 from ticketq.schema import truncate
@@ -193,6 +193,7 @@ def test_writeback_requests_have_the_apis_shapes(tmp_path):
         "https://acme.freshdesk.com/api/v2/tickets/1042",
         {"custom_fields": {"cf_category": "Account"}, "group_id": 7},
     )
+    assert merge_tags(targets["zendesk"], ["vip", "technical", "eng"], ["billing"]) == ["billing", "vip"]
     zendesk_auth = base64.b64decode(auth_header(targets["zendesk"], "TOK").split()[1]).decode()
     assert zendesk_auth == "bot@acme.example/token:TOK"
     assert base64.b64decode(auth_header(targets["freshdesk"], "KEY").split()[1]).decode() == "KEY:X"
