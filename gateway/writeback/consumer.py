@@ -31,7 +31,6 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gateway import keys
-from gateway.auth import DEFAULT_TENANT
 from gateway.deliver import Dispatcher
 from gateway.keys import TICKET_KEY, WRITEBACK_DEAD_STREAM, WRITEBACK_WRITTEN_KEY
 from gateway.metrics import LATENCY_BUCKETS, DeliverMetrics
@@ -137,10 +136,7 @@ class Writeback(Dispatcher):
         caller, metadata = str(record.get("token") or ""), record.get("metadata") or {}
         if not caller.startswith(WEBHOOK_CALLER) or metadata.get("source_id") is None:
             return "not_webhook"
-        name = caller[len(WEBHOOK_CALLER) :]  # `zendesk`, or `zendesk@acme` for a tenant's
-        if "@" not in name and record.get("tenant", DEFAULT_TENANT) != DEFAULT_TENANT:
-            name = f"{name}@{record['tenant']}"
-        target = self.targets.get(name)
+        target = self.targets.get(caller[len(WEBHOOK_CALLER) :])  # `zendesk`, or `zendesk@acme` for a tenant's
         if target is None:
             return "no_target"
         if result.get("status") != "ok":
@@ -153,16 +149,16 @@ class Writeback(Dispatcher):
     def deliver_one(self, entry_id: str, fields: dict) -> bool:
         """Write one result back (the dispatcher's retries and dead letter), or ack it as skipped."""
         write = self.plan(codec.loads(fields[b"data"]) if b"data" in fields else None)
-        written = WRITEBACK_WRITTEN_KEY.format(target=getattr(write, "target", ""), ticket=getattr(write, "ticket", ""))
-        if isinstance(write, Write) and self.redis.get(written) == write.digest.encode():
+        if isinstance(write, Write):
+            written = WRITEBACK_WRITTEN_KEY.format(target=write.target, ticket=write.ticket)
+            if self.redis.get(written) != write.digest.encode():
+                if not super().deliver_one(entry_id, fields):
+                    return False
+                self.redis.set(written, write.digest, ex=self.settings.result_expires_s)
+                return True
             write = "unchanged"
-        if isinstance(write, str):
-            self.redis.xack(RESULTS_STREAM, self.group, entry_id)
-            self.writeback_metrics.skipped.labels(write).inc()
-            return True
-        if not super().deliver_one(entry_id, fields):
-            return False
-        self.redis.set(written, write.digest, ex=self.settings.result_expires_s)
+        self.redis.xack(RESULTS_STREAM, self.group, entry_id)
+        self.writeback_metrics.skipped.labels(write).inc()
         return True
 
     # The dispatcher's three hooks of one request: where, what, and sending it.
