@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import uuid
@@ -25,7 +26,16 @@ import pytest
 import redis
 from gateways import running_gateway
 from helpdesks import FakeHelpdesk
-from workers import ROOT, RedisServer, free_port, null_classifier_service, running_worker, wait_for, worker_env
+from workers import (
+    ROOT,
+    RedisServer,
+    free_port,
+    null_classifier_service,
+    running_worker,
+    skip_or_fail,
+    wait_for,
+    worker_env,
+)  # fmt: skip
 
 from gateway.keys import WRITEBACK_DEAD_STREAM
 from ticketq import codec
@@ -362,3 +372,16 @@ def test_the_docs_shell_examples_run_as_written(redis_server, idle_gateway, tmp_
                             timeout=60)  # fmt: skip
     assert listed.returncode == 0, listed.stdout + listed.stderr
     assert "0 dead letter(s) in ticketq:writeback:dead" in listed.stderr
+
+
+def test_the_writeback_alert_rules_fire_and_stay_quiet():
+    """deploy/prometheus/writeback-alerts.yml: a lagging write-back and its dead letters page, each with
+    its text, and a healthy one does not (promtool's rule unit tests)."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        skip_or_fail("no promtool (Debian package `prometheus`)")
+    rules = ROOT / "deploy" / "prometheus"
+    for command in (["check", "rules", "writeback-alerts.yml"], ["test", "rules", "writeback-alerts.test.yml"]):
+        done = subprocess.run([promtool, *command[:2], str(rules / command[2])], capture_output=True, text=True,
+                              timeout=60)  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
