@@ -30,6 +30,8 @@ from ticketq_bench.checked import describe_fast, recheck_figures
 from ticketq_bench.memory import peak_rss_mb, reset_peak_rss
 from ticketq_bench.procs import ROOT, free_port, running_worker
 from ticketq_bench.records import Answer, Bench, Load, ModeResult
+from worker.engine.kernels import int8_available, resolve_precision
+from worker.engine.replicas import check_with, sibling, with_int8, with_precision
 from worker.results import BatchReport
 
 # (bench, texts, progress bar or None) -> (answers in ticket order, one report per forward)
@@ -194,8 +196,6 @@ def prepare_fast(bench: Bench, mode: str, console: Console) -> str | None:
     if engine.precision != "float32":
         return f"{mode} skipped: it is built on a float32 engine (--dtype float32), this one runs {engine.precision}"
     if mode == "ticketq-checked":
-        from worker.engine.kernels import int8_available, resolve_precision
-
         precision, checked = resolve_precision("auto", engine.device, engine.info.matmul, recheck=True)
         if not checked and engine.device.type == "cpu" and int8_available():
             precision = "int8"  # the candidate where auto finds nothing faster: shown, its note says a worker's choice
@@ -206,7 +206,7 @@ def prepare_fast(bench: Bench, mode: str, console: Console) -> str | None:
         precision = "bfloat16"
     same = next((e for e in bench.fast_engines.values() if e.precision == precision), None)
     try:
-        fast = same._sibling(same.model, same.info) if same is not None else engine.with_precision(precision)
+        fast = sibling(same, same.model, same.info) if same is not None else with_precision(engine, precision)
     except (ValueError, RuntimeError) as exc:
         return f"{mode} skipped: {exc}"
     if bench.tuning is not None:  # another precision, another cost per token: plan with its own measurements
@@ -217,7 +217,7 @@ def prepare_fast(bench: Bench, mode: str, console: Console) -> str | None:
         console.print(f"autotune on {engine.info.device}/{precision}: {tuning.describe()}")
     if mode == "ticketq-checked":  # shown even where a worker would answer in float32 (the note says so)
         with console.status(f"measuring {precision}'s error bound against float32 (cached per machine)…"):
-            fast.check_with(engine, force=True)
+            check_with(fast, engine, force=True)
     bench.fast_engines[mode] = fast
     return None
 
@@ -225,7 +225,7 @@ def prepare_fast(bench: Bench, mode: str, console: Console) -> str | None:
 def prepare_nodedup(bench: Bench) -> None:
     """Build (once) ticketq-nodedup's engine: the same model, prompt, plan and cost model, dedup off."""
     if bench.nodedup_engine is None:
-        bench.nodedup_engine = bench.engine._sibling(bench.engine.model, bench.engine.info)
+        bench.nodedup_engine = sibling(bench.engine, bench.engine.model, bench.engine.info)
         bench.nodedup_engine.dedup = False
 
 
@@ -238,7 +238,7 @@ def prepare_int8(bench: Bench, console: Console) -> str | None:
         bench.int8_engine, bench.int8_tuning = engine, bench.tuning
         return None
     try:
-        bench.int8_engine = engine.with_int8()
+        bench.int8_engine = with_int8(engine)
     except (ValueError, RuntimeError) as exc:
         return f"ticketq-int8 skipped: {exc}"
     if bench.tuning is not None:  # int8 changes the cost per token: plan with its own measurements

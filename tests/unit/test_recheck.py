@@ -14,6 +14,7 @@ from producer.synthetic import generate_tickets
 from ticketq.schema import load_schema
 from worker.engine import Engine
 from worker.engine.precision import decision_error
+from worker.engine.replicas import load_engine
 from worker.engine.scheduler import Exact, Unsettled
 from worker.settings import Settings
 
@@ -37,7 +38,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def checked(tiny_settings, dtype: str = "int8", **changes) -> Engine:
-    return Engine.from_settings(tiny_settings.model_copy(update={"dtype": dtype, "recheck": "always", **changes}))
+    return load_engine(tiny_settings.model_copy(update={"dtype": dtype, "recheck": "always", **changes}))
 
 
 @pytest.fixture
@@ -127,7 +128,7 @@ def test_a_checked_worker_measures_its_schemas_bounds_before_its_first_job(cache
     path = tmp_path / "triage.toml"
     path.write_text(SCHEMA)
     settings = tiny_settings.model_copy(update={"dtype": "int8", "recheck": "always", "schemas": str(path)})
-    engine = Engine.from_settings(settings)
+    engine = load_engine(settings)
     with caplog.at_level(logging.INFO, logger="worker.engine"):
         routing = Routing.of(engine, settings)
     assert routing.schemas.prefixes_computed == 1 and "triage" in engine.error_bounds()
@@ -141,14 +142,14 @@ def test_a_checked_worker_measures_its_schemas_bounds_before_its_first_job(cache
 
 
 def test_off_the_fast_precision_answers_as_it_comes(cache, tiny_settings, texts):
-    engine = Engine.from_settings(tiny_settings.model_copy(update={"dtype": "int8", "recheck": "never"}))
+    engine = load_engine(tiny_settings.model_copy(update={"dtype": "int8", "recheck": "never"}))
     assert not engine.policy.checked and not engine.info.recheck
     assert not any(isinstance(a, Unsettled) or a.rechecked for a in engine.classify(texts)[0])
     assert not list(cache.glob("*.json"))  # nothing measured
 
 
 def test_float32_is_never_rechecked(cache, tiny_settings):
-    assert not Engine.from_settings(tiny_settings.model_copy(update={"recheck": "always"})).policy.checked
+    assert not load_engine(tiny_settings.model_copy(update={"recheck": "always"})).policy.checked
 
 
 def test_settings_default_to_rechecked_where_it_pays_and_deduplicated():
@@ -166,7 +167,7 @@ def test_auto_serves_the_fast_precision_only_where_its_calibration_says_it_pays(
     from worker.engine.precision import Calibration
 
     monkeypatch.setattr(policy, "calibrate", lambda *args, **kwargs: Calibration(0.1, 32, speed, share))
-    engine = Engine.from_settings(tiny_settings.model_copy(update={"dtype": "int8", "recheck": "auto"}))
+    engine = load_engine(tiny_settings.model_copy(update={"dtype": "int8", "recheck": "auto"}))
     assert engine.precision == served and engine.policy.checked == (served == "int8")
 
 
