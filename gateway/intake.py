@@ -277,7 +277,7 @@ class Intake:
         pipe = self.producer.redis.pipeline(transaction=False)
         for wire, ticket in tickets:
             value = json.dumps({"task_id": self.task_id(wire), "metadata": ticket.metadata, "token": token,
-                                "tenant": tenant})  # fmt: skip
+                                "tenant": tenant, "id": ticket.id})  # fmt: skip
             pipe.set(self.ticket_key(wire), value, nx=True, ex=self.settings.result_expires_s)
         try:
             pipe.execute()

@@ -106,9 +106,14 @@ class GatewaySettings(ClientSettings):
     )
     deliver_url: str | None = Field(None, description="Where ticketq-deliver POSTs each result.")
     deliver_urls: Annotated[dict[str, str], NoDecode] = Field(
-        default_factory=dict, description="Per-schema delivery URLs: `schema=url,...` (default: TICKETQ_DELIVER_URL)."
+        default_factory=dict, description="Per-schema and per-tenant delivery URLs: `schema=url`, `@tenant=url`, "
+        "`schema@tenant=url`, comma-separated (default: TICKETQ_DELIVER_URL).",
     )
     deliver_secret: SecretStr | None = Field(None, description="HMAC-SHA256 key of the X-Ticketq-Signature header.")
+    deliver_secrets: Annotated[dict[str, SecretStr], NoDecode] = Field(
+        default_factory=dict, description="Per-tenant signing keys: `@tenant=SECRET,...` "
+        "(default: TICKETQ_DELIVER_SECRET).",
+    )
     deliver_group: str = Field("ticketq-deliver", description="Consumer group on the results stream.")
     deliver_consumer: str | None = Field(
         None, description="This dispatcher's consumer name, the same across restarts (default: the host name)."
@@ -135,7 +140,7 @@ class GatewaySettings(ClientSettings):
     def _split_urls(cls, value: object) -> object:
         return _pairs(value, "=")
 
-    @field_validator("gateway_webhook_secrets", mode="before")
+    @field_validator("gateway_webhook_secrets", "deliver_secrets", mode="before")
     @classmethod
     def _split_secrets(cls, value: object) -> object:
         return _pairs(value, "=")
@@ -155,10 +160,17 @@ class GatewaySettings(ClientSettings):
             raise ValueError(f"token(s) {', '.join(bad)} are not sha256 hex digests (printf %s TOKEN | sha256sum)")
         return {name: digest.lower() for name, digest in _check_tenants(value).items()}
 
-    @field_validator("gateway_webhook_secrets")
+    @field_validator("gateway_webhook_secrets", "deliver_urls")
     @classmethod
-    def _check_source_tenants(cls, value: dict[str, SecretStr]) -> dict[str, SecretStr]:
+    def _check_source_tenants(cls, value: dict) -> dict:
         return _check_tenants(value)
+
+    @field_validator("deliver_secrets")
+    @classmethod
+    def _check_deliver_secrets(cls, value: dict[str, SecretStr]) -> dict[str, SecretStr]:
+        """Keys `@tenant` (as in TICKETQ_DELIVER_URLS) or a bare tenant name: stored by tenant name."""
+        return {tenant_of(f"@{name.lstrip('@')}"): secret for name, secret in _check_tenants(
+            {f"@{name.lstrip('@')}": secret for name, secret in value.items()}).items()}  # fmt: skip
 
     @property
     def multi_tenant(self) -> bool:
