@@ -12,11 +12,12 @@ from ticketq.cli import version_line
 from ticketq.config import SettingsError
 
 
-def _settings(**overrides: object) -> GatewaySettings:
+def _settings(prog: str, **overrides: object) -> GatewaySettings:
+    """The settings, or exit with their errors under `prog`'s own name."""
     try:
         return GatewaySettings.from_env(**overrides)
     except SettingsError as exc:
-        sys.exit(f"ticketq-gateway: invalid settings:\n{exc}")
+        sys.exit(f"{prog}: invalid settings:\n{exc}")
 
 
 def _add_version(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +39,7 @@ def gateway_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", default="warning", help="uvicorn's log level (default: warning)")
     _add_version(parser)
     args = parser.parse_args(argv)
-    settings = _settings(gateway_host=args.host, gateway_port=args.port)
+    settings = _settings(parser.prog, gateway_host=args.host, gateway_port=args.port)
     if not settings.gateway_tokens and not settings.gateway_anonymous:
         sys.exit("ticketq-gateway: no bearer tokens: set TICKETQ_GATEWAY_TOKENS=name:SHA256HEX "
                  "(printf %s TOKEN | sha256sum), or TICKETQ_GATEWAY_ANONYMOUS=1 behind an authenticating ingress")
@@ -61,7 +62,7 @@ def deliver_main(argv: list[str] | None = None) -> None:
     trimmed.add_argument("--margin-s", type=float, default=5.0,
                          help="also results stored this long before a trimmed range (default: 5)")  # fmt: skip
     args = parser.parse_args(argv)
-    settings = _settings(deliver_url=args.url)
+    settings = _settings(parser.prog, deliver_url=args.url)
     if args.command == "dead" and not args.redeliver:
         _list_dead(settings)
         return

@@ -126,7 +126,8 @@ class Dispatcher:
         if self.settings.deliver_metrics_port:
             from prometheus_client import start_http_server
 
-            start_http_server(self.settings.deliver_metrics_port, registry=self.metrics.registry)
+            start_http_server(self.settings.deliver_metrics_port, self.settings.deliver_metrics_host,
+                              registry=self.metrics.registry)  # fmt: skip
         log.info("delivering %s (group %s, consumer %s)", RESULTS_STREAM, self.group, self.consumer)
         last_claim = 0.0
         while not self.stop.is_set():

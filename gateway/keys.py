@@ -10,6 +10,9 @@ The broker's own names (queue, results stream) are `ticketq.names`; these are th
 # it; the dispatcher finds it by the result's `id` (that same sent id) and delivers the result to
 # its tenant, with its metadata.
 TICKET_KEY = "ticketq:gateway:ticket:{queue}:{ticket_id}"
+# Room reserved in `{queue}` by POSTs sending now (gateway.capacity, reserve.lua): a sorted set of
+# `<uuid>:<ticket count>` scored by the unix ms each lapses at.
+RESERVED_KEY = "ticketq:gateway:reserved:{queue}"
 # An Idempotency-Key seen: per tenant, sha256 of the key -> JSON {body sha256, answer, claim}; the
 # answer is null while the first POST under the key is in flight (`gateway.intake.CLAIM_SCRIPT`).
 IDEMPOTENCY_KEY = "ticketq:gateway:idem:{tenant}:{digest}"

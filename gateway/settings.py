@@ -129,6 +129,10 @@ class GatewaySettings(ClientSettings):
     )
     deliver_concurrency: int = Field(8, ge=1, description="Results POSTed at once.")
     deliver_metrics_port: int = Field(9108, ge=0, le=65535, description="Port of the dispatcher's /metrics; 0: off.")
+    deliver_metrics_host: str = Field(
+        "127.0.0.1", description="Address the dispatcher's /metrics listens on (0.0.0.0 where Prometheus scrapes it "
+        "from another host or container).",
+    )
 
     @field_validator("gateway_tokens", "gateway_admin_tokens", mode="before")
     @classmethod
