@@ -30,7 +30,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
-from gateway import errors, intake, openapi, webhooks
+from gateway import errors, intake, webhooks
+from gateway import openapi as api_document
 from gateway.auth import TokenBuckets, caller, tenant_of
 from gateway.intake import Intake, Refused
 from gateway.keys import IDEMPOTENCY_HEADER
@@ -77,7 +78,7 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None)
     _ticket_routes(app, state)
     _ops_routes(app, state)
     app.openapi_schema = None
-    openapi.document(app, (TicketIn,))
+    api_document.document(app, (TicketIn,))
     return app
 
 
@@ -280,4 +281,4 @@ def _ops_routes(app: FastAPI, state: _State) -> None:
     @app.get("/docs", include_in_schema=False)
     async def docs(request: Request) -> HTMLResponse:
         state.authorize_admin(request)
-        return HTMLResponse(openapi.docs_page(app.openapi()))
+        return HTMLResponse(api_document.docs_page(app.openapi()))
