@@ -205,6 +205,20 @@ return 0
 """
 
 
+def check_room(room: Room, settings: GatewaySettings) -> None:
+    """`Refused` 429 when the POST's new tickets would take the queue past TICKETQ_GATEWAY_MAX_QUEUE_DEPTH,
+    413 when they alone are more than it (no retry would be taken)."""
+    bound = settings.gateway_max_queue_depth
+    if room.new == 0 or room.granted:
+        return
+    if room.new > bound:
+        raise Refused(413, "too_many_tickets", f"{room.new} new tickets in one request, above "
+                      f"TICKETQ_GATEWAY_MAX_QUEUE_DEPTH={bound}: send them in smaller requests")  # fmt: skip
+    raise Refused(429, "queue_full", f"{room.depth} messages wait or are being sent, and this request's {room.new} "
+                  f"would pass TICKETQ_GATEWAY_MAX_QUEUE_DEPTH={bound}; retry later", [],
+                  settings.gateway_retry_after_s)  # fmt: skip
+
+
 class Intake:
     """Sends checked tickets, once, through a `Producer` per thread (Celery's clients are not
     shared across threads here); `accept` and `lookup` are blocking, for a worker thread."""
@@ -285,7 +299,7 @@ class Intake:
         (`accepted`, or `duplicate` for one accepted by an earlier POST). `Refused` 413/429/503."""
         wire = [self.wire_id(tenant, ticket.id) for ticket in tickets]
         room = self._redis_call(lambda r: self.capacity.reserve(r, [self.ticket_key(w) for w in wire]))
-        self._check_room(room)
+        check_room(room, self.settings)
         new = [(w, ticket) for w, ticket, marker in zip(wire, tickets, room.markers, strict=True) if marker is None]
         if new:
             try:
@@ -298,19 +312,6 @@ class Intake:
         fresh = {w for w, _ in new}
         return [{"id": t.id, "task_id": self.task_id(w), "status": "accepted" if w in fresh else "duplicate"}
                 for w, t in zip(wire, tickets, strict=True)]  # fmt: skip
-
-    def _check_room(self, room: Room) -> None:
-        """`Refused` 429 when the POST's new tickets would take the queue past TICKETQ_GATEWAY_MAX_QUEUE_DEPTH,
-        413 when they alone are more than it (no retry would be taken)."""
-        bound = self.settings.gateway_max_queue_depth
-        if room.new == 0 or room.granted:
-            return
-        if room.new > bound:
-            raise Refused(413, "too_many_tickets", f"{room.new} new tickets in one request, above "
-                          f"TICKETQ_GATEWAY_MAX_QUEUE_DEPTH={bound}: send them in smaller requests")  # fmt: skip
-        raise Refused(429, "queue_full", f"{room.depth} messages wait or are being sent, and this request's {room.new} "
-                      f"would pass TICKETQ_GATEWAY_MAX_QUEUE_DEPTH={bound}; retry later", [],
-                      self.settings.gateway_retry_after_s)  # fmt: skip
 
     def _send(self, tickets: Sequence[tuple[str, Checked]]) -> None:
         payload = [{"id": w, "text": t.text, **({"schema": t.schema} if t.schema else {})} for w, t in tickets]
