@@ -6,7 +6,10 @@ A real uvicorn in front of a private Redis; the bound is checked on a queue no w
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
@@ -14,7 +17,7 @@ from urllib.parse import urlsplit
 import pytest
 import redis
 from gateways import TOKEN, running_gateway
-from workers import null_classifier_service
+from workers import ROOT, null_classifier_service
 
 from ticketq.names import queue_lists
 
@@ -148,3 +151,20 @@ def test_every_refusal_has_the_error_shape(service):
             b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")  # fmt: skip
     status, _, body = raw_request(gateway.url, slow)  # the rest never comes: 408 after 1 s
     assert (status, json.loads(body)["error"]) == (408, "body_timeout")
+
+
+@pytest.mark.parametrize("command", [["ticketq_cli", "deliver"], ["gateway", "deliver"]], ids=" ".join)
+def test_deliver_reports_bad_settings_under_its_own_name(command):
+    """`ticketq deliver` is `ticketq-deliver` (`python -m gateway deliver`): same exit code, its own name."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
+    done = subprocess.run([sys.executable, "-m", *command], env={**env, "TICKETQ_DELIVER_MAX_ATTEMPTS": "0"},
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    name = "ticketq deliver" if command[0] == "ticketq_cli" else "ticketq-deliver"
+    assert done.returncode == 1 and done.stderr.startswith(f"{name}: invalid settings"), done.stderr
+    assert "TICKETQ_DELIVER_MAX_ATTEMPTS" in done.stderr and "gateway" not in done.stderr.splitlines()[0]
+
+
+def test_ticketq_gateway_is_the_gateway_program():
+    done = subprocess.run([sys.executable, "-m", "ticketq_cli", "gateway", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.startswith("usage: ticketq gateway") and "--port" in done.stdout
