@@ -48,7 +48,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any
 
 import httpx
 import redis
@@ -71,13 +71,9 @@ REDIS_PAUSE_S = 1.0  # pause after a Redis error in the loop before asking again
 NO_URL = "no receiver URL for its schema or tenant (TICKETQ_DELIVER_URLS)"
 
 
-class Post(NamedTuple):
-    """One result's POST: where, what, its delivery id (X-Ticketq-Delivery) and its signing key."""
-
-    url: str | None
-    body: bytes
-    delivery_id: str
-    secret: bytes | None
+def urls_by_tenant(urls: dict[str, str]) -> bool:
+    """True when TICKETQ_DELIVER_URLS names a tenant (`@tenant`, `schema@tenant`)."""
+    return any("@" in key for key in urls)
 
 
 def sign(secret: bytes, timestamp: str, body: bytes) -> str:
@@ -159,55 +155,69 @@ class Dispatcher:
     def deliver_one(self, entry_id: str, fields: dict) -> bool:
         """POST one result until 2xx (acked: True) or TICKETQ_DELIVER_MAX_ATTEMPTS (dead-lettered: False).
         Stopping part way leaves it pending: a later run delivers it."""
-        post = self.prepare(entry_id, codec.loads(fields[b"data"]) if b"data" in fields else None)
-        error = NO_URL if post.url is None else ""
-        for attempt in range(1, self.settings.deliver_max_attempts + 1 if post.url else 0):
+        result = codec.loads(fields[b"data"]) if b"data" in fields else None
+        url, body = self._url_for(result), self.body(entry_id, result)
+        error = NO_URL if url is None else ""
+        for attempt in range(1, self.settings.deliver_max_attempts + 1 if url else 0):
             if attempt > 1:
                 if self.stop.wait(backoff_s(attempt - 1, self.settings.deliver_backoff_s,
                                             self.settings.deliver_backoff_max_s, self.rng)):  # fmt: skip
                     return False
                 self._touch(entry_id)
-            error = self._post(post)
+            error = self._post(url, entry_id, body)
             if not error:
                 self.redis.xack(RESULTS_STREAM, self.group, entry_id)
                 self.metrics.deliveries.inc()
                 return True
-        self._dead_letter(entry_id, fields, post.url, error)
+        self._dead_letter(entry_id, fields, url, error)
         return False
 
-    def prepare(self, delivery_id: str, result: Any) -> Post:
-        """The POST of one result: its tenant's URL and key, and the body `{"delivery_id", "tenant", "result",
-        "metadata"}`; the gateway's record of the ticket (`keys.TICKET_KEY`) gives the tenant, the id the
-        tenant sent (the result's `id` is shown as that) and the metadata. Tickets sent another way: tenant null."""
+    # Three hooks of one request (the write-back's consumer overrides them): where, what, and sending it.
+
+    def body(self, delivery_id: str, result: Any) -> bytes:
+        """What is POSTed for one result: `{"delivery_id", "tenant", "result", "metadata"}`; the gateway's record
+        of the ticket (`keys.TICKET_KEY`) gives the tenant, the id the tenant sent (the result's `id` is shown as
+        that) and the metadata. Tickets sent another way: tenant and metadata null."""
         record = self._record(result)
-        tenant = record.get("tenant")
         if "id" in record and isinstance(result, dict):
             result = {**result, "id": record["id"]}
-        body = {"delivery_id": delivery_id, "tenant": tenant, "result": result, "metadata": record.get("metadata")}
-        return Post(self._url_for(result, tenant), json.dumps(body).encode(), delivery_id,
-                    self._secret_for(tenant))  # fmt: skip
+        return json.dumps({"delivery_id": delivery_id, "tenant": record.get("tenant"), "result": result,
+                           "metadata": record.get("metadata")}).encode()  # fmt: skip
 
-    def post_once(self, delivery_id: str, result: Any) -> str:
-        """One POST of a result outside the group (the repair commands): "" when 2xx, else the error."""
-        post = self.prepare(delivery_id, result)
-        return NO_URL if post.url is None else self._post(post)
+    def _url_for(self, result: Any) -> str | None:
+        """TICKETQ_DELIVER_URLS' `schema@tenant`, then `@tenant`, then `schema`, then TICKETQ_DELIVER_URL."""
+        schema = (result.get("schema") if isinstance(result, dict) else None) or ""
+        urls = self.settings.deliver_urls
+        tenant = self._record(result).get("tenant") if urls_by_tenant(urls) else None  # a GET only when it matters
+        if tenant:
+            found = urls.get(f"{schema}@{tenant}") if schema else None
+            if found or f"@{tenant}" in urls:
+                return found or urls[f"@{tenant}"]
+        return urls.get(schema, self.settings.deliver_url)
 
-    def _post(self, post: Post) -> str:
-        """"" when the receiver answered 2xx, else what went wrong (one line)."""
+    def _post(self, url: str, entry_id: str, body: bytes) -> str:
+        """"" when the receiver answered 2xx, else what went wrong (one line). Signed with the key of the
+        tenant the body names (TICKETQ_DELIVER_SECRETS), else TICKETQ_DELIVER_SECRET."""
         stamp = str(int(time.time()))
-        headers = {"Content-Type": "application/json", DELIVERY_HEADER: post.delivery_id, TIMESTAMP_HEADER: stamp}
-        if post.secret is not None:
-            headers[SIGNATURE_HEADER] = sign(post.secret, stamp, post.body)
+        headers = {"Content-Type": "application/json", DELIVERY_HEADER: entry_id, TIMESTAMP_HEADER: stamp}
+        secret = self._secret_for(json.loads(body).get("tenant") if self.settings.deliver_secrets else None)
+        if secret is not None:
+            headers[SIGNATURE_HEADER] = sign(secret, stamp, body)
         started = time.perf_counter()
         try:
-            response = self.http.post(post.url, content=post.body, headers=headers)
+            response = self.http.post(url, content=body, headers=headers)
         except httpx.HTTPError as exc:
             self.metrics.attempts.labels("error").inc()
-            return f"POST {post.url} failed: {type(exc).__name__}: {exc}"
+            return f"POST {url} failed: {type(exc).__name__}: {exc}"
         finally:
             self.metrics.latency.observe(time.perf_counter() - started)
         self.metrics.attempts.labels("ok" if response.is_success else f"http_{response.status_code}").inc()
-        return "" if response.is_success else f"POST {post.url} answered {response.status_code}"
+        return "" if response.is_success else f"POST {url} answered {response.status_code}"
+
+    def post_once(self, delivery_id: str, result: Any) -> str:
+        """One POST of a result outside the group (the repair commands): "" when 2xx, else the error."""
+        url = self._url_for(result)
+        return NO_URL if url is None else self._post(url, delivery_id, self.body(delivery_id, result))
 
     def _touch(self, entry_id: str) -> None:
         """Claim our own entry again (idle time back to 0), so no other dispatcher re-claims it now."""
@@ -222,16 +232,6 @@ class Dispatcher:
         pipe.execute()
         self.metrics.dead.inc()
         log.warning("result %s dead-lettered to %s: %s", entry_id, self.dead_stream, error)
-
-    def _url_for(self, result: Any, tenant: str | None) -> str | None:
-        """TICKETQ_DELIVER_URLS' `schema@tenant`, then `@tenant`, then `schema`, then TICKETQ_DELIVER_URL."""
-        schema = (result.get("schema") if isinstance(result, dict) else None) or ""
-        urls = self.settings.deliver_urls
-        if tenant:
-            found = urls.get(f"{schema}@{tenant}") if schema else None
-            if found or f"@{tenant}" in urls:
-                return found or urls[f"@{tenant}"]
-        return urls.get(schema, self.settings.deliver_url)
 
     def _secret_for(self, tenant: str | None) -> bytes | None:
         """The tenant's own key (TICKETQ_DELIVER_SECRETS), else TICKETQ_DELIVER_SECRET."""
