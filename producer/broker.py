@@ -17,7 +17,7 @@ from producer.outage import Outage
 from ticketq import codec, connections
 from ticketq.config import ClientSettings, is_redis_url
 from ticketq.connections import SOCKET_TIMEOUT_S, connect, redis_client
-from ticketq.epoch import Epoch, Loss, whoami
+from ticketq.epoch import AcrossEpochs, Epoch, Loss, whoami
 from ticketq.names import RESULTS_STREAM, queue_lists
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,7 @@ class Broker:
         self._redis: redis.Redis | None = None
         self.checked = False  # the connection was checked, and nothing failed since
         self.epoch = Epoch(whoami("producer"))  # notices a Redis that came back without its data
+        self.epochs = AcrossEpochs(settings.stream_maxlen)  # what results_stream yielded, per epoch
 
     @property
     def redis(self) -> redis.Redis:
@@ -149,9 +150,15 @@ class Broker:
             for raw_id, fields in reply[0][1]:
                 last = raw_id.decode()
                 try:
-                    yield last, codec.loads(fields[b"data"])
+                    result = codec.loads(fields[b"data"])
                 except (KeyError, ValueError):
                     log.warning("skipping results stream entry %s without a JSON 'data' field", last)
+                    continue
+                if self.epochs.repeat(fields.get(b"epoch"), result):
+                    log.info("skipping results stream entry %s: ticket %s was answered before Redis lost its data",
+                             last, result.get("id"))  # fmt: skip
+                    continue
+                yield last, result
 
     def queue_depth(self) -> int:
         keys = queue_lists(self.settings.queue)

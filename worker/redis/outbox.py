@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from ticketq.epoch import Epoch, Loss, whoami
+from ticketq.epoch import Epoch, Loss, marker_id, whoami
 from ticketq.lua import script
 from ticketq.names import ATTEMPTS_KEY, DEAD_LETTER_STREAM, EPOCH_KEY, RESULTS_STREAM, REVIEW_STREAM
 from ticketq.publishing import Published, Unconfirmed
@@ -113,6 +113,7 @@ class Outbox(Writes):
             *(FAILED_KEY.format(task_id=task_id) for task_id in by_task),
             PUBLISH_CALL_KEY.format(call=uuid.uuid4().hex),  # the same for every retry of this call
             REVIEW_STREAM,
+            EPOCH_KEY,
             *(ATTEMPTS_KEY.format(task_id=task_id) for task_id in finished),
         ]
         groups = by_task.values()
@@ -160,8 +161,10 @@ class Outbox(Writes):
 
         def append() -> None:
             pipe = self.redis.pipeline(transaction=True)  # all or none: a retry never appends twice
+            epoch = marker_id(self.epoch.known)  # the marker this process last saw (the script reads its own)
+            fields = {"epoch": epoch} if epoch else {}
             for data in encoded:
-                pipe.xadd(RESULTS_STREAM, {"data": data}, maxlen=self.stream_maxlen, approximate=True)
+                pipe.xadd(RESULTS_STREAM, {"data": data, **fields}, maxlen=self.stream_maxlen, approximate=True)
             pipe.execute()
 
         self.retrying(append)
