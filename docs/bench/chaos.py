@@ -99,7 +99,8 @@ BATCH_S = 5.0  # a producer waits on what it sent in each such period as one bat
 MAX_WAITS = 8  # waits running at once per producer
 MEMORY_HEADROOM = 1 << 20  # maxmemory = used + this: the next megabyte of traffic fills it
 PROGRESS_EVERY_S = 30
-MAX_RESUMES = 3  # a ticketq-produce run that failed is run again with --resume this often at most
+MAX_RESUMES = 3  # a ticketq-produce run that failed is run again with --resume this often at most,
+RESUME_AFTER_S = 15.0  # after this pause, doubling: an operator resumes once the cause has passed
 # what the workers log about a partition (docs/reliability.md, "A partition")
 LAPSED, RENEWED, RECOVERED = "lapsed: not renewed for", "renewed after", "(lease expired)"
 RESULT_KEY = "celery-task-meta-{task_id}"  # the Celery backend's result of a task
@@ -477,8 +478,8 @@ class Chunks(threading.Thread):
     `ticketq-produce file CHUNK --out ROWS --retry-for --resend-after` process for that period's
     share (`--cli-share`) of the offered rate, through the sentinels. A run that exits non-zero
     (a Redis that refused the send: full, say) is run again with `--resume`, as its own message
-    says to, up to MAX_RESUMES times. Every run's exit status and each chunk's --out rows are
-    tallied: 0 and an answered row for every ticket are the target."""
+    says to, RESUME_AFTER_S later (doubling), up to MAX_RESUMES times. Every run's exit status and
+    each chunk's --out rows are tallied: 0 and an answered row for every ticket are the target."""
 
     def __init__(self, settings_url: str, rate: float, texts: list[str], ledger: Ledger, args: argparse.Namespace,
                  deadline: float, rundir: Path) -> None:  # fmt: skip
@@ -491,6 +492,7 @@ class Chunks(threading.Thread):
         self.running: dict[int, subprocess.Popen] = {}  # chunk -> its current run
         self.codes: dict[int, list[int | None]] = {}  # chunk -> the exit status of each of its runs
         self.ids: dict[int, list[str]] = {}  # chunk -> its ticket ids
+        self.resumes: dict[int, float] = {}  # chunk -> when its failed run is resumed
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
@@ -506,6 +508,7 @@ class Chunks(threading.Thread):
                 self.launch(number, resume=False)
                 number, next_chunk = number + 1, next_chunk + self.args.chunk_s
             self.reap()
+            self.resume()
 
     def write(self, number: int, size: int) -> None:
         ids = [f"chaos-{self.args.seed}-cli-{number}-{i}" for i in range(size)]
@@ -537,15 +540,23 @@ class Chunks(threading.Thread):
                 del self.running[number]
                 self.codes[number].append(proc.returncode)
         for number, proc in ended:
-            if proc.returncode != 0 and len(self.codes[number]) <= MAX_RESUMES and time.monotonic() < self.deadline:
-                self.launch(number, resume=True)
+            if proc.returncode != 0 and len(self.codes[number]) <= MAX_RESUMES:
+                self.resumes[number] = time.monotonic() + RESUME_AFTER_S * 2 ** (len(self.codes[number]) - 1)
+
+    def resume(self) -> None:
+        for number, due in list(self.resumes.items()):
+            if time.monotonic() >= due:
+                del self.resumes[number]
+                if time.monotonic() < self.deadline:
+                    self.launch(number, resume=True)
 
     def finish(self) -> None:
         """Until every chunk's last run has ended (the deadline and a minute more, then SIGTERM)."""
         self.stop.set()
         self.join()
-        while self.running and time.monotonic() < self.deadline + 60:
+        while (self.running or self.resumes) and time.monotonic() < self.deadline + 60:
             self.reap()
+            self.resume()
             time.sleep(1.0)
         self.kill(signal.SIGTERM)
         time.sleep(5)
