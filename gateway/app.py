@@ -35,6 +35,7 @@ from gateway.auth import TokenBuckets, caller, tenant_of
 from gateway.intake import Intake, Refused
 from gateway.keys import IDEMPOTENCY_HEADER
 from gateway.metrics import GatewayMetrics
+from gateway.review import pages as review_pages
 from gateway.settings import GatewaySettings
 from ticketq import connections
 
@@ -75,6 +76,7 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None)
     app.add_middleware(_Measured, metrics=state.metrics)
     _ticket_routes(app, state)
     _ops_routes(app, state)
+    review_pages.install(app, state, state.metrics.registry, lambda: state.intake.producer.redis)
     app.openapi_schema = None
     _register_models(app)
     return app

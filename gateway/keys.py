@@ -12,6 +12,14 @@ TICKET_KEY = "ticketq:gateway:ticket:{queue}:{ticket_id}"
 # An Idempotency-Key seen: per tenant, sha256 of the key -> JSON {body sha256, answer, claim}; the
 # answer is null while the first POST under the key is in flight (`gateway.intake.CLAIM_SCRIPT`).
 IDEMPOTENCY_KEY = "ticketq:gateway:idem:{tenant}:{digest}"
+# A review item decided on the review page: the review stream's entry id -> the decision record JSON
+# (`ticketq.labelled`), written once by `gateway/review/decide.lua`, kept TICKETQ_RESULT_EXPIRES_S
+# to tell a second reviewer who decided first. Each tenant's undecided items are pending in the
+# consumer group `names.REVIEW_GROUP` under the consumer REVIEW_CONSUMER + tenant.
+REVIEW_DECISION_KEY = "ticketq:review:decision:{entry_id}"
+REVIEW_CONSUMER = "tenant:"
+# The review page's session cookie (HttpOnly, SameSite=Strict; gateway.review.session signs it).
+REVIEW_COOKIE = "ticketq_review"
 # Results the dispatcher gave up on after TICKETQ_DELIVER_MAX_ATTEMPTS POSTs, with the last error.
 DELIVER_DEAD_STREAM = "ticketq:deliver:dead"
 # Ranges of the results stream trimmed before a dispatcher group read them: {group, after, before,
@@ -38,3 +46,5 @@ DELIVER_DEAD = "ticketq_deliver_dead_letters"
 DELIVER_SECONDS = "ticketq_deliver_post_seconds"
 DELIVER_TRIMMED = "ticketq_deliver_trimmed_results"
 DELIVER_LAG = "ticketq_deliver_lag_results"
+REVIEW_DECISIONS = "ticketq_gateway_review_decisions"
+REVIEW_CONFLICTS = "ticketq_gateway_review_conflicts"
