@@ -104,19 +104,14 @@ class GatewaySettings(ClientSettings):
     gateway_webhook_window_s: int = Field(
         300, ge=1, description="A signed webhook whose timestamp is further from now than this is refused."
     )
-    gateway_review_secret: SecretStr | None = Field(
-        None, description="Key that signs review-page sessions (32+ characters, the same on every replica); "
-        "unset: the review page (/review) is off.",
-    )
+    gateway_review_secret: SecretStr | None = Field(None, description="Key signing review-page sessions (32+ "
+        "characters, the same on every replica); unset: the review page (/review) is off.")  # fmt: skip
     gateway_review_session_s: int = Field(28800, ge=60, description="How long a review-page login lasts.")
     gateway_review_page_size: int = Field(20, ge=1, le=500, description="Review items shown per page, oldest first.")
-    gateway_review_insecure_cookie: bool = Field(
-        False, description="Send the review session cookie without `Secure` (plain HTTP, e.g. a local test only)."
-    )
-    gateway_review_deliver: bool = Field(
-        False, description="Also add each reviewed result (the reviewer's labels) to the results stream, "
-        "where ticketq-deliver POSTs it like any result.",
-    )
+    gateway_review_insecure_cookie: bool = Field(False, description="Send the review session cookie without "
+        "`Secure` (plain HTTP: a local test only).")  # fmt: skip
+    gateway_review_deliver: bool = Field(False, description="Also add each reviewed result (the reviewer's labels) "
+        "to the results stream, where ticketq-deliver POSTs it like any result.")  # fmt: skip
     deliver_url: str | None = Field(None, description="Where ticketq-deliver POSTs each result.")
     deliver_urls: Annotated[dict[str, str], NoDecode] = Field(
         default_factory=dict, description="Per-schema delivery URLs: `schema=url,...` (default: TICKETQ_DELIVER_URL)."
@@ -172,7 +167,7 @@ class GatewaySettings(ClientSettings):
     @classmethod
     def _check_review_secret(cls, value: SecretStr | None) -> SecretStr | None:
         if value is not None and len(value.get_secret_value()) < 32:
-            raise ValueError("must be at least 32 characters (e.g. `openssl rand -hex 32`)")
+            raise ValueError("must be at least 32 characters (`openssl rand -hex 32`)")
         return value
 
     @field_validator("gateway_webhook_secrets")

@@ -10,6 +10,7 @@ import json
 import logging
 import uuid
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -26,6 +27,8 @@ from worker.redis.writes import Writes
 if TYPE_CHECKING:
     from worker.settings import Settings
 
+ToReview = Mapping[tuple[str, int], str]  # (task id, slot) of a result to review -> its ticket's text
+NO_REVIEW: ToReview = MappingProxyType({})
 log = logging.getLogger(__name__)
 
 # The outbox's Redis scripts, beside this module (each file's header lists its keys and arguments).
@@ -87,11 +90,10 @@ class Outbox(Writes):
 
     # ----- results -------------------------------------------------------------------------
 
-    def publish(self, slots: Sequence[tuple], finished: Sequence[str],
-                review: Mapping[tuple[str, int], str] | None = None) -> Published:  # fmt: skip
-        """Stream each (task id, slot, result JSON[, payload digest]) once, and drop the attempts keys
-        of `finished` messages; the (task id, slot) keys of `review` are copied to the review stream
-        (`names.REVIEW_STREAM`) with their first publication, each with its ticket's text (the value).
+    def publish(self, slots: Sequence[tuple], finished: Sequence[str], review: ToReview = NO_REVIEW) -> Published:
+        """Stream each (task id, slot, result JSON[, payload digest]) once, drop the attempts keys of
+        `finished` messages, copy the (task id, slot) keys of `review` to `names.REVIEW_STREAM` with
+        their first publication (each with its ticket's text, the value).
 
         One script call. EVAL, not a registered Script: redis-py checks SCRIPT EXISTS before
         every pipeline that holds a Script (a second round trip per forward batch); EVAL of a short
@@ -101,7 +103,6 @@ class Outbox(Writes):
         `ticketq.publishing.payload_digest` (omitted or "": not checked); a message whose task id already streamed
         another payload's results gets nothing written, and its results come back as conflicts.
         """
-        review = review or {}
         by_task: dict[str, list[tuple[int, bytes]]] = {}
         digests: dict[str, str] = {}
         for task_id, slot, encoded, *digest in slots:
@@ -118,7 +119,6 @@ class Outbox(Writes):
         ]
         groups = by_task.values()
         order = [(task_id, slot) for task_id, group in by_task.items() for slot, _ in group]
-        reviewed = [place for place in order if place in review]
         args = [
             self.stream_maxlen,
             self.result_expires_s,
@@ -128,7 +128,7 @@ class Outbox(Writes):
             *(",".join([str(slot) for slot, _ in group]) for group in groups),
             *digests.values(),
             *(encoded for group in groups for _, encoded in group),
-            *(review[place] for place in reviewed),
+            *(review[place] for place in order if place in review),  # the texts, last
         ]
         # Durable only when it finishes a message: an ack follows, and must not outrun the replicas.
         command = lambda target: target.eval(PUBLISH_ONCE, len(keys), *keys, *args)  # noqa: E731
