@@ -29,7 +29,7 @@ from workers import ROOT, RedisServer
 
 from gateway.auth import token_digest
 from gateway.review.store import Item, ReviewStore
-from ticketq.names import LABELLED_STREAM, REVIEW_GROUP, REVIEW_STREAM
+from ticketq.names import LABELLED_STREAM, RESULTS_STREAM, REVIEW_GROUP, REVIEW_STREAM
 from worker.redis.outbox import Outbox
 
 pytestmark = pytest.mark.integration
@@ -199,3 +199,17 @@ def test_export_writes_the_decisions_as_a_labelled_file(server, tmp_path):
         {"id": "A2", "text": "acme two", "schema": "review-all", "expected": {"team": "account"}},
     ]
     assert "2 decision(s), 2 corrected" in run.stdout
+
+
+def test_with_delivery_on_the_reviewed_result_joins_the_results_stream_once(server):
+    client = server.client()
+    seed(client, {"acme:A1": "acme one"})
+    reviews = ReviewStore(client, multi_tenant=True, decision_ttl_s=600, stream_maxlen=100_000, deliver=True)
+    before = client.xlen(RESULTS_STREAM)
+    one = reviews.pending("acme", 10)[0]
+    assert reviews.decide(one, {"team": "account"}, "alice@acme", 1.0).written
+    assert not reviews.decide(one, {"team": "billing"}, "carol@acme", 2.0).written
+    added = [json.loads(fields[b"data"]) for _, fields in client.xrange(RESULTS_STREAM)][before:]
+    assert len(added) == 1 and added[0]["id"] == "acme:A1", "the wire id: the dispatcher finds its metadata"
+    assert added[0]["fields"]["team"]["label"] == "account" and added[0]["review"] is False
+    assert added[0]["reviewed"] == {"by": "alice@acme", "at": "1970-01-01T00:00:01.000Z", "corrected": ["team"]}
