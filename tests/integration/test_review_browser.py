@@ -137,14 +137,22 @@ def correct(driver, ticket: str) -> str:
 
 
 def submit(driver, button) -> None:
-    """Click a form's button and wait until the browser has left the page (the answer is loaded)."""
+    """Click a form's button and wait until the browser shows another document (the answer). The old
+    page's element is never touched after the click: mid-navigation Chromium answers for it with
+    errors other than "stale" ("Node ... does not belong to the document"); each poll finds the
+    current document's root afresh, and a new document's root has a new reference."""
+    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support import expected_conditions
     from selenium.webdriver.support.wait import WebDriverWait
 
-    page = driver.find_element(By.TAG_NAME, "html")
+    before = driver.find_element(By.TAG_NAME, "html").id
     button.click()
-    WebDriverWait(driver, 60).until(expected_conditions.staleness_of(page))
+    WebDriverWait(driver, 60, ignored_exceptions=(WebDriverException,)).until(
+        lambda d: (
+            d.find_element(By.TAG_NAME, "html").id != before
+            and d.execute_script("return document.readyState") == "complete"
+        )
+    )
 
 
 def in_stream(client: redis.Redis, tenant: str) -> list[str]:
