@@ -3,20 +3,21 @@ health, readiness and metrics. The rules live in `gateway.intake` (tickets, idem
 backpressure), `gateway.auth` (tokens, rate) and `gateway.webhooks` (signatures, mappings); this
 module maps them onto routes and statuses.
 
-Statuses: 202 accepted (every ticket is in Redis) · 200 a result · 400 not JSON, or not a ticket
-or a list · 401 no or wrong token (with `WWW-Authenticate: Bearer`), bad webhook signature ·
+Statuses: 202 accepted (every ticket is in Redis) · 200 a result · 400 not JSON, nested deeper than 32,
+a non-finite number, not a ticket or a list, a bad query parameter · 401 no or wrong token (with
+`WWW-Authenticate: Bearer`), bad webhook signature ·
 404 unknown ticket or source, admin endpoints off · 408 a body not received in
 TICKETQ_GATEWAY_BODY_TIMEOUT_S · 409 an Idempotency-Key whose first POST is still in flight ·
 413 body above TICKETQ_GATEWAY_MAX_BODY_BYTES, or too many
-tickets · 422 a ticket breaks the contract (each bad field named) · 429 rate limit or queue
-deeper than TICKETQ_GATEWAY_MAX_QUEUE_DEPTH · 503 Redis unreachable or refusing writes. Every
-refusal is JSON `{"error": reason, "message": one line}`; 429 and 503 carry Retry-After.
+tickets · 422 a ticket breaks the contract (each bad field named) · 429 rate limit, or the request's
+new tickets would take the queue past TICKETQ_GATEWAY_MAX_QUEUE_DEPTH · 503 Redis unreachable or refusing writes. Every
+refusal is JSON `{"error": reason, "message": one line}` (`gateway.errors`: also 404/405/500 and
+h11's 400); 429 and 503 carry Retry-After. The OpenAPI document is `gateway.openapi`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -25,12 +26,12 @@ from typing import Any, NamedTuple
 
 import anyio
 from fastapi import FastAPI, Query, Request
-from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
-from gateway import intake, webhooks
+from gateway import errors, intake, webhooks
+from gateway import openapi as api_document
 from gateway.auth import TokenBuckets, caller, tenant_of
 from gateway.intake import Intake, Refused
 from gateway.keys import IDEMPOTENCY_HEADER
@@ -72,13 +73,14 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None)
     app = FastAPI(title="ticketq gateway", version="1", lifespan=lifespan, description=__doc__,
                   docs_url=None, redoc_url=None, openapi_url=None)  # fmt: skip
     app.state.gateway = state
+    errors.install(app)
     app.exception_handler(Refused)(state.refused)
     app.add_middleware(_Measured, metrics=state.metrics)
     _ticket_routes(app, state)
     _ops_routes(app, state)
     review_pages.install(app, state, state.metrics.registry, lambda: state.intake.producer.redis)
     app.openapi_schema = None
-    _register_models(app)
+    api_document.document(app, (TicketIn,))
     return app
 
 
@@ -283,20 +285,4 @@ def _ops_routes(app: FastAPI, state: _State) -> None:
     @app.get("/docs", include_in_schema=False)
     async def docs(request: Request) -> HTMLResponse:
         state.authorize_admin(request)
-        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - Swagger UI")
-
-
-def _register_models(app: FastAPI) -> None:
-    """Put TicketIn in the OpenAPI components (the body is read raw, so no route declares it)."""
-    original = app.openapi
-
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            schema = original()
-            components = schema.setdefault("components", {}).setdefault("schemas", {})
-            model = TicketIn.model_json_schema(by_alias=True, ref_template="#/components/schemas/{model}")
-            components["TicketIn"] = json.loads(json.dumps(model))
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi
+        return HTMLResponse(api_document.docs_page(app.openapi()))

@@ -1,5 +1,6 @@
-"""`ticketq-gateway` (also `python -m gateway`) and `ticketq-deliver` (`python -m gateway deliver`), with
-its repair commands `ticketq-deliver dead [--redeliver]` and `ticketq-deliver redeliver-trimmed`."""
+"""`ticketq-gateway` (also `python -m gateway`, `ticketq gateway`) and `ticketq-deliver` (`python -m
+gateway deliver`, `ticketq deliver`), with its repair commands `ticketq-deliver dead [--redeliver]`
+and `ticketq-deliver redeliver-trimmed`. Each reports under the name it was run by."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from ticketq.cli import version_line
 from ticketq.config import SettingsError
 
 
-def _settings(**overrides: object) -> GatewaySettings:
+def _settings(prog: str, **overrides: object) -> GatewaySettings:
+    """The settings, or exit with their errors under `prog`'s own name."""
     try:
         return GatewaySettings.from_env(**overrides)
     except SettingsError as exc:
-        sys.exit(f"ticketq-gateway: invalid settings:\n{exc}")
+        sys.exit(f"{prog}: invalid settings:\n{exc}")
 
 
 def _add_version(parser: argparse.ArgumentParser) -> None:
@@ -25,33 +27,33 @@ def _add_version(parser: argparse.ArgumentParser) -> None:
                         help="show the version and exit")  # fmt: skip
 
 
-def gateway_main(argv: list[str] | None = None) -> None:
+def gateway_main(argv: list[str] | None = None, prog: str = "ticketq-gateway") -> None:
     """Serve the gateway with uvicorn (TLS is the ingress's)."""
     import uvicorn
 
     from gateway.app import create_app
     from gateway.server import uvicorn_options
 
-    parser = argparse.ArgumentParser(prog="ticketq-gateway", description="HTTP gateway: tickets in, results out.")
+    parser = argparse.ArgumentParser(prog=prog, description="HTTP gateway: tickets in, results out.")
     parser.add_argument("--host", help="listen address (TICKETQ_GATEWAY_HOST)")
     parser.add_argument("--port", type=int, help="listen port (TICKETQ_GATEWAY_PORT)")
     parser.add_argument("--log-level", default="warning", help="uvicorn's log level (default: warning)")
     _add_version(parser)
     args = parser.parse_args(argv)
-    settings = _settings(gateway_host=args.host, gateway_port=args.port)
+    settings = _settings(parser.prog, gateway_host=args.host, gateway_port=args.port)
     if not settings.gateway_tokens and not settings.gateway_anonymous:
-        sys.exit("ticketq-gateway: no bearer tokens: set TICKETQ_GATEWAY_TOKENS=name:SHA256HEX "
+        sys.exit(f"{prog}: no bearer tokens: set TICKETQ_GATEWAY_TOKENS=name:SHA256HEX "
                  "(printf %s TOKEN | sha256sum), or TICKETQ_GATEWAY_ANONYMOUS=1 behind an authenticating ingress")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(create_app(settings), host=settings.gateway_host, port=settings.gateway_port,
                 log_level=args.log_level, access_log=False, **uvicorn_options(settings))  # fmt: skip
 
 
-def deliver_main(argv: list[str] | None = None) -> None:
+def deliver_main(argv: list[str] | None = None, prog: str = "ticketq-deliver") -> None:
     """Deliver results by webhook until SIGTERM/SIGINT; or one of the repair commands."""
     from gateway.deliver import Dispatcher
 
-    parser = argparse.ArgumentParser(prog="ticketq-deliver", description="POST each result to a webhook URL.")
+    parser = argparse.ArgumentParser(prog=prog, description="POST each result to a webhook URL.")
     parser.add_argument("--url", help="receiver URL (TICKETQ_DELIVER_URL)")
     _add_version(parser)
     commands = parser.add_subparsers(dest="command", metavar="{dead,redeliver-trimmed}")
@@ -61,12 +63,12 @@ def deliver_main(argv: list[str] | None = None) -> None:
     trimmed.add_argument("--margin-s", type=float, default=5.0,
                          help="also results stored this long before a trimmed range (default: 5)")  # fmt: skip
     args = parser.parse_args(argv)
-    settings = _settings(deliver_url=args.url)
+    settings = _settings(parser.prog, deliver_url=args.url)
     if args.command == "dead" and not args.redeliver:
         _list_dead(settings)
         return
     if not settings.deliver_url and not settings.deliver_urls:
-        sys.exit("ticketq-deliver: no receiver: set TICKETQ_DELIVER_URL (or TICKETQ_DELIVER_URLS=schema=url,...)")
+        sys.exit(f"{prog}: no receiver: set TICKETQ_DELIVER_URL (or TICKETQ_DELIVER_URLS=schema=url,...)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command is None:
         Dispatcher(settings).run_forever()

@@ -10,8 +10,13 @@ and every dispatcher re-claims, with XAUTOCLAIM, any pending longer than TICKETQ
 deduplicates by `X-Ticketq-Delivery`, the result's stream entry id, the same on every attempt.
 
 Each POST carries `X-Ticketq-Timestamp` (unix seconds) and `X-Ticketq-Signature:
-sha256=<hex HMAC-SHA256(TICKETQ_DELIVER_SECRET, timestamp + "." + body)>`; the body is
-`{"delivery_id", "result", "metadata"}` (the metadata the ticket was POSTed with, if any).
+sha256=<hex HMAC-SHA256(key, timestamp + "." + body)>`; the body is `{"delivery_id", "tenant",
+"result", "metadata"}` (the tenant and metadata the gateway recorded with the ticket, if any).
+
+Per tenant: the gateway's record of each ticket names its tenant, so a result goes to its tenant's
+URL (TICKETQ_DELIVER_URLS `schema@tenant=url` or `@tenant=url`), signed with its tenant's key
+(TICKETQ_DELIVER_SECRETS `@tenant=key`); a tenant without its own gets TICKETQ_DELIVER_URL and
+TICKETQ_DELIVER_SECRET. The result's `id` is the id the tenant sent (not the wire's `tenant:id`).
 
 Retries: a POST that fails (no answer, or not 2xx) is tried again after TICKETQ_DELIVER_BACKOFF_S,
 doubling up to TICKETQ_DELIVER_BACKOFF_MAX_S, with jitter (half the pause random), for at most
@@ -63,6 +68,12 @@ from ticketq.names import RESULTS_STREAM
 
 log = logging.getLogger(__name__)
 REDIS_PAUSE_S = 1.0  # pause after a Redis error in the loop before asking again
+NO_URL = "no receiver URL for its schema or tenant (TICKETQ_DELIVER_URLS)"
+
+
+def urls_by_tenant(urls: dict[str, str]) -> bool:
+    """True when TICKETQ_DELIVER_URLS names a tenant (`@tenant`, `schema@tenant`)."""
+    return any("@" in key for key in urls)
 
 
 def sign(secret: bytes, timestamp: str, body: bytes) -> str:
@@ -113,7 +124,8 @@ class Dispatcher:
         if self.settings.deliver_metrics_port:
             from prometheus_client import start_http_server
 
-            start_http_server(self.settings.deliver_metrics_port, registry=self.metrics.registry)
+            start_http_server(self.settings.deliver_metrics_port, self.settings.deliver_metrics_host,
+                              registry=self.metrics.registry)  # fmt: skip
         log.info("delivering %s (group %s, consumer %s)", RESULTS_STREAM, self.group, self.consumer)
         last_claim = 0.0
         while not self.stop.is_set():
@@ -145,7 +157,7 @@ class Dispatcher:
         Stopping part way leaves it pending: a later run delivers it."""
         result = codec.loads(fields[b"data"]) if b"data" in fields else None
         url, body = self._url_for(result), self.body(entry_id, result)
-        error = "no receiver URL for its schema (TICKETQ_DELIVER_URLS)" if url is None else ""
+        error = NO_URL if url is None else ""
         for attempt in range(1, self.settings.deliver_max_attempts + 1 if url else 0):
             if attempt > 1:
                 if self.stop.wait(backoff_s(attempt - 1, self.settings.deliver_backoff_s,
@@ -160,23 +172,37 @@ class Dispatcher:
         self._dead_letter(entry_id, fields, url, error)
         return False
 
-    def body(self, delivery_id: str, result: Any) -> bytes:
-        """What is POSTed for one result: `{"delivery_id", "result", "metadata"}`."""
-        return json.dumps({"delivery_id": delivery_id, "result": result, "metadata": self._metadata(result)}).encode()
+    # Three hooks of one request (the write-back's consumer overrides them): where, what, and sending it.
 
-    def post_once(self, delivery_id: str, result: Any) -> str:
-        """One POST of a result outside the group (the repair commands): "" when 2xx, else the error."""
-        url = self._url_for(result)
-        if url is None:
-            return "no receiver URL for its schema (TICKETQ_DELIVER_URLS)"
-        return self._post(url, delivery_id, self.body(delivery_id, result))
+    def body(self, delivery_id: str, result: Any) -> bytes:
+        """What is POSTed for one result: `{"delivery_id", "tenant", "result", "metadata"}`; the gateway's record
+        of the ticket (`keys.TICKET_KEY`) gives the tenant, the id the tenant sent (the result's `id` is shown as
+        that) and the metadata. Tickets sent another way: tenant and metadata null."""
+        record = self._record(result)
+        if "id" in record and isinstance(result, dict):
+            result = {**result, "id": record["id"]}
+        return json.dumps({"delivery_id": delivery_id, "tenant": record.get("tenant"), "result": result,
+                           "metadata": record.get("metadata")}).encode()  # fmt: skip
+
+    def _url_for(self, result: Any) -> str | None:
+        """TICKETQ_DELIVER_URLS' `schema@tenant`, then `@tenant`, then `schema`, then TICKETQ_DELIVER_URL."""
+        schema = (result.get("schema") if isinstance(result, dict) else None) or ""
+        urls = self.settings.deliver_urls
+        tenant = self._record(result).get("tenant") if urls_by_tenant(urls) else None  # a GET only when it matters
+        if tenant:
+            found = urls.get(f"{schema}@{tenant}") if schema else None
+            if found or f"@{tenant}" in urls:
+                return found or urls[f"@{tenant}"]
+        return urls.get(schema, self.settings.deliver_url)
 
     def _post(self, url: str, entry_id: str, body: bytes) -> str:
-        """"" when the receiver answered 2xx, else what went wrong (one line)."""
+        """"" when the receiver answered 2xx, else what went wrong (one line). Signed with the key of the
+        tenant the body names (TICKETQ_DELIVER_SECRETS), else TICKETQ_DELIVER_SECRET."""
         stamp = str(int(time.time()))
         headers = {"Content-Type": "application/json", DELIVERY_HEADER: entry_id, TIMESTAMP_HEADER: stamp}
-        if self.secret is not None:
-            headers[SIGNATURE_HEADER] = sign(self.secret, stamp, body)
+        secret = self._secret_for(json.loads(body).get("tenant") if self.settings.deliver_secrets else None)
+        if secret is not None:
+            headers[SIGNATURE_HEADER] = sign(secret, stamp, body)
         started = time.perf_counter()
         try:
             response = self.http.post(url, content=body, headers=headers)
@@ -187,6 +213,11 @@ class Dispatcher:
             self.metrics.latency.observe(time.perf_counter() - started)
         self.metrics.attempts.labels("ok" if response.is_success else f"http_{response.status_code}").inc()
         return "" if response.is_success else f"POST {url} answered {response.status_code}"
+
+    def post_once(self, delivery_id: str, result: Any) -> str:
+        """One POST of a result outside the group (the repair commands): "" when 2xx, else the error."""
+        url = self._url_for(result)
+        return NO_URL if url is None else self._post(url, delivery_id, self.body(delivery_id, result))
 
     def _touch(self, entry_id: str) -> None:
         """Claim our own entry again (idle time back to 0), so no other dispatcher re-claims it now."""
@@ -202,13 +233,14 @@ class Dispatcher:
         self.metrics.dead.inc()
         log.warning("result %s dead-lettered to %s: %s", entry_id, self.dead_stream, error)
 
-    def _url_for(self, result: Any) -> str | None:
-        schema = result.get("schema") if isinstance(result, dict) else None
-        return self.settings.deliver_urls.get(schema or "", self.settings.deliver_url)
+    def _secret_for(self, tenant: str | None) -> bytes | None:
+        """The tenant's own key (TICKETQ_DELIVER_SECRETS), else TICKETQ_DELIVER_SECRET."""
+        own = self.settings.deliver_secrets.get(tenant or "")
+        return own.get_secret_value().encode() if own is not None else self.secret
 
-    def _metadata(self, result: Any) -> Any:
-        """The metadata the gateway kept with the ticket (None for tickets sent another way)."""
+    def _record(self, result: Any) -> dict:
+        """The gateway's record of the ticket ({tenant, id, metadata, ...}); {} for tickets sent another way."""
         if not isinstance(result, dict) or not isinstance(result.get("id"), str):
-            return None
+            return {}
         marker = self.redis.get(TICKET_KEY.format(queue=self.settings.queue, ticket_id=result["id"]))
-        return json.loads(marker).get("metadata") if marker else None
+        return json.loads(marker) if marker else {}

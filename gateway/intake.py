@@ -20,8 +20,11 @@ Idempotency, in two parts, both keyed in Redis (`gateway.keys`):
   its claim gives the key back; a claim left by a dead process lapses after CLAIM_TTL_S.
   Tickets without an id get one derived from the key, so a retry names the same tickets.
 
-Cost: one MGET of the markers per POST, one pipelined SET per accepted ticket, and one LLEN
-pipeline per TICKETQ_GATEWAY_DEPTH_EVERY_S at most for the queue-depth bound.
+The queue-depth bound is hard (`gateway.capacity`): a POST reserves room for its new tickets,
+atomically with reading their markers, and is refused 429 when they would take the queue past it.
+
+Cost: one script per POST (the markers and the reservation), the send, and one pipeline of a SET
+per accepted ticket and the reservation's release.
 
 A 202 means `Producer.submit_many` returned: Redis took every message (and TICKETQ_REPLICA_ACKS
 replicas hold them, where set). Anything else is a 503 with Retry-After, and some of the tickets
@@ -33,8 +36,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import threading
-import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,18 +46,21 @@ from typing import Any
 import redis
 
 from gateway.auth import DEFAULT_TENANT
+from gateway.capacity import Capacity, Room
 from gateway.keys import IDEMPOTENCY_KEY, TICKET_KEY
 from gateway.settings import GatewaySettings
 from producer.api import BrokerUnavailable, NotReplicated, Producer, TicketResult, idempotent_task_id
-from ticketq.contract import Reason, TicketRejected, UniqueIds, validate_ticket
-from ticketq.names import queue_lists
+from ticketq.contract import ID_TENANT_ROOM, MAX_ID_CHARS, Reason, TicketRejected, UniqueIds, validate_ticket
 
 FIELDS = ("id", "text", "schema", "metadata")
 CLAIM_TTL_S = 60  # an Idempotency-Key claimed by a POST that never answered is free again after this
-DEPTH_EVERY_S = 0.25  # the queue depth is read at most this often per gateway process
+MAX_NESTING = 32  # a body nested deeper (objects and lists in one another) is refused with 400
+# The gateway's ids leave room for the `tenant:` prefix they are sent with (`Intake.wire_id`).
+MAX_GATEWAY_ID_CHARS = MAX_ID_CHARS - ID_TENANT_ROOM
 # The field a contract reason is about (WRONG_TYPE names its field in the detail).
-REASON_FIELDS = {Reason.MISSING_FIELD: "text", Reason.EMPTY_ID: "id", Reason.INVALID_UTF8: "text",
-                 Reason.OVERSIZE: "text", Reason.EMPTY_TEXT: "text", Reason.DUPLICATE_ID: "id"}  # fmt: skip
+REASON_FIELDS = {Reason.MISSING_FIELD: "text", Reason.EMPTY_ID: "id", Reason.INVALID_ID: "id",
+                 Reason.INVALID_UTF8: "text", Reason.OVERSIZE: "text", Reason.EMPTY_TEXT: "text",
+                 Reason.DUPLICATE_ID: "id"}  # fmt: skip
 _REDIS_ERRORS = (redis.exceptions.RedisError, OSError)
 
 
@@ -88,17 +94,43 @@ class Checked:
 
 
 def parse_body(body: bytes) -> list[object]:
-    """The tickets of a POST body (one object or a list), or `Refused` 400."""
+    """The tickets of a POST body (one object or a list), or `Refused` 400: not JSON, nested deeper
+    than MAX_NESTING, or holding a number that is not finite (NaN, Infinity, or one like 1e999)."""
     try:
-        data = json.loads(body)
+        data = json.loads(body, parse_constant=_no_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise Refused(400, Reason.INVALID_JSON.value, f"the body is not JSON: {exc}") from None
+    except RecursionError:  # deeper than the parser goes: far past MAX_NESTING
+        raise _too_deep() from None
+    _check_shape(data)
     if isinstance(data, dict):
         return [data]
     if isinstance(data, list) and data:
         return data
     shown = "an empty list" if data == [] else type(data).__name__
     raise Refused(400, Reason.BAD_PAYLOAD.value, f"the body must be a ticket object or a list of them, got {shown}")
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a JSON number (numbers must be finite)")
+
+
+def _check_shape(data: object) -> None:
+    """`Refused` 400 when `data` nests deeper than MAX_NESTING or holds a non-finite float (1e999 parses as inf)."""
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict | list):
+            if depth > MAX_NESTING:
+                raise _too_deep()
+            stack.extend((item, depth + 1) for item in (value.values() if isinstance(value, dict) else value))
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise Refused(400, "non_finite_number", "the body holds a number too large to be finite; numbers must be "
+                          "finite")  # fmt: skip
+
+
+def _too_deep() -> Refused:
+    return Refused(400, "too_deep", f"the body nests objects and lists deeper than {MAX_NESTING} levels")
 
 
 def check_tickets(raws: Sequence[object], settings: GatewaySettings, id_seed: str | None = None) -> list[Checked]:
@@ -137,7 +169,7 @@ def _check_one(raw: object, settings: GatewaySettings) -> Checked:
         raw = {name: value for name, value in raw.items() if name != "metadata"}
     else:
         metadata = None
-    ticket = validate_ticket(raw, settings.max_ticket_bytes)
+    ticket = validate_ticket(raw, settings.max_ticket_bytes, MAX_GATEWAY_ID_CHARS)
     if ticket.schema is not None and settings.gateway_schemas and ticket.schema not in settings.gateway_schemas:
         raise TicketRejected(Reason.UNKNOWN_SCHEMA, f"'schema' {ticket.schema!r} is not served; served: "
                                                     f"{', '.join(settings.gateway_schemas)}")  # fmt: skip
@@ -173,6 +205,20 @@ return 0
 """
 
 
+def check_room(room: Room, settings: GatewaySettings) -> None:
+    """`Refused` 429 when the POST's new tickets would take the queue past TICKETQ_GATEWAY_MAX_QUEUE_DEPTH,
+    413 when they alone are more than it (no retry would be taken)."""
+    bound = settings.gateway_max_queue_depth
+    if room.new == 0 or room.granted:
+        return
+    if room.new > bound:
+        raise Refused(413, "too_many_tickets", f"{room.new} new tickets in one request, above "
+                      f"TICKETQ_GATEWAY_MAX_QUEUE_DEPTH={bound}: send them in smaller requests")  # fmt: skip
+    raise Refused(429, "queue_full", f"{room.depth} messages wait or are being sent, and this request's {room.new} "
+                  f"would pass TICKETQ_GATEWAY_MAX_QUEUE_DEPTH={bound}; retry later", [],
+                  settings.gateway_retry_after_s)  # fmt: skip
+
+
 class Intake:
     """Sends checked tickets, once, through a `Producer` per thread (Celery's clients are not
     shared across threads here); `accept` and `lookup` are blocking, for a worker thread."""
@@ -182,7 +228,7 @@ class Intake:
         self._local = threading.local()
         self._producers: list[Producer] = []
         self._lock = threading.Lock()
-        self._depth: tuple[float, int] = (0.0, 0)
+        self.capacity = Capacity(settings)
 
     @property
     def producer(self) -> Producer:
@@ -250,14 +296,19 @@ class Intake:
 
     def accept(self, tickets: Sequence[Checked], tenant: str = DEFAULT_TENANT, token: str = "") -> list[dict]:
         """Send `tenant`'s tickets not accepted before; one row per ticket: id, task_id, status
-        (`accepted`, or `duplicate` for one accepted by an earlier POST). `Refused` 429/503."""
-        self._check_depth()
+        (`accepted`, or `duplicate` for one accepted by an earlier POST). `Refused` 413/429/503."""
         wire = [self.wire_id(tenant, ticket.id) for ticket in tickets]
-        seen = self._redis_call(lambda r: r.mget([self.ticket_key(w) for w in wire]))
-        new = [(w, ticket) for w, ticket, marker in zip(wire, tickets, seen, strict=True) if marker is None]
+        room = self._redis_call(lambda r: self.capacity.reserve(r, [self.ticket_key(w) for w in wire]))
+        check_room(room, self.settings)
+        new = [(w, ticket) for w, ticket, marker in zip(wire, tickets, room.markers, strict=True) if marker is None]
         if new:
-            self._send(new)
-            self._mark(new, tenant, token)
+            try:
+                self._send(new)
+            except Exception:
+                with contextlib.suppress(*_REDIS_ERRORS):  # else it lapses (capacity.RESERVE_TTL_S)
+                    self.capacity.release(self.producer.redis, room)
+                raise
+            self._mark(new, tenant, token, room)
         fresh = {w for w, _ in new}
         return [{"id": t.id, "task_id": self.task_id(w), "status": "accepted" if w in fresh else "duplicate"}
                 for w, t in zip(wire, tickets, strict=True)]  # fmt: skip
@@ -272,36 +323,20 @@ class Intake:
             reason = "redis_refused_write" if exc.write_refused else "redis_unavailable"
             raise self._unavailable(reason, str(exc)) from None
 
-    def _mark(self, tickets: Sequence[tuple[str, Checked]], tenant: str, token: str) -> None:
-        """Record each sent ticket (after the send: a marker never stands for a ticket Redis lacks)."""
+    def _mark(self, tickets: Sequence[tuple[str, Checked]], tenant: str, token: str, room: Room) -> None:
+        """Record each sent ticket (after the send: a marker never stands for a ticket Redis lacks), and give
+        the POST's reserved room back (its tickets are in the queue now), in one round trip."""
         pipe = self.producer.redis.pipeline(transaction=False)
+        self.capacity.release(pipe, room)
         for wire, ticket in tickets:
             value = json.dumps({"task_id": self.task_id(wire), "metadata": ticket.metadata, "token": token,
-                                "tenant": tenant})  # fmt: skip
+                                "tenant": tenant, "id": ticket.id})  # fmt: skip
             pipe.set(self.ticket_key(wire), value, nx=True, ex=self.settings.result_expires_s)
         try:
             pipe.execute()
         except _REDIS_ERRORS as exc:  # sent, not marked: a retry sends again under the same task ids
             raise self._unavailable("redis_refused_write", f"the tickets were sent but not recorded ({exc}); "
                                     "send again: the same ids are answered once") from None  # fmt: skip
-
-    def _check_depth(self) -> None:
-        """`Refused` 429 when more than TICKETQ_GATEWAY_MAX_QUEUE_DEPTH messages wait."""
-        at, depth = self._depth
-        now = time.monotonic()
-        if now - at > DEPTH_EVERY_S:
-            def read(r: redis.Redis) -> int:
-                pipe = r.pipeline(transaction=False)
-                for name in queue_lists(self.settings.queue):
-                    pipe.llen(name)
-                return sum(pipe.execute())
-
-            depth = self._redis_call(read)
-            self._depth = (now, depth)
-        if depth > self.settings.gateway_max_queue_depth:
-            raise Refused(429, "queue_full", f"{depth} messages wait, above TICKETQ_GATEWAY_MAX_QUEUE_DEPTH="
-                          f"{self.settings.gateway_max_queue_depth}; retry later", [],
-                          self.settings.gateway_retry_after_s)  # fmt: skip
 
     # --- GET ---
 

@@ -5,10 +5,14 @@ The broker's own names (queue, results stream) are `ticketq.names`; these are th
 
 # A ticket the gateway accepted: `{queue}` and the ticket's id as sent to the workers (`tenant:id`
 # with several tenants, see `gateway.intake.Intake.wire_id`) -> JSON {task_id, metadata, token,
-# tenant}, kept as long as results are (TICKETQ_RESULT_EXPIRES_S). A retried POST finds it and
-# sends nothing; GET /v1/tickets/{id} tells "pending" from "unknown" by it; the dispatcher adds its
-# metadata to the result (whose `id` is that same sent id).
+# tenant, id (as the tenant sent it)}, kept as long as results are (TICKETQ_RESULT_EXPIRES_S). A
+# retried POST finds it and sends nothing; GET /v1/tickets/{id} tells "pending" from "unknown" by
+# it; the dispatcher finds it by the result's `id` (that same sent id) and delivers the result to
+# its tenant, with its metadata.
 TICKET_KEY = "ticketq:gateway:ticket:{queue}:{ticket_id}"
+# Room reserved in `{queue}` by POSTs sending now (gateway.capacity, reserve.lua): a sorted set of
+# `<uuid>:<ticket count>` scored by the unix ms each lapses at.
+RESERVED_KEY = "ticketq:gateway:reserved:{queue}"
 # An Idempotency-Key seen: per tenant, sha256 of the key -> JSON {body sha256, answer, claim}; the
 # answer is null while the first POST under the key is in flight (`gateway.intake.CLAIM_SCRIPT`).
 IDEMPOTENCY_KEY = "ticketq:gateway:idem:{tenant}:{digest}"

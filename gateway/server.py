@@ -6,7 +6,8 @@ so a client that opens a connection and drips its headers (slowloris) holds it f
 request's head (request line and headers) must be complete within TICKETQ_GATEWAY_HEADER_TIMEOUT_S
 of the connection opening or of the previous response; else the connection is closed. The head's
 size is bounded by h11 itself (TICKETQ_GATEWAY_MAX_HEADER_BYTES); the httptools protocol bounds
-neither, so the gateway always runs h11.
+neither, so the gateway always runs h11. The 400 h11 answers for a head it cannot take (too large,
+malformed) is given the gateway's error shape (`gateway.errors`).
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from gateway import errors
 from gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
-# Checked against uvicorn 0.29-0.55: H11Protocol.connection_made / on_response_complete and its
-# `conn` (h11.Connection), `loop` and `transport` attributes.
+# Checked against uvicorn 0.29-0.55: H11Protocol.connection_made / on_response_complete /
+# send_400_response and its `conn` (h11.Connection), `loop` and `transport` attributes.
 TESTED_UVICORN = ((0, 29), (0, 55))
 
 
@@ -51,6 +53,15 @@ def header_timed_h11(timeout_s: float) -> type[asyncio.Protocol] | str:
             if self._head_timer is not None:
                 self._head_timer.cancel()
             super().connection_lost(exc)
+
+        def send_400_response(self, msg: str) -> None:
+            # uvicorn's is text/plain: the gateway answers every refusal as {"error", "message"}
+            payload = errors.body("bad_http_request", msg)
+            headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=payload),
+                          h11.EndOfMessage()):  # fmt: skip
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
 
         def _arm(self) -> None:
             if self._head_timer is not None:

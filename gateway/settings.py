@@ -70,7 +70,8 @@ class GatewaySettings(ClientSettings):
     )
     gateway_max_tickets: int = Field(1000, ge=1, description="Tickets one POST may carry.")
     gateway_max_queue_depth: int = Field(
-        100_000, ge=1, description="Above this many waiting messages, POSTs are answered 429 with Retry-After."
+        100_000, ge=1, description="A POST whose new tickets would take the queue past this many waiting messages "
+        "(counting those other POSTs are sending) is answered 429 with Retry-After."
     )
     gateway_retry_after_s: int = Field(5, ge=1, description="Retry-After of a 429/503 for a full queue or Redis.")
     gateway_idempotency_ttl_s: int = Field(86400, ge=60, description="How long an Idempotency-Key is remembered.")
@@ -114,9 +115,14 @@ class GatewaySettings(ClientSettings):
         "to the results stream, where ticketq-deliver POSTs it like any result.")  # fmt: skip
     deliver_url: str | None = Field(None, description="Where ticketq-deliver POSTs each result.")
     deliver_urls: Annotated[dict[str, str], NoDecode] = Field(
-        default_factory=dict, description="Per-schema delivery URLs: `schema=url,...` (default: TICKETQ_DELIVER_URL)."
+        default_factory=dict, description="Per-schema and per-tenant delivery URLs: `schema=url`, `@tenant=url`, "
+        "`schema@tenant=url`, comma-separated (default: TICKETQ_DELIVER_URL).",
     )
     deliver_secret: SecretStr | None = Field(None, description="HMAC-SHA256 key of the X-Ticketq-Signature header.")
+    deliver_secrets: Annotated[dict[str, SecretStr], NoDecode] = Field(
+        default_factory=dict, description="Per-tenant signing keys: `@tenant=SECRET,...` "
+        "(default: TICKETQ_DELIVER_SECRET).",
+    )
     deliver_group: str = Field("ticketq-deliver", description="Consumer group on the results stream.")
     deliver_consumer: str | None = Field(
         None, description="This dispatcher's consumer name, the same across restarts (default: the host name)."
@@ -132,6 +138,10 @@ class GatewaySettings(ClientSettings):
     )
     deliver_concurrency: int = Field(8, ge=1, description="Results POSTed at once.")
     deliver_metrics_port: int = Field(9108, ge=0, le=65535, description="Port of the dispatcher's /metrics; 0: off.")
+    deliver_metrics_host: str = Field(
+        "127.0.0.1", description="Address the dispatcher's /metrics listens on (0.0.0.0 where Prometheus scrapes it "
+        "from another host or container).",
+    )
 
     @field_validator("gateway_tokens", "gateway_admin_tokens", mode="before")
     @classmethod
@@ -143,7 +153,7 @@ class GatewaySettings(ClientSettings):
     def _split_urls(cls, value: object) -> object:
         return _pairs(value, "=")
 
-    @field_validator("gateway_webhook_secrets", mode="before")
+    @field_validator("gateway_webhook_secrets", "deliver_secrets", mode="before")
     @classmethod
     def _split_secrets(cls, value: object) -> object:
         return _pairs(value, "=")
@@ -170,10 +180,17 @@ class GatewaySettings(ClientSettings):
             raise ValueError("must be at least 32 characters (`openssl rand -hex 32`)")
         return value
 
-    @field_validator("gateway_webhook_secrets")
+    @field_validator("gateway_webhook_secrets", "deliver_urls")
     @classmethod
-    def _check_source_tenants(cls, value: dict[str, SecretStr]) -> dict[str, SecretStr]:
+    def _check_source_tenants(cls, value: dict) -> dict:
         return _check_tenants(value)
+
+    @field_validator("deliver_secrets")
+    @classmethod
+    def _check_deliver_secrets(cls, value: dict[str, SecretStr]) -> dict[str, SecretStr]:
+        """Keys `@tenant` (as in TICKETQ_DELIVER_URLS) or a bare tenant name: stored by tenant name."""
+        return {tenant_of(f"@{name.lstrip('@')}"): secret for name, secret in _check_tenants(
+            {f"@{name.lstrip('@')}": secret for name, secret in value.items()}).items()}  # fmt: skip
 
     @property
     def multi_tenant(self) -> bool:

@@ -17,7 +17,7 @@ from producer.outage import Outage
 from ticketq import codec, connections
 from ticketq.config import ClientSettings, is_redis_url
 from ticketq.connections import SOCKET_TIMEOUT_S, connect, redis_client
-from ticketq.epoch import Epoch, Loss, whoami
+from ticketq.epoch import AcrossEpochs, Epoch, Loss, whoami
 from ticketq.names import RESULTS_STREAM, queue_lists
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,7 @@ class Broker:
         self._redis: redis.Redis | None = None
         self.checked = False  # the connection was checked, and nothing failed since
         self.epoch = Epoch(whoami("producer"))  # notices a Redis that came back without its data
+        self.epochs = AcrossEpochs(settings.stream_maxlen)  # what results_stream yielded, per epoch
 
     @property
     def redis(self) -> redis.Redis:
@@ -134,24 +135,18 @@ class Broker:
             return ""
 
     def results_stream(self, since_id: str, follow: bool) -> Iterator[tuple[str, dict]]:
-        """`Producer.results_stream`."""
-        last = since_id
-        while True:
+        """`Producer.results_stream`: each entry decoded, less an earlier epoch's repeats (`self.epochs`)."""
+        for entry_id, fields in stream_entries(self.redis, self.settings.broker_url, since_id, follow):
             try:
-                # Block in short reads: each must finish well inside the client's socket timeout.
-                reply = self.redis.xread({RESULTS_STREAM: last}, count=500, block=1000 if follow else None)
-            except (redis.exceptions.RedisError, OSError) as exc:
-                raise BrokerUnavailable(self.settings.broker_url, exc) from None
-            if not reply:
-                if not follow:
-                    return
+                result = codec.loads(fields[b"data"])
+            except (KeyError, ValueError):
+                log.warning("skipping results stream entry %s without a JSON 'data' field", entry_id)
                 continue
-            for raw_id, fields in reply[0][1]:
-                last = raw_id.decode()
-                try:
-                    yield last, codec.loads(fields[b"data"])
-                except (KeyError, ValueError):
-                    log.warning("skipping results stream entry %s without a JSON 'data' field", last)
+            if self.epochs.repeat(fields.get(b"epoch"), result):
+                log.info("skipping results stream entry %s: ticket %s was answered before Redis lost its data",
+                         entry_id, result.get("id"))  # fmt: skip
+                continue
+            yield entry_id, result
 
     def queue_depth(self) -> int:
         keys = queue_lists(self.settings.queue)
@@ -180,3 +175,21 @@ class Broker:
         if acked < wanted:
             raise NotReplicated(self.settings.broker_url, results, acked, wanted,
                                 self.settings.replica_timeout_s)  # fmt: skip
+
+
+def stream_entries(client: redis.Redis, url: str, since_id: str, follow: bool) -> Iterator[tuple[str, dict]]:
+    """(entry id, raw fields) of the results stream after `since_id`; `BrokerUnavailable` if Redis is away."""
+    last = since_id
+    while True:
+        try:
+            # Block in short reads: each must finish well inside the client's socket timeout.
+            reply = client.xread({RESULTS_STREAM: last}, count=500, block=1000 if follow else None)
+        except (redis.exceptions.RedisError, OSError) as exc:
+            raise BrokerUnavailable(url, exc) from None
+        if not reply:
+            if not follow:
+                return
+            continue
+        for raw_id, fields in reply[0][1]:
+            last = raw_id.decode()
+            yield last, fields

@@ -215,11 +215,10 @@ class Producer:
         return self._waiter.ready_now(results)
 
     def results_stream(self, since_id: str = "0", follow: bool = False) -> Iterator[tuple[str, dict]]:
-        """`(entry_id, result)` from the results stream on the broker's Redis, after `since_id`.
-
-        Stops at the end of the stream, or with `follow=True` waits for new entries forever (the
-        caller breaks out). Resume later by passing the last `entry_id` as `since_id`.
-        """
+        """`(entry_id, result)` from the results stream on the broker's Redis, after `since_id`: to its end,
+        or with `follow=True` for good (the caller breaks out); resume with the last `entry_id` as `since_id`.
+        A ticket this producer's reads yielded before a data loss is not yielded again after it
+        (`ticketq.epoch.AcrossEpochs`, over the last `stream_maxlen` results)."""
         return self._broker.results_stream(since_id, follow)
 
     def queue_depth(self) -> int:

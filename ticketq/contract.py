@@ -7,7 +7,8 @@ message). The rule, in full:
 
 - `id`: optional (absent or null: the receiver names the ticket). Otherwise a string or an
   integer (not a bool); an integer becomes its decimal string (`7` and `"7"` are the same id). Not
-  empty or whitespace only.
+  empty or whitespace only; at most `MAX_ID_CHARS` characters, none of them `/` or a control
+  character (`invalid_id`): an id is a path segment (GET /v1/tickets/{id}) and a Redis key part.
 - `text`: a string, valid UTF-8 (no lone surrogates), not empty or whitespace only, at most
   `max_bytes` bytes of UTF-8 (TICKETQ_MAX_TICKET_BYTES, default `MAX_TICKET_BYTES`). Longer text
   is refused (`oversize`), never cut by bytes. Within the limit the model reads at most
@@ -35,6 +36,9 @@ from typing import Literal, NamedTuple, TypedDict
 from ticketq.errors import TicketqError
 
 MAX_TICKET_BYTES = 65536  # default of TICKETQ_MAX_TICKET_BYTES
+MAX_ID_CHARS = 256  # the longest ticket id (the gateway keeps `ID_TENANT_ROOM` of it for `tenant:`)
+ID_TENANT_ROOM = 65  # a tenant name (at most 64) and ':' (gateway.intake.Intake.wire_id)
+BAD_ID_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f/]")  # '/' and the C0/C1 control characters
 SCHEMA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # how a schema is named (files, tickets, results)
 
 
@@ -47,6 +51,7 @@ class Reason(str, Enum):
     MISSING_FIELD = "missing_field"  # no 'text'
     WRONG_TYPE = "wrong_type"  # 'text' not a string, 'id' not a string or integer
     EMPTY_ID = "empty_id"  # 'id' given but empty or whitespace only
+    INVALID_ID = "invalid_id"  # 'id' longer than MAX_ID_CHARS, or with '/' or a control character
     INVALID_UTF8 = "invalid_utf8"  # text with lone surrogates, or a file line that is not UTF-8
     OVERSIZE = "oversize"  # text above TICKETQ_MAX_TICKET_BYTES
     EMPTY_TEXT = "empty_text"  # text empty or whitespace only
@@ -76,8 +81,9 @@ class Reason(str, Enum):
 
 # What a worker can dead-letter a ticket or message for (each gets a ticketq_dead_letters series).
 DEAD_LETTER_REASONS: tuple[Reason, ...] = (
-    Reason.BAD_PAYLOAD, Reason.MISSING_FIELD, Reason.WRONG_TYPE, Reason.EMPTY_ID, Reason.INVALID_UTF8,
-    Reason.OVERSIZE, Reason.EMPTY_TEXT, Reason.ENGINE_ERROR, Reason.TOO_MANY_DELIVERIES, Reason.WORKER_ERROR,
+    Reason.BAD_PAYLOAD, Reason.MISSING_FIELD, Reason.WRONG_TYPE, Reason.EMPTY_ID, Reason.INVALID_ID,
+    Reason.INVALID_UTF8, Reason.OVERSIZE, Reason.EMPTY_TEXT, Reason.ENGINE_ERROR, Reason.TOO_MANY_DELIVERIES,
+    Reason.WORKER_ERROR,
     Reason.DUPLICATE_TASK_ID, Reason.UNKNOWN_SCHEMA, Reason.DECODE_ERROR, Reason.UNKNOWN_MESSAGE,
     Reason.UNKNOWN_TASK, Reason.INVALID_TASK,
     Reason.UNREADABLE_MESSAGE,
@@ -115,15 +121,16 @@ class Ticket(NamedTuple):
     schema: str | None = None  # the schema (set of fields) to answer, by name; None: the worker's default
 
 
-def validate_ticket(raw: object, max_bytes: int = MAX_TICKET_BYTES) -> Ticket:
-    """The one ticket rule (module docstring) for one payload; raises `TicketRejected` with the reason."""
+def validate_ticket(raw: object, max_bytes: int = MAX_TICKET_BYTES, max_id_chars: int = MAX_ID_CHARS) -> Ticket:
+    """The one ticket rule (module docstring) for one payload; raises `TicketRejected` with the reason.
+    `max_id_chars`: a caller that adds a prefix to the id (the gateway's `tenant:`) leaves room for it."""
     # `type(raw) is dict` first: tickets are dicts, and the ABC check alone cost a tenth of this rule
     if type(raw) is not dict and not isinstance(raw, Mapping):
         raise TicketRejected(Reason.BAD_PAYLOAD, _not_an_object(raw))
     if "text" not in raw:
         raise TicketRejected(Reason.MISSING_FIELD, "ticket has no 'text' field")
     text = _text_of_type(raw["text"])
-    ticket_id = _valid_id(raw.get("id"))
+    ticket_id = _valid_id(raw.get("id"), max_id_chars)
     size = _utf8_size(text)
     if size > max_bytes:
         raise TicketRejected(Reason.OVERSIZE, f"text is {size} bytes, above TICKETQ_MAX_TICKET_BYTES={max_bytes}")
@@ -174,18 +181,29 @@ def _text_of_type(text: object) -> str:
     return text
 
 
-def _valid_id(ticket_id: object) -> str:
+def _valid_id(ticket_id: object, max_chars: int = MAX_ID_CHARS) -> str:
     """The id as a string ("" when none was given)."""
     if ticket_id is None:
         return ""
     if type(ticket_id) is str and ticket_id and not ticket_id.isspace():  # the usual case, checked once
-        return ticket_id
+        return check_id_chars(ticket_id, max_chars)
     if isinstance(ticket_id, bool) or not isinstance(ticket_id, str | int):
         raise TicketRejected(Reason.WRONG_TYPE, f"'id' must be a string or integer, got {type(ticket_id).__name__}")
     if isinstance(ticket_id, str) and not ticket_id.strip():
         shown = f"'id' must be a non-empty string or an integer, got {ticket_id!r}"
         raise TicketRejected(Reason.EMPTY_ID, f"{shown}; leave it out (or null) to have one assigned")
-    return str(ticket_id)
+    return check_id_chars(str(ticket_id), max_chars)
+
+
+def check_id_chars(ticket_id: str, max_chars: int = MAX_ID_CHARS) -> str:
+    """`ticket_id` unchanged, or `TicketRejected` (`invalid_id`) when too long or holding '/' or a control character."""
+    if len(ticket_id) > max_chars:
+        raise TicketRejected(Reason.INVALID_ID, f"'id' is {len(ticket_id)} characters, above {max_chars}")
+    bad = BAD_ID_CHARS.search(ticket_id)
+    if bad is not None:
+        raise TicketRejected(Reason.INVALID_ID, f"'id' {ticket_id[:80]!r} holds {bad.group()!r}: an id has no '/' "
+                                                "and no control characters")  # fmt: skip
+    return ticket_id
 
 
 def _utf8_size(text: str) -> int:

@@ -12,17 +12,22 @@ Cost: one GET a check (workers add the key to a read they make anyway), one SET 
 record when a loss is found. Worst case: a loss is noticed at the process's next check, never
 before; a Redis that loses its data and gets a fresh marker from a process that never knew the
 old one is still noticed by every process that did. A loss while no ticketq process runs is
-noticed by none. An evicting `maxmemory-policy` could drop the marker like any key (ticketq
+noticed by none. Each results-stream entry carries the marker's id it was published under (its
+`epoch` field), so that a reader that reads across a loss skips the tickets answered on both
+sides of it (`AcrossEpochs`). An evicting `maxmemory-policy` could drop the marker like any key (ticketq
 refuses one unless TICKETQ_ALLOW_EVICTION): that reads as a loss, which it then is.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
+import threading
 import time
 import uuid
+from collections import deque
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
@@ -119,3 +124,63 @@ def _decoded(value: bytes) -> dict[str, Any]:
     except ValueError:
         return {}
     return decoded if isinstance(decoded, dict) else {}
+
+
+def marker_id(value: bytes | None) -> str | None:
+    """The id of an epoch marker's raw value (None for none, or one without an id)."""
+    if value is None:
+        return None
+    found = _decoded(value).get("id")
+    return str(found) if found else None
+
+
+class AcrossEpochs:
+    """A results-stream reader's guard against the one repeat publish-once cannot stop: a ticket
+    answered before a data loss and again after it (its message re-sent: the publish-once marks
+    went with the data). Each stream entry carries the epoch it was published in (the `epoch`
+    field: the marker's id, read by the publishing script itself); `repeat` says whether a
+    (task id, ticket id) was yielded already in an earlier epoch. Within one epoch nothing is
+    filtered (publish-once holds there).
+
+    Cost: one 8-byte digest per entry seen, the last `window` of them (the stream's own cap, by
+    default): about 80 bytes each, 8 MB for 100,000. Worst case: a ticket answered more than
+    `window` entries before the loss is yielded again; an entry without the field (an older
+    worker's) counts as the current epoch's.
+    """
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.epoch: bytes | None = None
+        self.current: set[int] = set()  # keys yielded in this epoch
+        self.earlier: set[int] = set()  # keys yielded in every epoch before it
+        self.order: deque[int] = deque()  # every key kept, oldest first
+        self.skipped = 0
+        self.lock = threading.Lock()
+
+    def repeat(self, epoch: bytes | None, result: dict[str, Any]) -> bool:
+        """Whether this entry (its `epoch` field, its result) repeats an earlier epoch's; if not, it is remembered."""
+        with self.lock:
+            return self._repeat(epoch, _key(result))
+
+    def _repeat(self, epoch: bytes | None, key: int) -> bool:
+        if epoch and epoch != self.epoch:
+            if self.epoch is not None:
+                self.earlier |= self.current
+                self.current = set()
+            self.epoch = epoch
+        if key in self.earlier:
+            self.skipped += 1
+            return True
+        if key not in self.current:
+            self.current.add(key)
+            self.order.append(key)
+            if len(self.order) > self.window:
+                oldest = self.order.popleft()
+                self.current.discard(oldest)
+                self.earlier.discard(oldest)
+        return False
+
+
+def _key(result: dict[str, Any]) -> int:
+    text = f"{result.get('task_id')}\0{result.get('id')}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big")

@@ -1,4 +1,5 @@
-"""`ticketq`: run a worker, the demo, the offline classifier, the benchmark, or build a stand-in."""
+"""`ticketq`: run a worker, the demo, the offline classifier, the benchmark, the gateway and its
+dispatcher (`ticketq gateway`, `ticketq deliver`: the `gateway.cli` programs), or build a stand-in."""
 
 from __future__ import annotations
 
@@ -194,6 +195,26 @@ def loadtest(ctx: typer.Context) -> None:
     from ticketq_bench.loadtest import main as loadtest_main
 
     raise typer.Exit(loadtest_main(ctx.args))
+
+
+@cli.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, add_help_option=False
+)
+def gateway(ctx: typer.Context) -> None:
+    """The HTTP gateway, as `ticketq-gateway`: the same options and exit codes (`ticketq gateway --help`)."""
+    from gateway.cli import gateway_main  # its own argparse command: options and help live there
+
+    gateway_main(ctx.args, prog="ticketq gateway")
+
+
+@cli.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, add_help_option=False
+)
+def deliver(ctx: typer.Context) -> None:
+    """Results by webhook, as `ticketq-deliver`: the same options, repair commands and exit codes (`--help`)."""
+    from gateway.cli import deliver_main
+
+    deliver_main(ctx.args, prog="ticketq deliver")
 
 
 schema_cli = typer.Typer(help="Triage schemas (TOML): check a file before a worker serves it.",

@@ -70,13 +70,15 @@ LEGACY_CUT = 65536  # where dead letters without a `truncated` field cut the pay
 # another failure, but not the same one again. The others never streamed: a mark means another
 # delivery answered.
 _STREAMED = frozenset({
-    Reason.BAD_PAYLOAD, Reason.MISSING_FIELD, Reason.WRONG_TYPE, Reason.EMPTY_ID, Reason.INVALID_UTF8,
+    Reason.BAD_PAYLOAD, Reason.MISSING_FIELD, Reason.WRONG_TYPE, Reason.EMPTY_ID, Reason.INVALID_ID,
+    Reason.INVALID_UTF8,
     Reason.OVERSIZE, Reason.EMPTY_TEXT, Reason.ENGINE_ERROR, Reason.EXPIRED, Reason.UNKNOWN_SCHEMA,
 })  # fmt: skip
 # Reasons the ticket itself carries: the contract refuses it again wherever it goes, so a requeue
 # says so instead of re-sending it. (`oversize` depends on the worker's limit, which may be raised.)
 _IN_THE_TICKET = frozenset({
-    Reason.BAD_PAYLOAD, Reason.MISSING_FIELD, Reason.WRONG_TYPE, Reason.EMPTY_ID, Reason.INVALID_UTF8,
+    Reason.BAD_PAYLOAD, Reason.MISSING_FIELD, Reason.WRONG_TYPE, Reason.EMPTY_ID, Reason.INVALID_ID,
+    Reason.INVALID_UTF8,
     Reason.EMPTY_TEXT,
 })  # fmt: skip
 

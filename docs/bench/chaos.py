@@ -1,35 +1,49 @@
 """Chaos run: steady load through Sentinel-managed Redis while a seeded nemesis breaks things.
 
     sudo .venv/bin/python docs/bench/chaos.py [--minutes 20] [--workers 2] [--seed 0] [--load 0.8] \\
-        [--classifier tiny|null] [--model DIR] [--worker-env TICKETQ_NAME=VALUE ...]
+        [--classifier tiny|null] [--model DIR] [--kills N] [--each N] [--cli-share 0.25] \\
+        [--worker-env TICKETQ_NAME=VALUE ...]
 
 Jepsen's nemesis on our own servers, on 127.0.0.1 and a network namespace of its own. It starts a
-primary, a replica and three sentinels (tests/servers.py), `--workers` real `ticketq worker`
-processes on the tiny stand-in or the null classifier (tests/workers.py), worker 0 inside a
-network namespace joined to the host by a veth pair (as tests/integration/test_partition.py does), then:
+primary and a replica (AOF, appendfsync always) and three sentinels (tests/servers.py), `--workers`
+real `ticketq worker` processes on the tiny stand-in or the null classifier (tests/workers.py):
+worker 0 inside a network namespace joined to the host by a veth pair (as
+tests/integration/test_partition.py does), the last worker through a fault-injecting TCP proxy
+(tests/support/proxy.py) that connects each new connection to the master the sentinels name. Then:
 
 1. **Capacity**: `--capacity-s` seconds with the queue kept full; answers per second after a
    warm-up of a sixth of it.
-2. **Load and nemesis** for `--minutes`: `--producers` threads send `--load` x capacity tickets/s
-   between them (the Python `Producer`, idempotent task ids, a refused send tried again under the
-   same id), each waiting with `wait(resend_after=--resend-after)`. Meanwhile the schedule, drawn
-   from `--seed` and printed up front: `--kills` kill -9 of a random worker, each restarted at
-   once; one Sentinel failover (kill -9 of the primary, restarted as a replica of the promoted
-   one); worker 0's link taken down for 1.5-3 leases (the other workers take its messages over);
-   one full-memory episode (CONFIG SET maxmemory just above what is used, noeviction, for
-   10-20 s, then restored). Events run one after another, each printed as it happens.
-3. **Drain** for up to `--drain-s`, then the tally, from the producers' answers and the results
-   stream: sent, answered, lost (sent, with no answer to its producer or no stream entry),
-   duplicated (a (task, slot) with more than one stream entry: docs/reliability.md's "published
-   once per (task, slot)"), re-sends, refused sends, the largest queue depth.
+2. **Load and nemesis** for `--minutes`: `--producers` threads send (1 - `--cli-share`) of `--load`
+   x capacity tickets/s between them (the Python `Producer`, idempotent task ids, a refused send
+   tried again under the same id), each waiting with `wait(resend_after=--resend-after)`; every
+   `--chunk-s` a `ticketq-produce file --out --retry-for --resend-after` process sends the rest (a
+   run that exits non-zero is run again with `--resume`, as its message says, up to 3 times).
+   Meanwhile the schedule, drawn from `--seed` and printed up front: `--kills` kill -9 of a random
+   worker, each restarted at once; and `--each` of every other kind: a Sentinel failover (kill -9
+   of the primary, restarted as a replica of the promoted one); a full Redis (CONFIG SET maxmemory
+   just above what is used, noeviction, for 10-20 s); worker 0's link down for 1.5-3 leases; a
+   SIGSTOP of a worker for 2-4 leases; an AOF restart of the primary (kill -9, started again at
+   once on its AOF); a SIGSTOP across that restart (SIGSTOP a worker, restart the primary,
+   SIGCONT 10-20 s after the SIGSTOP); and the half-open connection twice over: the proxy drops
+   the reply to one `BLMOVE` that moved a ticket (`lost-fetch`), or to one `claim` script
+   (`lost-claim`), and that connection stays open, silent both ways. Events run one after
+   another, each printed as it happens, with its takeover time where it has one.
+3. **Drain** for up to `--drain-s`, then the tally, from the producers' answers, the
+   `ticketq-produce` runs' --out rows and the results stream: sent, answered, lost (sent, with no
+   answer to its producer or no stream entry), duplicated (a (task, slot) with more than one stream
+   entry: docs/reliability.md's "published once per (task, slot)"), **worker exits** (a worker
+   that ended without being killed by the nemesis: recorded with its exit status, and restarted),
+   each worker's exit status after the final SIGTERM, the `ticketq-produce` exit statuses and
+   --out rows, re-sends, refused sends, the largest queue depth.
 
 The workers run with the worker's defaults (the live cost model included), whatever TICKETQ_*
 this shell has: settings reach them through `--worker-env` (and `--lease-s`). Exit status 0 only
-when nothing was lost or duplicated; 1 otherwise; 130 on Ctrl-C. Every server and worker is
-killed on exit (Ctrl-C and SIGTERM too); a SIGKILL of this script leaves them running. The
-partition needs root and iproute2 (`ip netns`); without them it is left out of the schedule and
-worker 0 runs on the host. Worker logs, the Redis directories and the run's own log (`chaos.log`:
-the producers' warnings) stay in `--dir`.
+when nothing was lost or duplicated and no worker exited; 1 otherwise; 130 on Ctrl-C. Every
+server, worker and producer process is killed on exit (Ctrl-C and SIGTERM too); a SIGKILL of this
+script leaves them running. The partition needs root and iproute2 (`ip netns`); without them it is
+left out of the schedule and worker 0 runs on the host. Worker logs, the Redis directories, the
+`ticketq-produce` files (`produce/`) and the run's own log (`chaos.log`: the producers' warnings)
+stay in `--dir`.
 
 Costs: the run takes `--capacity-s` + `--minutes` + the drain (at most `--drain-s`), plus each
 worker's start-up; it loads every core (workers, producers and Redis share the machine).
@@ -61,6 +75,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "support"), str(ROOT / "tests" / "integration")]
 
 import redis  # noqa: E402
+from proxy import RedisProxy, command_is  # noqa: E402
 from servers import MASTER_NAME, SentinelServer, SentinelSet, require_redis_server  # noqa: E402
 from test_partition import Namespace  # noqa: E402
 from workers import RedisServer, Worker, wait_for, worker_env  # noqa: E402
@@ -84,8 +99,13 @@ BATCH_S = 5.0  # a producer waits on what it sent in each such period as one bat
 MAX_WAITS = 8  # waits running at once per producer
 MEMORY_HEADROOM = 1 << 20  # maxmemory = used + this: the next megabyte of traffic fills it
 PROGRESS_EVERY_S = 30
+MAX_RESUMES = 3  # a ticketq-produce run that failed is run again with --resume this often at most,
+RESUME_AFTER_S = 15.0  # after this pause, doubling: an operator resumes once the cause has passed
 # what the workers log about a partition (docs/reliability.md, "A partition")
 LAPSED, RENEWED, RECOVERED = "lapsed: not renewed for", "renewed after", "(lease expired)"
+RESULT_KEY = "celery-task-meta-{task_id}"  # the Celery backend's result of a task
+REPLY_TIMEOUT_S = 60  # a half-open event waits this long for a reply of its kind to drop
+TAKEOVER_TIMEOUT_S = 180  # and this long for the ticket of the dropped reply to be answered
 log = logging.getLogger("chaos")
 
 
@@ -157,15 +177,30 @@ class ChaosServers(SentinelSet):
 
 
 class Fleet:
-    """The workers: slot 0 inside the namespace when there is one; `restart(i)` after a kill."""
+    """The workers: slot 0 inside the namespace when there is one, the last slot (when it is not
+    slot 0 in the namespace) behind `proxy`, a fault-injecting TCP proxy to whichever node the
+    sentinels name master; `restart(i)` after a kill. `watch` restarts a worker that exited
+    without being killed, and records its exit: `exits` (the target: none)."""
 
-    def __init__(self, args: argparse.Namespace, url: str, model: Path | None, ns: Namespace | None, rundir: Path):
+    def __init__(self, args: argparse.Namespace, url: str, model: Path | None, ns: Namespace | None, rundir: Path,
+                 proxy: RedisProxy | None = None):  # fmt: skip
         self.args, self.url, self.model, self.ns, self.rundir = args, url, model, ns, rundir
         self.workers: list[Worker] = []
         self.starts = Counter()
+        self.proxy = proxy
+        last = args.workers - 1
+        self.proxied = last if proxy is not None and (last > 0 or ns is None) else None
+        self.exits: list[tuple[int, int, int | None, float]] = []  # (slot, pid, exit status, t+) unasked for
+        self.final: dict[int, int | None] = {}  # slot -> exit status after the run's SIGTERM
+        self.expected: set[int] = set()  # slots being killed and restarted on purpose
+        self.lock = threading.Lock()
 
     def env(self, slot: int) -> dict[str, str]:
         extra = {"TICKETQ_SENTINEL_MASTER": MASTER_NAME, "TICKETQ_STREAM_MAXLEN": str(STREAM_MAXLEN)}
+        url = self.url
+        if slot == self.proxied:
+            url = f"redis://127.0.0.1:{self.proxy.port}/0"  # the proxy follows the master for it
+            del extra["TICKETQ_SENTINEL_MASTER"]
         if self.args.lease_s is not None:
             extra["TICKETQ_LEASE_S"] = str(self.args.lease_s)
         if self.args.classifier == "null":
@@ -173,7 +208,7 @@ class Fleet:
         if slot == 0 and self.ns is not None:
             extra["TICKETQ_METRICS_HOST"] = "0.0.0.0"  # scraped from the host over the veth pair
         extra.update(pair.split("=", 1) for pair in self.args.worker_env)
-        return worker_env(self.model, self.url, QUEUE, **extra)
+        return worker_env(self.model, url, QUEUE, **extra)
 
     def spawn(self, slot: int) -> Worker:
         self.starts[slot] += 1
@@ -198,8 +233,43 @@ class Fleet:
     def logs(self) -> list[str]:
         return [path.read_text(errors="replace") for path in sorted(self.rundir.glob("worker-*.log"))]
 
+    def expect(self, slot: int, on: bool) -> None:
+        """Mark `slot` as being killed (or restarted) on purpose, or no longer."""
+        with self.lock:
+            (self.expected.add if on else self.expected.discard)(slot)
+
+    def watch(self, stop: threading.Event, clock: Callable[[], float]) -> None:
+        """Every 0.5 s until `stop`: a worker that exited unasked is recorded and restarted."""
+        while not stop.wait(0.5):
+            for slot in range(len(self.workers)):
+                with self.lock:
+                    worker = self.workers[slot]
+                    if slot in self.expected or worker.proc.poll() is None:
+                        continue
+                    self.expected.add(slot)
+                self.exits.append((slot, worker.pid, worker.proc.returncode, clock()))
+                say(clock(), f"WORKER EXIT: worker {slot} (pid {worker.pid}) exited with status "
+                    f"{worker.proc.returncode} (log {worker.log_path.name}); restarting it")  # fmt: skip
+                try:
+                    self.restart(slot)
+                except Exception as exc:  # it exited again while starting: the next round sees it
+                    say(clock(), f"worker {slot} restart failed: {str(exc)[:200]}")
+                finally:
+                    self.expect(slot, False)
+
+    def stop_all(self) -> None:
+        """SIGTERM to every worker (Celery's warm shutdown), each exit status recorded."""
+        with self.lock:
+            self.expected.update(range(len(self.workers)))
+        for slot, worker in enumerate(self.workers):
+            worker.proc.send_signal(signal.SIGCONT)  # a stopped worker would not see the SIGTERM
+            self.final[slot] = worker.stop(signal.SIGTERM, timeout=60)
+
     def kill_all(self) -> None:
+        with self.lock:
+            self.expected.update(range(len(self.workers)))
         for worker in self.workers:
+            worker.proc.send_signal(signal.SIGCONT)
             worker.stop(signal.SIGKILL, timeout=10)
 
 
@@ -209,7 +279,7 @@ class Fleet:
 @dataclass(frozen=True)
 class Event:
     at_s: float  # seconds after the load started
-    kind: str  # kill, failover, partition, memory
+    kind: str  # one of KINDS
     worker: int = 0
     hold_s: float = 0.0  # how long a partition or a full Redis lasts
 
@@ -219,21 +289,39 @@ class Event:
             "failover": "kill -9 the primary (Sentinel failover), restart it as a replica",
             "partition": f"cut worker 0 off from Redis for {self.hold_s:.0f} s (link down), then heal",
             "memory": f"maxmemory just above used (noeviction) for {self.hold_s:.0f} s, then restore",
+            "sigstop": f"SIGSTOP worker {self.worker} for {self.hold_s:.0f} s, then SIGCONT",
+            "restart": "kill -9 the primary and restart it at once on its AOF (no failover if it is back in 2 s)",
+            "stop-restart": f"SIGSTOP worker {self.worker}, kill -9 and AOF restart of the primary, SIGCONT "
+            f"{self.hold_s:.0f} s after the SIGSTOP",
+            "lost-fetch": "drop the reply to one BLMOVE that moved a ticket, on the proxied worker's connection "
+            "(which stays half-open)",
+            "lost-claim": "drop the reply to one claim script of the proxied worker (its connection stays half-open)",
         }[self.kind]
 
 
-def schedule(rng: random.Random, run_s: float, kills: int, workers: int, lease_s: float,
-             partition: bool) -> list[Event]:  # fmt: skip
-    """One failover, one full-memory episode, one partition (when possible) and `kills` kills, in a
-    seeded order, each at a seeded time within its own share of 5-85% of the run."""
-    kinds = ["kill"] * kills + ["failover", "memory"] + (["partition"] if partition else [])
+KINDS = ("kill", "failover", "memory", "partition", "sigstop", "restart", "stop-restart", "lost-fetch", "lost-claim")
+
+
+def hold_for(rng: random.Random, kind: str, lease_s: float) -> float:
+    if kind == "partition":
+        return rng.uniform(1.5, 3.0) * lease_s
+    if kind == "sigstop":
+        return rng.uniform(2.0, 4.0) * lease_s
+    if kind in ("memory", "stop-restart"):
+        return rng.uniform(10, 20)
+    return 0.0
+
+
+def schedule(rng: random.Random, run_s: float, counts: dict[str, int], workers: int, lease_s: float) -> list[Event]:
+    """`counts[kind]` events of each kind, in a seeded order, each at a seeded time within its own
+    share of 5-85% of the run; SIGSTOPs and kills of a seeded worker."""
+    kinds = [kind for kind in KINDS for _ in range(counts.get(kind, 0))]
     rng.shuffle(kinds)
-    start, width = 0.05 * run_s, 0.80 * run_s / len(kinds)
+    start, width = 0.05 * run_s, 0.80 * run_s / max(1, len(kinds))
     events = []
     for index, kind in enumerate(kinds):
         at = start + index * width + rng.uniform(0, 0.5 * width)
-        hold = rng.uniform(1.5, 3.0) * lease_s if kind == "partition" else rng.uniform(10, 20)
-        events.append(Event(round(at, 1), kind, rng.randrange(workers), round(hold, 1) if kind != "kill" else 0.0))
+        events.append(Event(round(at, 1), kind, rng.randrange(workers), round(hold_for(rng, kind, lease_s), 1)))
     return events
 
 
@@ -385,6 +473,132 @@ class Load:
             producer.close()
 
 
+class Chunks(threading.Thread):
+    """The command-line producer as an application runs it: every `--chunk-s` seconds a
+    `ticketq-produce file CHUNK --out ROWS --retry-for --resend-after` process for that period's
+    share (`--cli-share`) of the offered rate, through the sentinels. A run that exits non-zero
+    (a Redis that refused the send: full, say) is run again with `--resume`, as its own message
+    says to, RESUME_AFTER_S later (doubling), up to MAX_RESUMES times. Every run's exit status and
+    each chunk's --out rows are tallied: 0 and an answered row for every ticket are the target."""
+
+    def __init__(self, settings_url: str, rate: float, texts: list[str], ledger: Ledger, args: argparse.Namespace,
+                 deadline: float, rundir: Path) -> None:  # fmt: skip
+        super().__init__(daemon=True, name="chaos-chunks")
+        self.url, self.rate, self.texts, self.ledger, self.args = settings_url, rate, texts, ledger, args
+        self.deadline, self.dir = deadline, rundir / "produce"
+        self.dir.mkdir(exist_ok=True)
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.running: dict[int, subprocess.Popen] = {}  # chunk -> its current run
+        self.codes: dict[int, list[int | None]] = {}  # chunk -> the exit status of each of its runs
+        self.ids: dict[int, list[str]] = {}  # chunk -> its ticket ids
+        self.resumes: dict[int, float] = {}  # chunk -> when its failed run is resumed
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
+        return {**env, "TICKETQ_BROKER_URL": self.url, "TICKETQ_SENTINEL_MASTER": MASTER_NAME,
+                "TICKETQ_QUEUE": QUEUE, "PYTHONPATH": str(ROOT)}  # fmt: skip
+
+    def run(self) -> None:
+        size, number = max(1, round(self.rate * self.args.chunk_s)), 0
+        next_chunk = time.monotonic()
+        while not self.stop.wait(1.0 if number else 0):
+            if time.monotonic() >= next_chunk:
+                self.write(number, size)
+                self.launch(number, resume=False)
+                number, next_chunk = number + 1, next_chunk + self.args.chunk_s
+            self.reap()
+            self.resume()
+
+    def write(self, number: int, size: int) -> None:
+        ids = [f"chaos-{self.args.seed}-cli-{number}-{i}" for i in range(size)]
+        rows = (
+            json.dumps({"id": t, "text": self.texts[(number * size + i) % len(self.texts)]}) for i, t in enumerate(ids)
+        )
+        (self.dir / f"chunk-{number}.jsonl").write_text("".join(f"{row}\n" for row in rows))
+        self.ids[number], self.codes[number] = ids, []
+
+    def launch(self, number: int, resume: bool) -> None:
+        timeout = max(60.0, self.deadline - time.monotonic())
+        command = [sys.executable, "-m", "producer.cli", "file", str(self.dir / f"chunk-{number}.jsonl"),
+                   "--out", str(self.out(number)), "--retry-for", f"{self.args.retry_for:g}",
+                   "--resend-after", f"{self.args.resend_after:g}", "--timeout", f"{timeout:.0f}", "--no-progress",
+                   *(["--resume"] if resume else [])]  # fmt: skip
+        with (self.dir / f"chunk-{number}.log").open("ab") as log:
+            proc = subprocess.Popen(command, env=self.env(), stdout=log, stderr=subprocess.STDOUT)
+        with self.lock:
+            self.running[number] = proc
+
+    def out(self, number: int) -> Path:
+        return self.dir / f"chunk-{number}.out.jsonl"
+
+    def reap(self) -> None:
+        """Records each ended run; one that failed is resumed while it may be and time is left."""
+        with self.lock:
+            ended = [(number, proc) for number, proc in self.running.items() if proc.poll() is not None]
+            for number, proc in ended:
+                del self.running[number]
+                self.codes[number].append(proc.returncode)
+        for number, proc in ended:
+            if proc.returncode != 0 and len(self.codes[number]) <= MAX_RESUMES:
+                self.resumes[number] = time.monotonic() + RESUME_AFTER_S * 2 ** (len(self.codes[number]) - 1)
+
+    def resume(self) -> None:
+        for number, due in list(self.resumes.items()):
+            if time.monotonic() >= due:
+                del self.resumes[number]
+                if time.monotonic() < self.deadline:
+                    self.launch(number, resume=True)
+
+    def finish(self) -> None:
+        """Until every chunk's last run has ended (the deadline and a minute more, then SIGTERM)."""
+        self.stop.set()
+        self.join()
+        while (self.running or self.resumes) and time.monotonic() < self.deadline + 60:
+            self.reap()
+            self.resume()
+            time.sleep(1.0)
+        self.kill(signal.SIGTERM)
+        time.sleep(5)
+        self.reap()
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        with self.lock:
+            for proc in self.running.values():
+                if proc.poll() is None:
+                    proc.send_signal(sig)
+
+    def rows(self, number: int) -> list[dict]:
+        try:
+            return [json.loads(line) for line in self.out(number).read_text().splitlines() if line.strip()]
+        except (OSError, ValueError):
+            return []
+
+    def tally(self) -> tuple[set[str], list[str]]:
+        """The CLI tickets with no answered row, and the lines saying so."""
+        codes, firsts, rows_total, statuses, unanswered, notes = Counter(), Counter(), 0, Counter(), set(), []
+        for number, ids in sorted(self.ids.items()):
+            runs = self.codes[number]
+            codes.update(runs)
+            firsts[runs[0] if runs else "running"] += 1
+            rows = self.rows(number)
+            rows_total += len(rows)
+            statuses.update(row.get("status") for row in rows)
+            unanswered |= set(ids) - {row.get("id") for row in rows if row.get("status") == "ok"}
+            if len(rows) != len(ids) or runs != [0]:
+                notes.append(f"chunk {number}: exit statuses {runs}, {len(rows)} rows for {len(ids)} tickets")
+        tickets = sum(len(ids) for ids in self.ids.values())
+        lines = [
+            f"command-line producers: {len(self.ids)} chunks, {sum(codes.values())} runs; first runs' exit statuses "
+            f"{dict(firsts)}, every run's {dict(codes)}; {tickets} tickets, --out rows {rows_total} {dict(statuses)}; "
+            f"tickets without an answered row {len(unanswered)}"
+        ]
+        return unanswered, lines + [f"  {note}" for note in notes[:12]]
+
+    def tickets(self) -> set[str]:
+        return {ticket for ids in self.ids.values() for ticket in ids}
+
+
 # ----- watching ------------------------------------------------------------------------------
 
 
@@ -426,6 +640,37 @@ class Monitor(threading.Thread):
                 f"refused sends {refused}, load average {os.getloadavg()[0]:.1f}")  # fmt: skip
 
 
+def flatten(value: object) -> list[bytes]:
+    """Every bytes in a nested RESP value."""
+    if isinstance(value, bytes):
+        return [value]
+    if isinstance(value, list):
+        return [part for item in value for part in flatten(item)]
+    return []
+
+
+def task_ids_in(parts: list[bytes]) -> list[str]:
+    """The task ids of the kombu messages among `parts` (a fetched message, or a `claim` record:
+    [message, exchange, routing key]), found as the `id` of any JSON object's `headers`."""
+
+    def found(value: object) -> list[str]:
+        if isinstance(value, dict):
+            headers = value.get("headers")
+            own = [str(headers["id"])] if isinstance(headers, dict) and headers.get("id") else []
+            return own + [task for item in value.values() for task in found(item)]
+        if isinstance(value, list):
+            return [task for item in value for task in found(item)]
+        return []
+
+    tasks = []
+    for part in parts:
+        try:
+            tasks += found(json.loads(part))
+        except ValueError:
+            continue
+    return tasks
+
+
 def say(at_s: float | None, text: str) -> None:
     stamp = f"t+{at_s:7.1f}s" if at_s is not None else " " * 10
     print(f"{time.strftime('%H:%M:%S')} {stamp}  {text}", flush=True)
@@ -452,19 +697,23 @@ class Nemesis(threading.Thread):
             began = self.clock()
             say(began, f"{event.kind}: {event.describe()} [{self.monitor.state()}]")
             try:
-                outcome = getattr(self, event.kind)(event)
+                outcome = getattr(self, event.kind.replace("-", "_"))(event)
             except Exception as exc:  # reported; the run goes on and the tally tells
                 outcome = f"FAILED: {type(exc).__name__}: {str(exc)[:300]}"
                 self.failures.append(f"{event.kind} at t+{began:.0f}s: {outcome}")
             say(self.clock(), f"{event.kind} done in {self.clock() - began:.1f} s: {outcome}")
 
     def kill(self, event: Event) -> str:
-        victim = self.fleet.workers[event.worker]
-        victim.proc.kill()
-        victim.proc.wait()
-        killed = time.monotonic()
-        worker = self.fleet.restart(event.worker)
-        ready_s = time.monotonic() - killed
+        self.fleet.expect(event.worker, True)
+        try:
+            victim = self.fleet.workers[event.worker]
+            victim.proc.kill()
+            victim.proc.wait()
+            killed = time.monotonic()
+            worker = self.fleet.restart(event.worker)
+            ready_s = time.monotonic() - killed
+        finally:
+            self.fleet.expect(event.worker, False)
         return f"worker {event.worker} (pid {victim.pid}) killed; pid {worker.pid} ready {ready_s:.1f} s after"
 
     def failover(self, event: Event) -> str:
@@ -496,6 +745,103 @@ class Nemesis(threading.Thread):
         logged = {text.strip(): cut.log().count(text) - n for text, n in said.items()}
         taken = [w.log().count(RECOVERED) - n for w, n in zip(self.fleet.workers, recovered, strict=True)]
         return f"healed after {event.hold_s:.0f} s; {back}; worker 0 logged {logged}; recoveries per worker {taken}"
+
+    def recoveries(self) -> list[int]:
+        return [worker.log().count(RECOVERED) for worker in self.fleet.workers]
+
+    def sigstop(self, event: Event) -> str:
+        """SIGSTOP for `hold_s`; the takeover: when another worker first logs a recovery."""
+        victim, before = self.fleet.workers[event.worker], self.recoveries()
+        victim.proc.send_signal(signal.SIGSTOP)
+        stopped, taken = time.monotonic(), None
+        try:
+            while not self.stop.wait(0.5) and time.monotonic() - stopped < event.hold_s:
+                now = self.recoveries()
+                if taken is None and any(n > b for i, (n, b) in enumerate(zip(now, before, strict=True))
+                                         if i != event.worker):  # fmt: skip
+                    taken = time.monotonic() - stopped
+        finally:
+            victim.proc.send_signal(signal.SIGCONT)
+        took = f"its messages taken over {taken:.1f} s after the SIGSTOP" if taken is not None \
+            else "no takeover logged (nothing in flight, or later than the hold)"  # fmt: skip
+        return f"worker {event.worker} (pid {victim.pid}) stopped {event.hold_s:.0f} s; {took}"
+
+    def restart_primary(self) -> str:
+        """kill -9 of the master and its restart on the same port and AOF, as a master."""
+        _, port = self.servers.master_address()
+        server = self.servers.server_on(port)
+        server.kill()
+        killed = time.monotonic()
+        server.args = self.servers.listen_args()  # it was the master: it comes back as one
+        try:
+            server.start()
+        except TimeoutError:  # a long AOF load: the ping answers LOADING meanwhile
+            wait_for(server._pings, 120, f"redis-server on port {port} loading its AOF", interval=0.1)
+        back = time.monotonic() - killed
+        wait_for(lambda: self.master_port() is not None, PROMOTION_TIMEOUT_S, "a master named", interval=0.1)
+        master = self.master_port()
+        after = "still the master" if master == port else f"failed over to :{master}"
+        return f"primary :{port} kill -9, answering again {back:.1f} s later from its AOF ({after})"
+
+    def master_port(self) -> int | None:
+        try:
+            _, port = self.servers.master_address()
+            client = redis.Redis(host=self.servers.host, port=port, socket_timeout=2)
+            return port if client.info("replication").get("role") == "master" else None
+        except (redis.RedisError, RuntimeError, OSError):
+            return None
+
+    def restart(self, event: Event) -> str:
+        return self.restart_primary()
+
+    def stop_restart(self, event: Event) -> str:
+        """SIGSTOP a worker, restart the primary under it, SIGCONT; the worker must not exit."""
+        victim = self.fleet.workers[event.worker]
+        victim.proc.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            self.stop.wait(2.0)
+            restarted = self.restart_primary()
+            self.stop.wait(max(0.0, event.hold_s - (time.monotonic() - stopped)))
+        finally:
+            victim.proc.send_signal(signal.SIGCONT)
+        self.stop.wait(10.0)
+        state = "running" if victim.proc.poll() is None else f"EXITED with {victim.proc.returncode}"
+        return (f"worker {event.worker} (pid {victim.pid}) stopped {time.monotonic() - stopped - 10:.0f} s; "
+                f"{restarted}; the worker {state} 10 s after the SIGCONT")  # fmt: skip
+
+    def lost_fetch(self, event: Event) -> str:
+        return self.lost_reply(command_is("BLMOVE"), "BLMOVE")
+
+    def lost_claim(self, event: Event) -> str:
+        return self.lost_reply(command_is("EVAL", b"claim"), "claim script")
+
+    def lost_reply(self, rule: Callable[[list[bytes]], bool], what: str) -> str:
+        """The proxy drops the next non-nil reply of this kind; the takeover: until every task of
+        the messages that reply (or its command) carried has a result."""
+        proxy, slot = self.fleet.proxy, self.fleet.proxied
+        proxy.drop_reply(rule)
+        if not proxy.dropped.wait(REPLY_TIMEOUT_S):
+            proxy.drop_reply(None)
+            return f"no {what} reply to drop within {REPLY_TIMEOUT_S} s"
+        dropped = time.monotonic()
+        tasks = set(task_ids_in(flatten([proxy.dropped_command, proxy.dropped_reply])))
+        said = self.fleet.workers[slot].log().count("never came")
+        try:
+            wait_for(lambda: self.answered(tasks), TAKEOVER_TIMEOUT_S, "the dropped reply's tickets", interval=0.2)
+            took = f"its {len(tasks)} task(s) answered {time.monotonic() - dropped:.1f} s after the drop"
+        except TimeoutError:
+            took = f"its {len(tasks)} task(s) NOT answered {TAKEOVER_TIMEOUT_S} s after the drop"
+            self.failures.append(f"{what} dropped: {took}")
+        logged = self.fleet.workers[slot].log().count("never came") - said
+        return f"{what} reply dropped on worker {slot}'s connection; {took}; 'never came' logged {logged}"
+
+    def answered(self, tasks: set[str]) -> bool:
+        try:
+            client = self.servers.master_client()
+            return client.exists(*(RESULT_KEY.format(task_id=task) for task in tasks)) == len(tasks) if tasks else True
+        except (redis.RedisError, RuntimeError):
+            return False
 
     def lease_held(self, pid: int) -> bool:
         """A consumer of process `pid` has a live lease on the current master."""
@@ -548,11 +894,11 @@ def measure_capacity(producer: Producer, texts: list[str], seconds: float, seed:
 
 
 def tally(settings: ClientSettings, ledger: Ledger, monitor: Monitor, fleet: Fleet,
-          resend_after: float) -> tuple[bool, list[str]]:  # fmt: skip
-    """The verdict (nothing lost, nothing duplicated) and its lines."""
+          resend_after: float, chunks: Chunks | None = None) -> tuple[bool, list[str]]:  # fmt: skip
+    """The verdict (nothing lost, nothing duplicated, no worker exit) and its lines."""
     reader = Producer(settings)
     try:
-        entries = [result for _, result in reader.results_stream()]
+        entries, epochs = stream_entries(reader.redis)
         dead, depth = reader.redis.xlen(DEAD_LETTER_STREAM), reader.queue_depth()
         unacked = reader.redis.hlen("unacked")
     finally:
@@ -565,8 +911,10 @@ def tally(settings: ClientSettings, ledger: Ledger, monitor: Monitor, fleet: Fle
         refused, wait_errors = dict(ledger.refused), dict(ledger.wait_errors)
         resent, unsent, again = ledger.resent, ledger.unsent, ledger.answered_again
         refused_tickets = ledger.refused_tickets
-    unanswered = {ticket for ticket in sent if ticket not in answers}
-    missing = {ticket for ticket in sent if ticket not in in_stream}
+    cli_unanswered, cli_lines = chunks.tally() if chunks else (set(), [])
+    cli_tickets = chunks.tickets() if chunks else set()
+    unanswered = {ticket for ticket in sent if ticket not in answers} | cli_unanswered
+    missing = {ticket for ticket in (*sent, *cli_tickets) if ticket not in in_stream}
     lost = unanswered | missing
     duplicated = {key: n for key, n in per_slot.items() if n > 1}
     statuses = Counter(row.get("status") for ticket, row in answers.items() if ticket in sent)
@@ -574,9 +922,15 @@ def tally(settings: ClientSettings, ledger: Ledger, monitor: Monitor, fleet: Fle
                      if row.get("status") != "ok")  # fmt: skip
     tracebacks = sum(text.count("Traceback (most recent call last)") for text in fleet.logs())
     shown = f": {', '.join(sorted(lost)[:10])}" if lost else ""
+    total = len(sent) + len(cli_tickets)
+    exits = [f"worker {slot} pid {pid} exit {code} at t+{at:.0f}s" for slot, pid, code, at in fleet.exits]
     lines = [
-        f"sent {len(sent)}, answered {len(sent) - len(unanswered)} {dict(statuses)}, lost {len(lost)}, "
-        f"duplicated {len(duplicated)}",
+        f"sent {total} ({len(cli_tickets)} by the command-line producers), answered {total - len(unanswered)}, "
+        f"lost {len(lost)}, duplicated {len(duplicated)}, worker exits {len(fleet.exits)}",
+        f"worker exits during the run (not killed by the nemesis): {len(fleet.exits)} {exits or ''}; exit statuses "
+        f"after the final SIGTERM {fleet.final}; worker starts per slot {dict(fleet.starts)}",
+        *cli_lines,
+        f"threads' answers by status {dict(statuses)}",
         f"lost: {len(lost)} sent tickets ({len(unanswered)} with no answer to their producer, {len(missing)} "
         f"without an entry in the results stream){shown}",
         f"duplicated: {len(duplicated)} (task, slot) with more than one stream entry "
@@ -588,9 +942,21 @@ def tally(settings: ClientSettings, ledger: Ledger, monitor: Monitor, fleet: Fle
         f"max queue depth {monitor.max_depth}; max messages in Redis (queue + unacked) {monitor.max_messages}; "
         f"max outstanding {monitor.max_outstanding}; at the end: queue {depth}, unacked {unacked}",
         f"failed answers by reason: {dict(failed) or 0}; dead letters {dead}; results-stream entries "
-        f"{len(entries)}; tracebacks in the worker logs {tracebacks}",
+        f"{len(entries)} (per epoch { ({(k or b'-').decode(): n for k, n in epochs.items()}) }); tracebacks in the "
+        f"worker logs {tracebacks}",
     ]
-    return not lost and not duplicated, lines
+    return not lost and not duplicated and not fleet.exits, lines
+
+
+def stream_entries(client: redis.Redis) -> tuple[list[dict], Counter]:
+    """Every results-stream entry as written (no reader's filter), and how many carry each epoch."""
+    entries, epochs, last = [], Counter(), "0"
+    while reply := client.xread({RESULTS_STREAM: last}, count=5000):
+        for raw_id, fields in reply[0][1]:
+            last = raw_id
+            epochs[fields.get(b"epoch")] += 1
+            entries.append(json.loads(fields[b"data"]))
+    return entries, epochs
 
 
 def parse_args() -> argparse.Namespace:
@@ -604,6 +970,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", help="the tiny stand-in's directory (default: TICKETQ_TEST_TINY_MODEL, "
                         "else one is built in --dir)")  # fmt: skip
     parser.add_argument("--kills", type=int, help="worker kills (default: one every 2 minutes, at least 2)")
+    parser.add_argument("--each", type=int, help="events of every other fault kind: failover, memory, partition, "
+                        "sigstop, restart, stop-restart, lost-fetch, lost-claim (default: one per 7 minutes, "
+                        "at least 1)")  # fmt: skip
+    parser.add_argument("--cli-share", type=float, default=0.25, help="share of the load sent by ticketq-produce "
+                        "processes, one per --chunk-s (default 0.25)")  # fmt: skip
+    parser.add_argument("--chunk-s", type=float, default=30.0, help="seconds of load per ticketq-produce (default 30)")
+    parser.add_argument("--retry-for", type=float, default=120.0, help="the ticketq-produce --retry-for (default 120)")
     parser.add_argument("--lease-s", type=float, help="TICKETQ_LEASE_S for the workers (default: the worker's)")
     parser.add_argument("--resend-after", type=float, default=30.0, help="the producers' resend_after (default 30)")
     parser.add_argument("--capacity-s", type=float, default=30.0, help="capacity measurement (default 30)")
@@ -618,6 +991,10 @@ def parse_args() -> argparse.Namespace:
         parser.error("--worker-env takes NAME=VALUE")
     if args.kills is None:
         args.kills = max(2, round(args.minutes / 2))
+    if args.each is None:
+        args.each = max(1, round(args.minutes / 7))
+    if not 0 <= args.cli_share < 1:
+        parser.error("--cli-share must be in [0, 1)")
     args.lease = args.lease_s or Settings.model_fields["lease_s"].default
     return args
 
@@ -651,13 +1028,22 @@ class Chaos:
     def __init__(self, args: argparse.Namespace, rundir: Path) -> None:
         self.args, self.rundir = args, rundir
         self.ns = namespace()
-        self.events = schedule(random.Random(args.seed), args.minutes * 60, args.kills, args.workers, args.lease,
-                               self.ns is not None)  # fmt: skip
         self.servers = ChaosServers(rundir / "redis", self.ns.host_ip if self.ns else "127.0.0.1")
+        for server in (self.servers.primary, self.servers.replica):
+            server.aof = True  # appendfsync always: a restart loses no acknowledged write
+        self.proxy = RedisProxy(0, upstream=self.servers.master_address).start()
+        proxied = args.workers > 1 or self.ns is None
+        counts = {kind: args.each for kind in KINDS} | {"kill": args.kills}
+        counts["partition"] *= self.ns is not None
+        counts["lost-fetch"] *= proxied
+        counts["lost-claim"] *= proxied
+        self.events = schedule(random.Random(args.seed), args.minutes * 60, counts, args.workers, args.lease)
         self.settings = ClientSettings(broker_url=self.servers.url, sentinel_master=MASTER_NAME, queue=QUEUE)
         self.ledger = Ledger()
         self.fleet: Fleet | None = None
         self.loads: list[Load] = []
+        self.chunks: Chunks | None = None
+        self.watching = threading.Event()  # set: the fleet's watcher stops
         self.producers: list[Producer] = []
         self.threads: list[Monitor | Nemesis] = []
         self.started = time.monotonic()
@@ -672,6 +1058,9 @@ class Chaos:
             f"{args.resend_after:g} s; files in {self.rundir}")  # fmt: skip
         if self.ns is None:
             say(None, "no partition: it needs root and iproute2 (`ip netns`)")
+        say(None, f"worker {args.workers - 1 if args.workers > 1 or self.ns is None else '-'} through the "
+            f"fault-injecting proxy on :{self.proxy.port}; ticketq-produce every {args.chunk_s:g} s for "
+            f"{args.cli_share:.0%} of the load (--retry-for {args.retry_for:g})")  # fmt: skip
         say(None, "schedule (seconds after the load starts):")
         for event in self.events:
             say(None, f"  t+{event.at_s:6.1f}s  {event.kind}: {event.describe()}")
@@ -681,7 +1070,7 @@ class Chaos:
         args = self.args
         say(None, "starting Redis: a primary, a replica, three sentinels")
         self.servers.start()
-        self.fleet = Fleet(args, self.servers.url, model_dir(args, self.rundir), self.ns, self.rundir)
+        self.fleet = Fleet(args, self.servers.url, model_dir(args, self.rundir), self.ns, self.rundir, self.proxy)
         say(None, f"starting {args.workers} worker(s){' (worker 0 in ' + self.ns.name + ')' if self.ns else ''}")
         self.fleet.start_all()
         self.texts = [ticket["text"] for ticket in generate_tickets(2000, seed=args.seed)]
@@ -701,21 +1090,32 @@ class Chaos:
         self.threads = [monitor, nemesis]
         self.producers.append(monitor.producer)
         deadline = self.started + args.minutes * 60 + args.drain_s
-        self.loads = [Load(n, self.settings, rate / args.producers, self.texts, self.ledger, args, deadline)
+        threads_rate = rate * (1 - args.cli_share)
+        self.loads = [Load(n, self.settings, threads_rate / args.producers, self.texts, self.ledger, args, deadline)
                       for n in range(args.producers)]  # fmt: skip
-        for thread in (monitor, nemesis):
+        if args.cli_share > 0:
+            self.chunks = Chunks(self.servers.url, rate * args.cli_share, self.texts, self.ledger, args, deadline,
+                                 self.rundir)  # fmt: skip
+        watcher = threading.Thread(target=self.fleet.watch, args=(self.watching, self.clock), daemon=True,
+                                   name="chaos-watch")  # fmt: skip
+        for thread in (monitor, nemesis, watcher, *([self.chunks] if self.chunks else [])):
             thread.start()
         for load in self.loads:
             load.start()
         time.sleep(max(0.0, args.minutes * 60 - self.clock()))
         for load in self.loads:
             load.stop.set()
+        if self.chunks:
+            self.chunks.stop.set()
         say(self.clock(), f"load stopped [{monitor.state()}]")
         nemesis.join()  # a late event is played to its end: each has bounded waits
         self.drain(monitor)
-        ok, lines = tally(self.settings, self.ledger, monitor, self.fleet, args.resend_after)
+        self.watching.set()
+        watcher.join()
+        self.fleet.stop_all()
+        ok, lines = tally(self.settings, self.ledger, monitor, self.fleet, args.resend_after, self.chunks)
         print("\ntally:", *lines, *(f"nemesis {failure}" for failure in nemesis.failures), sep="\n  ", flush=True)
-        print(f"\n{'PASS' if ok else 'FAIL'}: {'0 lost, 0 duplicated' if ok else lines[0]}", flush=True)
+        print(f"\n{'PASS' if ok else 'FAIL'}: {'0 lost, 0 duplicated, 0 worker exits' if ok else lines[0]}", flush=True)
         return 0 if ok else 1
 
     def drain(self, monitor: Monitor) -> None:
@@ -724,17 +1124,23 @@ class Chaos:
         for load in self.loads:
             for thread in load.threads:
                 thread.join(timeout=max(0.0, load.deadline - time.monotonic()) + 60)
+        if self.chunks:
+            self.chunks.finish()
         monitor.stop.set()
         say(self.clock(), f"drained [{monitor.state()}]")
 
     def stop(self) -> None:
-        for thing in (*self.threads, *self.loads):
+        self.watching.set()
+        for thing in (*self.threads, *self.loads, *([self.chunks] if self.chunks else [])):
             thing.stop.set()
+        if self.chunks:
+            self.chunks.kill()
         if self.ns is not None:
             self.ns.link(up=True)
         if self.fleet is not None:
             self.fleet.kill_all()
         self.servers.stop()
+        self.proxy.close()
         if self.ns is not None:
             self.ns.destroy()
         for closable in (*self.producers, *self.loads):

@@ -5,7 +5,9 @@ Starts a private redis-server, one null-classifier worker (`ticketq worker`) and
 
 1. `Producer.submit_many(idempotent=True)`, one message per ticket: tickets/s enqueued.
 2. gateway capacity, closed loop: `--clients` concurrent clients POSTing one ticket per request
-   (and, separately, `--batch` tickets per request) as fast as answers come, for `--seconds`.
+   (and, separately, `--batch` tickets per request) as fast as answers come, for `--seconds`; then
+   the minimal app (docs/bench/minimal_app.py: one LPUSH a POST, uvicorn's h11 as the gateway's)
+   under the same loops, and the gateway's share of its requests/s (`beside_minimal_app`).
 3. open loop at 50% and 90% of that single-ticket capacity: Poisson arrivals, each a POST of one
    ticket; requests/s achieved, p50 and p99 latency, non-202 answers.
 Last, every ticket sent is waited for in the results stream (none lost).
@@ -87,11 +89,16 @@ class Stack:
                     {**env, "TICKETQ_GATEWAY_ANONYMOUS": "1", "TICKETQ_GATEWAY_RATE": "1000000",
                      "TICKETQ_GATEWAY_BURST": "1000000"}, "gateway.log")  # fmt: skip
         wait_until(lambda: _answers(self.gateway + "/readyz"), 60, "the gateway")
+        self.minimal = f"http://127.0.0.1:{free_port()}"  # the baseline: docs/bench/minimal_app.py, h11 as the gateway
+        self._start([sys.executable, "-m", "uvicorn", "--app-dir", str(ROOT / "docs" / "bench"), "minimal_app:app",
+                     "--http", "h11", "--port", self.minimal.rsplit(":", 1)[1], "--log-level", "warning",
+                     "--no-access-log"], {**env, "TICKETQ_BENCH_REDIS": self.broker}, "minimal.log")  # fmt: skip
+        wait_until(lambda: _answers(self.minimal + "/readyz"), 60, "the minimal app")
 
     def cpu_s(self) -> dict[str, float]:
-        """CPU seconds used so far by the worker and by the gateway."""
-        times = [psutil.Process(proc.pid).cpu_times() for proc in self.procs[1:3]]
-        return {name: t.user + t.system for name, t in zip(("worker", "gateway"), times, strict=True)}
+        """CPU seconds used so far by the worker, the gateway and the minimal app."""
+        times = [psutil.Process(proc.pid).cpu_times() for proc in self.procs[1:4]]
+        return {name: t.user + t.system for name, t in zip(("worker", "gateway", "minimal"), times, strict=True)}
 
     def _start(self, command: list[str], env: dict, log: str | None = None) -> None:
         out = (self.workdir / log).open("wb") if log else subprocess.DEVNULL
@@ -184,6 +191,21 @@ def measured(stack: Stack, phase) -> dict:
     return figures
 
 
+def beside_minimal(stack: Stack, args: argparse.Namespace, single: dict, batched: dict) -> dict:
+    """The minimal app (one LPUSH per POST) under the same closed loops, and the gateway's share of its requests/s."""
+    spare: list[str] = []  # its tickets are no Celery messages: never answered
+    out = {}
+    for name, batch, gateway in (("single", 1, single), ("batched", args.batch, batched)):
+        minimal = measured(stack, closed_loop(stack.minimal, args.clients, args.seconds, batch, spare))
+        out[name] = {"minimal_requests_per_s": minimal["requests_per_s"], "gateway_requests_per_s":
+                     gateway["requests_per_s"], "ratio": gateway["requests_per_s"] / minimal["requests_per_s"],
+                     "minimal_cpu_ms_per_request": minimal["minimal_cpu_ms_per_request"],
+                     "gateway_cpu_ms_per_request": gateway["gateway_cpu_ms_per_request"]}  # fmt: skip
+        print(f"{name} ({batch} ticket(s) a POST): gateway {gateway['requests_per_s']:.0f} req/s, minimal app "
+              f"{minimal['requests_per_s']:.0f} req/s: {out[name]['ratio']:.2f}x", file=sys.stderr)  # fmt: skip
+    return out
+
+
 def _percentiles(latencies: list[float]) -> dict:
     cuts = statistics.quantiles(latencies, n=100)
     return {"requests": len(latencies), "p50_ms": 1000 * cuts[49], "p99_ms": 1000 * cuts[98]}
@@ -217,12 +239,14 @@ def main() -> None:
             ids = list(baseline.pop("ids"))
             single = measured(stack, closed_loop(stack.gateway, args.clients, args.seconds, 1, ids))
             batched = measured(stack, closed_loop(stack.gateway, args.clients, args.seconds, args.batch, ids))
+            ratios = beside_minimal(stack, args, single, batched)
             capacity = single["requests_per_s"]
             loads = [asyncio.run(open_loop(stack.gateway, share * capacity, args.seconds, ids)) for share in (0.5, 0.9)]
             answered = all_answered(stack, ids, 300)
         finally:
             stack.close()
-    report = {"cpu": _cpu(), "producer_submit_many": baseline, "closed_loop_single": single,
+    report = {"cpu": _cpu(), "loadavg_1m": os.getloadavg()[0], "beside_minimal_app": ratios,
+              "producer_submit_many": baseline, "closed_loop_single": single,
               "closed_loop_batched": batched, "open_loop": loads, "sent": len(ids), "answered": answered}  # fmt: skip
     print(json.dumps(report, indent=2))
     if args.out:

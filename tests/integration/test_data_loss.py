@@ -115,3 +115,36 @@ def test_a_redis_restarted_without_its_data_is_reported_in_the_log_metrics_and_s
     line = [row for row in status.stdout.splitlines() if row.startswith("redis data:")]
     assert line and line[0].startswith("redis data: LOST: Redis came back without its data"), status.stdout
     assert "by worker " in line[0], line[0]
+
+
+def test_a_reader_across_the_loss_sees_each_ticket_once(server, tmp_path):
+    """Tickets answered, read from the stream, Redis restarted empty, the same tickets sent again
+    (idempotent: the marks that would have refused them went with the data) and answered again:
+    the stream holds them twice, each entry with its epoch, and the reader that read the first
+    epoch yields only the new tickets from the second; a reader that never saw the first yields all."""
+    queue = f"across-{uuid.uuid4().hex[:8]}"
+    env = worker_env(None, server.url, queue, TICKETQ_NULL_CLASSIFIER="1", TICKETQ_LEASE_S="4")
+    settings = ClientSettings(broker_url=server.url, queue=queue)
+    tickets = [{"id": f"across-{n}", "text": f"refund {n} please"} for n in range(20)]
+    fresh = [{"id": f"fresh-{n}", "text": f"my card {n} was charged twice"} for n in range(5)]
+    with running_worker(env, tmp_path / "worker.log"), Producer(settings) as reader:
+        with Producer(settings) as producer:
+            producer.wait(producer.submit_many(tickets, idempotent=True), timeout=60)
+        first = list(reader.results_stream())
+        assert sorted(r["id"] for _, r in first) == sorted(t["id"] for t in tickets)
+        before = {fields.get(b"epoch") for _, fields in server.client().xrange(names.RESULTS_STREAM)}
+
+        server.kill()
+        server.start()  # no persistence: it comes back empty
+        with Producer(settings) as producer:
+            again = producer.wait(producer.submit_many(tickets + fresh, idempotent=True), timeout=120, resend_after=5)
+        assert [r["status"] for r in again] == ["ok"] * 25
+
+        raw = server.client().xrange(names.RESULTS_STREAM)
+        epochs = {fields.get(b"epoch") for _, fields in raw}
+        assert len(raw) == 25 and len(epochs) == 1 and None not in epochs, "every entry carries its epoch"
+        assert len(before) == 1 and None not in before and before != epochs, "another epoch after the loss"
+        later = list(reader.results_stream(since_id=first[-1][0]))
+        assert sorted(r["id"] for _, r in later) == sorted(t["id"] for t in fresh), "answered in both: once"
+        with Producer(settings) as newcomer:
+            assert len(list(newcomer.results_stream())) == 25, "a reader that never saw the first epoch sees all"

@@ -62,10 +62,11 @@ class Receiver:
     """An HTTP receiver: verifies each POST's signature, records its delivery id, answers 500 for
     the first `fail_first` POSTs (all of them when `fail_first` is None), or every POST in the
     `down_s` seconds from the first one (an outage the dispatcher meets however late it starts),
-    200 after."""
+    200 after. A POST signed with another key than `secret` is answered 500 and not recorded."""
 
-    def __init__(self, fail_first: int | None = 0, delay_s: float = 0.0, down_s: float = 0.0) -> None:
-        self.fail_first, self.delay_s = fail_first, delay_s
+    def __init__(self, fail_first: int | None = 0, delay_s: float = 0.0, down_s: float = 0.0,
+                 secret: str = SECRET) -> None:  # fmt: skip
+        self.fail_first, self.delay_s, self.secret = fail_first, delay_s, secret
         self.down_s, self.up_at = down_s, None  # the outage starts at the first POST
         self.posts = 0
         self.seen: Counter = Counter()
@@ -90,7 +91,7 @@ class Receiver:
     def handle(self, request: BaseHTTPRequestHandler, body: bytes) -> None:
         time.sleep(self.delay_s)
         stamp = request.headers["X-Ticketq-Timestamp"]
-        ok = hmac.compare_digest(sign(SECRET.encode(), stamp, body), request.headers["X-Ticketq-Signature"])
+        ok = hmac.compare_digest(sign(self.secret.encode(), stamp, body), request.headers["X-Ticketq-Signature"])
         delivery = request.headers["X-Ticketq-Delivery"]
         with self.lock:
             self.posts += 1

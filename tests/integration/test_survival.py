@@ -37,7 +37,7 @@ from proxy import RedisProxy, command_is
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from test_memory import readyz
-from workers import ROOT, Worker, free_port, wait_for, worker_env
+from workers import ROOT, RedisServer, Worker, free_port, wait_for, worker_env
 
 from producer.api import Producer
 from ticketq import names
@@ -243,6 +243,29 @@ def test_proxy_drops_one_reply_and_goes_half_open(redis_server, proxy):
         victim.get("proxy-k")
     assert proxy.dropped.is_set()
     assert redis.Redis(port=proxy.port, socket_timeout=5).get("proxy-k") == b"v", "a new connection is forwarded"
+
+
+def test_proxy_closes_the_client_when_redis_goes_and_follows_its_upstream(redis_server, tmp_path):
+    """Redis killed under a proxied connection: the client sees the connection closed, as it would
+    without the proxy (not a silent one that times out); each new connection goes where `upstream`
+    says at that moment (docs/bench/chaos.py: the master the sentinels name)."""
+    other = RedisServer(tmp_path / "other", aof=False)
+    (tmp_path / "other").mkdir()
+    target = [redis_server.port]
+    proxy = RedisProxy(0, upstream=lambda: ("127.0.0.1", target[0])).start()
+    try:
+        client = redis.Redis(port=proxy.port, socket_timeout=5, retry=Retry(NoBackoff(), 0))
+        assert client.set("where", "first")
+        redis_server.kill()
+        with pytest.raises(redis.ConnectionError):
+            client.ping()
+        redis_server.start()
+        other.start().client().set("where", "other")
+        target[0] = other.port
+        assert redis.Redis(port=proxy.port, socket_timeout=5).get("where") == b"other"
+    finally:
+        proxy.close()
+        other.kill()
 
 
 def test_status_counts_what_waits_in_fetching_lists(redis_server):

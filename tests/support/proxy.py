@@ -10,7 +10,10 @@ order, so it knows which reply answers which command. When the reply to the firs
 the predicate accepts arrives (and, for a fetch, is not nil), the proxy swallows it and that
 connection goes half-open: both sockets stay open, nothing more passes either way, as after a
 lost reply on a dead route. Every other connection, and every connection opened later, is
-forwarded as is. Standard library only: threads and sockets.
+forwarded as is; when either end of one closes, both are closed (a restarted Redis is seen by the
+client as its own restart would be). `upstream`: where each new connection goes, asked at each
+connect (docs/bench/chaos.py follows the Sentinel-named master with it). Standard library only:
+threads and sockets.
 """
 
 from __future__ import annotations
@@ -76,12 +79,14 @@ def _parse(buffer: bytes, at: int) -> tuple[int, object] | None:
 
 
 class RedisProxy:
-    def __init__(self, redis_port: int, host: str = "127.0.0.1") -> None:
-        self.redis = (host, redis_port)
+    def __init__(self, redis_port: int, host: str = "127.0.0.1",
+                 upstream: Callable[[], tuple[str, int]] | None = None) -> None:  # fmt: skip
+        self.upstream = upstream or (lambda: (host, redis_port))
         self.listener = socket.create_server((host, 0))
         self.port = self.listener.getsockname()[1]
         self.dropped = threading.Event()
         self.dropped_command: Command | None = None
+        self.dropped_reply: object = None  # the reply that was swallowed (parsed RESP)
         self._rule: Callable[[Command], bool] | None = None
         self._lock = threading.Lock()
         self._sockets: list[socket.socket] = []
@@ -110,21 +115,21 @@ class RedisProxy:
             except OSError:
                 return
             try:
-                server = socket.create_connection(self.redis, timeout=5)
-            except OSError:
+                server = socket.create_connection(self.upstream(), timeout=5)
+            except Exception:  # Redis down, or no master named: the client sees a closed connection
                 client.close()
                 continue
             server.settimeout(None)
             self._sockets += [client, server]
             _Connection(self, client, server).start()
 
-    def drops(self, command: Command) -> bool:
+    def drops(self, command: Command, reply: object) -> bool:
         """Whether the reply to `command`, here now, is the one to drop: the rule is used once, by
         the first reply that arrives after it was set (a command sent before counts too)."""
         with self._lock:
             if self._rule is None or not self._rule(command):
                 return False
-            self._rule, self.dropped_command = None, command
+            self._rule, self.dropped_command, self.dropped_reply = None, command, reply
             self.dropped.set()
             return True
 
@@ -139,8 +144,18 @@ class _Connection:
         self.half_open = False
 
     def start(self) -> None:
-        threading.Thread(target=self._upstream, name="proxy-up", daemon=True).start()
-        threading.Thread(target=self._downstream, name="proxy-down", daemon=True).start()
+        threading.Thread(target=self._closing, args=(self._upstream,), name="proxy-up", daemon=True).start()
+        threading.Thread(target=self._closing, args=(self._downstream,), name="proxy-down", daemon=True).start()
+
+    def _closing(self, forward: Callable[[], None]) -> None:
+        """Runs one direction; when it ends, not half-open, both sockets close."""
+        forward()
+        if not self.half_open:
+            for sock in (self.client, self.server):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                with contextlib.suppress(OSError):
+                    sock.close()
 
     def _upstream(self) -> None:
         reader = _Reader()
@@ -170,7 +185,7 @@ class _Connection:
                         command = [b"PUSH"]  # a pub/sub push answers no command
                     else:
                         command = self.pending.popleft() if self.pending else [b"?"]
-                    if value is not None and self.proxy.drops(command):
+                    if value is not None and self.proxy.drops(command, value):
                         self.half_open = True  # the reply is lost, and so is everything after it
                         return
                     if not _send(self.client, raw):

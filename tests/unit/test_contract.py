@@ -75,6 +75,10 @@ REFUSED = {
     "id_a_list": ({"id": ["x"], "text": "hi"}, Reason.WRONG_TYPE),
     "id_empty": ({"id": "", "text": "hi"}, Reason.EMPTY_ID),
     "id_whitespace": ({"id": " \t", "text": "hi"}, Reason.EMPTY_ID),
+    "id_slash": ({"id": "a/b", "text": "hi"}, Reason.INVALID_ID),  # a path segment: GET /v1/tickets/{id}
+    "id_control": ({"id": "a\nb", "text": "hi"}, Reason.INVALID_ID),
+    "id_too_long": ({"id": "x" * 257, "text": "hi"}, Reason.INVALID_ID),
+    "id_int_too_long": ({"id": 10**300, "text": "hi"}, Reason.INVALID_ID),
     "lone_surrogate": ({"text": "broken \udcff"}, Reason.INVALID_UTF8),
     "one_byte_over": ({"text": "a" * (LIMIT + 1)}, Reason.OVERSIZE),
     "bytes_not_characters": ({"text": "é" * (LIMIT // 2 + 1)}, Reason.OVERSIZE),  # 33 characters, 66 bytes

@@ -52,7 +52,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "ticketq_bench": ("ticketq", "producer", "worker.health", "worker.transport", "worker.redis", "worker.engine",
                       "worker", "worker.service", "worker.app"),
     "ticketq_cli": ("ticketq", "producer", "worker.health", "worker.transport", "worker.redis", "worker.engine",
-                    "worker", "worker.service", "worker.app", "ticketq_bench"),
+                    "worker", "worker.service", "worker.app", "ticketq_bench", "gateway"),
 }
 # Third-party packages a layer must not load, checked at run time.
 NOT_LOADED = {"worker.engine": ("celery", "kombu"), "worker.transport": ("torch",), "ticketq": ("torch", "celery")}

@@ -5,7 +5,8 @@ templates in ticketq.names, the others below; <task> is a Celery task id, <slot>
 in its message, <consumer> one consuming channel, host:pid:random):
 
 - `ticketq:results` (stream) — one entry per final ticket result (ok, failed, expired), field
-  `data` = the result JSON; capped with MAXLEN ~ TICKETQ_STREAM_MAXLEN. `Outbox.publish`
+  `data` = the result JSON, field `epoch` = the epoch marker's id it was published under (read by
+  the publish script; absent before any marker); capped with MAXLEN ~ TICKETQ_STREAM_MAXLEN. `Outbox.publish`
   (`Outbox.stream_results` for the answers of a message that reused a task id).
 - `ticketq:dead` (stream) — one entry per refused ticket or message: reason, error, payload (the
   ticket or arguments as JSON, or the raw bytes as `payload_b64` when it never became a ticket),

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from ticketq.epoch import Epoch, Loss, whoami
+from ticketq.epoch import Epoch, Loss, marker_id, whoami
 from ticketq.lua import script
 from ticketq.names import ATTEMPTS_KEY, DEAD_LETTER_STREAM, EPOCH_KEY, RESULTS_STREAM, REVIEW_STREAM
 from ticketq.publishing import Published, Unconfirmed
@@ -91,18 +91,17 @@ class Outbox(Writes):
     # ----- results -------------------------------------------------------------------------
 
     def publish(self, slots: Sequence[tuple], finished: Sequence[str], review: ToReview = NO_REVIEW) -> Published:
-        """Stream each (task id, slot, result JSON[, payload digest]) once, drop the attempts keys of
-        `finished` messages, copy the (task id, slot) keys of `review` to `names.REVIEW_STREAM` with
-        their first publication (each with its ticket's text, the value).
+        """Stream each (task id, slot, result JSON[, payload digest]) once, each entry with the epoch
+        marker's id (`ticketq.epoch`), drop the attempts keys of `finished` messages, and copy the (task
+        id, slot) keys of `review` to `names.REVIEW_STREAM` with their first publication (with the text).
 
-        One script call. EVAL, not a registered Script: redis-py checks SCRIPT EXISTS before
-        every pipeline that holds a Script (a second round trip per forward batch); EVAL of a short
-        body costs a few hundred bytes and Redis caches the compiled script. Deleting an attempts key
-        before the backend write is safe: a crash in between only makes the redelivered message look
-        fresh, and its results are published once anyway. The digest is the message's
-        `ticketq.publishing.payload_digest` (omitted or "": not checked); a message whose task id already streamed
-        another payload's results gets nothing written, and its results come back as conflicts.
-        """
+        One script call. EVAL, not a registered Script: redis-py checks SCRIPT EXISTS before every
+        pipeline that holds a Script (a second round trip per forward batch); EVAL of a short body costs
+        a few hundred bytes and Redis caches the compiled script. Deleting an attempts key before the
+        backend write is safe: a crash in between only makes the redelivered message look fresh, and its
+        results are published once anyway. The digest is the message's `ticketq.publishing.payload_digest`
+        (omitted or "": not checked); a message whose task id already streamed another payload's results
+        gets nothing written, and its results come back as conflicts."""
         by_task: dict[str, list[tuple[int, bytes]]] = {}
         digests: dict[str, str] = {}
         for task_id, slot, encoded, *digest in slots:
@@ -115,6 +114,7 @@ class Outbox(Writes):
             *(FAILED_KEY.format(task_id=task_id) for task_id in by_task),
             PUBLISH_CALL_KEY.format(call=uuid.uuid4().hex),  # the same for every retry of this call
             REVIEW_STREAM,
+            EPOCH_KEY,
             *(ATTEMPTS_KEY.format(task_id=task_id) for task_id in finished),
         ]
         groups = by_task.values()
@@ -156,15 +156,15 @@ class Outbox(Writes):
         return _published(unconfirmed.order, repeats, conflicts)
 
     def stream_results(self, encoded: Sequence[bytes]) -> None:
-        """Append results to the stream without publish-once marks: the answers of messages that
-        reused another message's task id (the id's marks belong to that one)."""
+        """Stream results without publish-once marks (the answers of a message that reused a task id)."""
         if not encoded:
             return
 
         def append() -> None:
             pipe = self.redis.pipeline(transaction=True)  # all or none: a retry never appends twice
+            fields = {"epoch": epoch} if (epoch := marker_id(self.epoch.known)) else {}  # as this process saw it
             for data in encoded:
-                pipe.xadd(RESULTS_STREAM, {"data": data}, maxlen=self.stream_maxlen, approximate=True)
+                pipe.xadd(RESULTS_STREAM, {"data": data, **fields}, maxlen=self.stream_maxlen, approximate=True)
             pipe.execute()
 
         self.retrying(append)

@@ -13,7 +13,8 @@
 -- KEYS[1] results stream; KEYS[2..m+1] each message's done key (bit <slot> set once published);
 -- KEYS[m+2..2m+1] each message's digest key; KEYS[2m+2..3m+1] each message's failed key (hash
 -- <slot> -> reason of a failure kept by a requeue); KEYS[3m+2] this call's key; KEYS[3m+3] the
--- review stream; KEYS[3m+4..] attempts keys to delete.
+-- review stream; KEYS[3m+4] the epoch marker (ticketq.epoch: its id goes into each entry's 'epoch'
+-- field, read here so that it is the marker of the Redis written to); KEYS[3m+5..] attempts keys to delete.
 -- ARGV[1] stream MAXLEN (approximate), ARGV[2] key expiry in seconds, ARGV[3] m, ARGV[4] the call
 -- key's expiry in seconds, ARGV[5] the positions (1-based, comma-separated) of the results to
 -- review, ARGV[6..m+5] each message's slots, comma-separated; ARGV[m+6..2m+5] each message's digest
@@ -42,6 +43,14 @@ local function anew(failed_key, slot, data)
   end
   redis.call('HDEL', failed_key, slot)
   return true
+end
+local entry = {'data', ''}  -- each stream entry's fields: the result, and the epoch when there is one
+do
+  local marker = redis.call('GET', KEYS[3 * m + 4])
+  local ok, decoded = pcall(cjson.decode, marker or '')
+  if ok and type(decoded) == 'table' and decoded.id then
+    entry = {'data', '', 'epoch', tostring(decoded.id)}
+  end
 end
 local review, reviewed, positions = {}, false, {}
 for at in string.gmatch(ARGV[5], '%d+') do
@@ -78,7 +87,8 @@ for i = 1, m do
           bit = anew(KEYS[2 * m + 1 + i], slots[(first - 1) / 4 + j], ARGV[result]) and 0 or 1
         end
         if bit == 0 then
-          redis.call('XADD', KEYS[1], '*', 'data', ARGV[result])
+          entry[2] = ARGV[result]
+          redis.call('XADD', KEYS[1], '*', unpack(entry))
           if review[position] then
             redis.call('XADD', KEYS[3 * m + 3], '*', 'data', ARGV[result], 'text', review[position])
             reviewed = true
@@ -96,7 +106,7 @@ redis.call('XTRIM', KEYS[1], 'MAXLEN', '~', ARGV[1])  -- once per call, not per 
 if reviewed then
   redis.call('XTRIM', KEYS[3 * m + 3], 'MAXLEN', '~', ARGV[1])
 end
-for i = 3 * m + 4, #KEYS do
+for i = 3 * m + 5, #KEYS do
   redis.call('DEL', KEYS[i])
 end
 -- cjson writes an empty table as {}; the caller reads a missing list as empty either way.
