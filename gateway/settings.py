@@ -19,6 +19,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from gateway.auth import DEFAULT_TENANT, TENANT_NAME, tenant_of
+from gateway.review.settings import ReviewSettings
 from ticketq.config import ClientSettings
 
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
@@ -45,7 +46,7 @@ def _check_tenants(named: dict) -> dict:
     return named
 
 
-class GatewaySettings(ClientSettings):
+class GatewaySettings(ClientSettings, ReviewSettings):
     """`ticketq-gateway` and `ticketq-deliver`: every field is `TICKETQ_<FIELD>` in the environment."""
 
     gateway_host: str = Field("127.0.0.1", description="Address the gateway listens on.")
@@ -105,14 +106,6 @@ class GatewaySettings(ClientSettings):
     gateway_webhook_window_s: int = Field(
         300, ge=1, description="A signed webhook whose timestamp is further from now than this is refused."
     )
-    gateway_review_secret: SecretStr | None = Field(None, description="Key signing review-page sessions (32+ "
-        "characters, the same on every replica); unset: the review page (/review) is off.")  # fmt: skip
-    gateway_review_session_s: int = Field(28800, ge=60, description="How long a review-page login lasts.")
-    gateway_review_page_size: int = Field(20, ge=1, le=500, description="Review items shown per page, oldest first.")
-    gateway_review_insecure_cookie: bool = Field(False, description="Send the review session cookie without "
-        "`Secure` (plain HTTP: a local test only).")  # fmt: skip
-    gateway_review_deliver: bool = Field(False, description="Also add each reviewed result (the reviewer's labels) "
-        "to the results stream, where ticketq-deliver POSTs it like any result.")  # fmt: skip
     deliver_url: str | None = Field(None, description="Where ticketq-deliver POSTs each result.")
     deliver_urls: Annotated[dict[str, str], NoDecode] = Field(
         default_factory=dict, description="Per-schema and per-tenant delivery URLs: `schema=url`, `@tenant=url`, "
@@ -172,13 +165,6 @@ class GatewaySettings(ClientSettings):
         if bad:
             raise ValueError(f"token(s) {', '.join(bad)} are not sha256 hex digests (printf %s TOKEN | sha256sum)")
         return {name: digest.lower() for name, digest in _check_tenants(value).items()}
-
-    @field_validator("gateway_review_secret")
-    @classmethod
-    def _check_review_secret(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is not None and len(value.get_secret_value()) < 32:
-            raise ValueError("must be at least 32 characters (`openssl rand -hex 32`)")
-        return value
 
     @field_validator("gateway_webhook_secrets", "deliver_urls")
     @classmethod
