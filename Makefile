@@ -21,12 +21,17 @@ demo: setup
 lint: setup
 	$(VENV)/bin/ruff check ticketq worker producer gateway ticketq_cli ticketq_bench tests docs/bench
 
-# The deploy tests run a real Prometheus (and amtool); install them from Debian when missing (CI runs as root).
+# The deploy tests run a real Prometheus (and amtool), the review page's test a headless Chromium; install them
+# from Debian when missing (CI runs as root).
 test-deps:
 	@{ command -v promtool && command -v amtool; } >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus \
 		prometheus-alertmanager >/dev/null; } || \
 		echo "prometheus not installed: the deploy tests that need it will skip"
+	@# The review page's browser test drives the distribution's headless Chromium (no browser download).
+	@{ command -v chromium && command -v chromedriver; } >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver \
+		>/dev/null; } || echo "chromium not installed: the review page's browser test will skip"
 
 test: setup lint test-deps
 	$(VENV)/bin/pytest -q

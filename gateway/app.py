@@ -36,6 +36,7 @@ from gateway.auth import TokenBuckets, caller, tenant_of
 from gateway.intake import Intake, Refused
 from gateway.keys import IDEMPOTENCY_HEADER
 from gateway.metrics import GatewayMetrics
+from gateway.review import pages as review_pages
 from gateway.settings import GatewaySettings
 from ticketq import connections
 
@@ -77,6 +78,7 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None)
     app.add_middleware(_Measured, metrics=state.metrics)
     _ticket_routes(app, state)
     _ops_routes(app, state)
+    review_pages.install(app, state, state.metrics.registry, lambda: state.intake.producer.redis)
     app.openapi_schema = None
     api_document.document(app, (TicketIn,))
     return app

@@ -16,6 +16,14 @@ RESERVED_KEY = "ticketq:gateway:reserved:{queue}"
 # An Idempotency-Key seen: per tenant, sha256 of the key -> JSON {body sha256, answer, claim}; the
 # answer is null while the first POST under the key is in flight (`gateway.intake.CLAIM_SCRIPT`).
 IDEMPOTENCY_KEY = "ticketq:gateway:idem:{tenant}:{digest}"
+# A review item decided on the review page: the review stream's entry id -> the decision record JSON
+# (`ticketq.labelled`), written once by `gateway/review/decide.lua`, kept TICKETQ_RESULT_EXPIRES_S
+# to tell a second reviewer who decided first. Each tenant's undecided items are pending in the
+# consumer group `names.REVIEW_GROUP` under the consumer REVIEW_CONSUMER + tenant.
+REVIEW_DECISION_KEY = "ticketq:review:decision:{entry_id}"
+REVIEW_CONSUMER = "tenant:"
+# The review page's session cookie (HttpOnly, SameSite=Strict; gateway.review.session signs it).
+REVIEW_COOKIE = "ticketq_review"
 # Results the dispatcher gave up on after TICKETQ_DELIVER_MAX_ATTEMPTS POSTs, with the last error.
 DELIVER_DEAD_STREAM = "ticketq:deliver:dead"
 # Ranges of the results stream trimmed before a dispatcher group read them: {group, after, before,
@@ -56,3 +64,5 @@ WRITEBACK_SECONDS = "ticketq_writeback_request_seconds"
 WRITEBACK_TRIMMED = "ticketq_writeback_trimmed_results"
 WRITEBACK_LAG = "ticketq_writeback_lag_results"
 WRITEBACK_SKIPPED = "ticketq_writeback_skipped"
+REVIEW_DECISIONS = "ticketq_gateway_review_decisions"
+REVIEW_CONFLICTS = "ticketq_gateway_review_conflicts"

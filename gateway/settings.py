@@ -19,6 +19,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from gateway.auth import DEFAULT_TENANT, TENANT_NAME, tenant_of
+from gateway.review.settings import ReviewSettings
 from ticketq.config import ClientSettings
 
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
@@ -45,7 +46,7 @@ def _check_tenants(named: dict) -> dict:
     return named
 
 
-class GatewaySettings(ClientSettings):
+class GatewaySettings(ClientSettings, ReviewSettings):
     """`ticketq-gateway` and `ticketq-deliver`: every field is `TICKETQ_<FIELD>` in the environment."""
 
     gateway_host: str = Field("127.0.0.1", description="Address the gateway listens on.")

@@ -18,6 +18,12 @@ DEAD_LETTER_STREAM = "ticketq:dead"
 # Results a person should look at (a schema field's confidence below its threshold): a copy of
 # each such result, written once with its first publication; consume it with a consumer group.
 REVIEW_STREAM = "ticketq:review"
+# The review page's consumer group on REVIEW_STREAM (an item is pending there, under its tenant's
+# consumer, until a reviewer decides it: XACK) and the stream of those decisions, one entry per
+# reviewed item (`data` = `ticketq.labelled` record JSON), never trimmed: it is training data
+# (`ticketq reviews export` writes it as a labelled file for `ticketq eval` and `ticketq fit`).
+REVIEW_GROUP = "ticketq-review"
+LABELLED_STREAM = "ticketq:labelled"
 # Which Redis "life" a client talks to (`ticketq.epoch`): a marker every worker and producer sets
 # if absent and reads now and then; when the one it knew is gone or replaced, Redis restarted
 # without its data (or was flushed). The record of the latest such loss, for `ticketq status`.

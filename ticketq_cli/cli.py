@@ -249,6 +249,7 @@ def schema_check(paths: Annotated[list[Path], typer.Argument(help="Schema files 
 
 
 cli.add_typer(ops_commands.dead, name="dead")
+cli.add_typer(ops_commands.reviews, name="reviews")
 for _command in (ops_commands.exporter, ops_commands.status, ops_commands.result):
     cli.command()(_command)
 

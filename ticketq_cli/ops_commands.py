@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from contextlib import contextmanager, suppress
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -19,6 +20,8 @@ from ticketq_cli.common import (
     read_settings,
 )
 
+reviews = typer.Typer(help="Reviewers' decisions from the gateway's review page (stream ticketq:labelled).",
+                      no_args_is_help=True, context_settings=CONTEXT_SETTINGS)  # fmt: skip
 dead = typer.Typer(help="Dead letters (stream ticketq:dead): list, show, requeue once the cause is fixed.",
                    no_args_is_help=True, context_settings=CONTEXT_SETTINGS)  # fmt: skip
 
@@ -159,3 +162,19 @@ def result(key: Annotated[str, typer.Argument(help="Task id or ticket id.")]) ->
         fail(f"no result for {key} (not in the results stream, pending or expired in the backend)", EXIT_NOTHING)
     for row in found:
         print(json.dumps(row, ensure_ascii=False))
+
+
+@reviews.command("export")
+def reviews_export(
+    out: Annotated[Path, typer.Option(help="The labelled file to write (JSONL: id, text, schema, expected).")],
+    tenant: Annotated[str | None, typer.Option(help="Only this tenant's decisions (default: every tenant's).")] = None,
+    schema: Annotated[str | None, typer.Option(help="Only decisions on results of this schema.")] = None,
+) -> None:
+    """Write the review page's decisions as a labelled file that `ticketq eval --schema` and `ticketq fit`
+    read: one row per decided ticket, `expected` the reviewer's {field: label}, oldest first."""
+    from ticketq_cli.reviews import export
+
+    with _ops() as ops:
+        summary = export(ops.redis, out, tenant, schema)
+    print(f"{out}: {summary.rows} decision(s), {summary.corrected} corrected by the reviewer"
+          + (f"; {summary.without_text} left out (no ticket text recorded)" if summary.without_text else ""))

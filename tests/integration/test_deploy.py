@@ -52,6 +52,7 @@ GRAFANA = DEPLOY / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "ticketq.json"
 K8S = DEPLOY / "k8s"
 CONSTANTS = ROOT / "worker" / "constants.py"
+GATEWAY_KEYS = ROOT / "gateway" / "keys.py"  # the gateway's metric names (the review page's panels)
 NAMES = ROOT / "ticketq" / "names.py"  # the names clients share: task, queue, streams
 
 DEFAULT_METRICS_PORT = 9808
@@ -79,6 +80,10 @@ EXPECTED_KINDS: dict[str, str] = {
     "ticketq_queue_depth": "gauge",
 }
 NOT_YET_IN_CONSTANTS = {"ticketq_queue_depth"}
+# The gateway's series the dashboard shows (the review page's), by kind; names from gateway/keys.py.
+# Not a worker's: no `instance=~"$instance"` (a worker variable), and the live check below, which
+# scrapes a worker and an exporter only, leaves them out (tests/integration/test_review.py reads them).
+GATEWAY_KINDS = {"ticketq_gateway_review_decisions": "counter", "ticketq_gateway_review_conflicts": "counter"}
 SERIES_SUFFIXES = {
     "counter": ("_total",),
     "gauge": ("",),
@@ -254,7 +259,7 @@ def test_expected_metrics_match_constants():
 @pytest.mark.parametrize("source", ["dashboard", "alerts"])
 def test_referenced_metrics_exist(source: str):
     exprs = _dashboard_exprs() if source == "dashboard" else list(_alert_exprs().values())
-    allowed = _exported_series(_metric_kinds())
+    allowed = _exported_series(_metric_kinds()) | (_exported_series(GATEWAY_KINDS) if source == "dashboard" else set())
     unknown = sorted({name for expr in exprs for name in METRIC_RE.findall(expr)} - allowed)
     assert not unknown, f"{source} uses metrics the worker does not export: {unknown}"
     for expr in exprs:
@@ -274,7 +279,8 @@ def test_dashboard_uses_its_variables():
     raw = _raw_dashboard_exprs()
     assert not [e for e in raw if re.search(r'job\s*=\s*"', e)], "the job is $job, never written out"
     assert not [e for e in raw if re.search(r"\[\d+[smh]\]", e) and "increase(" not in e], "use $__rate_interval"
-    assert all('instance=~"$instance"' in e for e in raw if "ticketq_" in e and "queue_depth" not in e)
+    assert all('instance=~"$instance"' in e for e in raw if "ticketq_" in e and "queue_depth" not in e
+               and "ticketq_gateway_" not in e), "every worker series is the chosen workers'"
     assert all('queue=~"$queue"' in e for e in raw), "every panel shows the chosen queues"
 
 
@@ -287,6 +293,14 @@ def test_every_dashboard_panel_is_per_queue():
     for expr in raw:
         for op, by in AGGREGATION_RE.findall(expr):
             assert "queue" in [label.strip() for label in by.split(",")], f"{op} without `by (queue, ...)`: {expr}"
+
+
+def test_gateway_series_on_the_dashboard_are_the_gateways():
+    """The gateway metric names the dashboard uses are gateway/keys.py's (a rename there breaks this)."""
+    names = {v for k, v in _constants(GATEWAY_KEYS).items() if k.startswith("REVIEW_")}
+    assert set(GATEWAY_KINDS) <= names, f"gone from gateway/keys.py: {sorted(set(GATEWAY_KINDS) - names)}"
+    used = {name for expr in _dashboard_exprs() for name in METRIC_RE.findall(expr) if "_gateway_" in name}
+    assert used == {name + "_total" for name in GATEWAY_KINDS}, used
 
 
 def test_dashboard_covers_every_metric():
@@ -1116,7 +1130,7 @@ def test_live_dashboard_expressions(prometheus, metrics_target, exporter_target,
     prom.wait_for_scrapes(2)
     models = {r["metric"]["model"] for r in prom.query("ticketq_model_info")}
     assert models and "fixture-exporter" not in models, f"the dashboard must be checked on a real worker: {models}"
-    exprs = sorted(set(_dashboard_exprs()))
+    exprs = sorted(e for e in set(_dashboard_exprs()) if "ticketq_gateway_" not in e)  # no gateway scraped here
 
     def all_non_empty():
         return not [e for e in exprs if not prom.query(e)]

@@ -95,13 +95,17 @@ def test_a_failure_kept_by_a_requeue_is_not_streamed_again_but_its_answer_is(cli
 def test_results_to_review_are_copied_once_with_their_first_publication(client: redis.Redis) -> None:
     outbox = Outbox(client, stream_maxlen=100_000, result_expires_s=600, worst_batch_s=5)
     a, b, c = (f"store-review-{n}-{uuid.uuid4()}" for n in "abc")
-    review = {(a, 1), (b, 0)}
+    review = {(a, 1): "text of a1", (b, 0): "text of b0"}
     assert outbox.publish([result(a, 0), result(a, 1), result(b, 0), result(c, 0)], [a, b, c], review) == ([], [])
     assert streamed(client, {a, b, c}, REVIEW_STREAM) == Counter({(a, 1): 1, (b, 0): 1})
     # a re-execution (the same results again, flagged again) copies nothing more; a new one is copied
-    repeated, _ = outbox.publish([result(a, 1), result(b, 0), result(a, 2)], [a, b], {(a, 1), (b, 0), (a, 2)})
+    again = {(a, 1): "text of a1", (b, 0): "text of b0", (a, 2): "text of a2"}
+    repeated, _ = outbox.publish([result(a, 1), result(b, 0), result(a, 2)], [a, b], again)
     assert sorted(repeated) == sorted([(a, 1), (b, 0)])
     assert streamed(client, {a, b, c}, REVIEW_STREAM) == Counter({(a, 1): 1, (b, 0): 1, (a, 2): 1})
+    # each copy carries its ticket's text beside the result (a reviewer reads it)
+    texts = {fields[b"text"].decode() for _, fields in client.xrange(REVIEW_STREAM) if a.encode() in fields[b"data"]}
+    assert texts == {"text of a1", "text of a2"}
     assert streamed(client, {a, b, c}) == Counter({(a, 0): 1, (a, 1): 1, (a, 2): 1, (b, 0): 1, (c, 0): 1})
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -26,6 +27,8 @@ from worker.redis.writes import Writes
 if TYPE_CHECKING:
     from worker.settings import Settings
 
+ToReview = Mapping[tuple[str, int], str]  # (task id, slot) of a result to review -> its ticket's text
+NO_REVIEW: ToReview = MappingProxyType({})
 log = logging.getLogger(__name__)
 
 # The outbox's Redis scripts, beside this module (each file's header lists its keys and arguments).
@@ -87,11 +90,10 @@ class Outbox(Writes):
 
     # ----- results -------------------------------------------------------------------------
 
-    def publish(self, slots: Sequence[tuple], finished: Sequence[str], review: Collection[tuple[str, int]] = ()
-                ) -> Published:  # fmt: skip
+    def publish(self, slots: Sequence[tuple], finished: Sequence[str], review: ToReview = NO_REVIEW) -> Published:
         """Stream each (task id, slot, result JSON[, payload digest]) once, each entry with the epoch
-        marker's id (`ticketq.epoch`), and drop the attempts keys of `finished` messages; the (task id,
-        slot) in `review` are copied to the review stream (`names.REVIEW_STREAM`) with their first publication.
+        marker's id (`ticketq.epoch`), drop the attempts keys of `finished` messages, and copy the (task
+        id, slot) keys of `review` to `names.REVIEW_STREAM` with their first publication (with the text).
 
         One script call. EVAL, not a registered Script: redis-py checks SCRIPT EXISTS before every
         pipeline that holds a Script (a second round trip per forward batch); EVAL of a short body costs
@@ -122,10 +124,11 @@ class Outbox(Writes):
             self.result_expires_s,
             len(by_task),
             PUBLISH_CALL_TTL_S,
-            ",".join(str(at) for at, place in enumerate(order, 1) if place in review) if review else "",
+            ",".join(str(at) for at, place in enumerate(order, 1) if place in review),
             *(",".join([str(slot) for slot, _ in group]) for group in groups),
             *digests.values(),
             *(encoded for group in groups for _, encoded in group),
+            *(review[place] for place in order if place in review),  # the texts, last
         ]
         # Durable only when it finishes a message: an ack follows, and must not outrun the replicas.
         command = lambda target: target.eval(PUBLISH_ONCE, len(keys), *keys, *args)  # noqa: E731

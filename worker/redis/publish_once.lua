@@ -2,7 +2,8 @@
 -- the first final result for (task, slot) goes to the stream, repeats do not, and a message whose
 -- task id already streamed results of another payload (its digest differs) writes nothing: its
 -- results are named as conflicts. A result flagged for review is copied to the review stream
--- with its first publication only. One call per forward batch, one BITFIELD per message in it.
+-- with its first publication only, its ticket's text beside it (field `text`: a reviewer reads
+-- it; the result alone does not hold it). One call per forward batch, one BITFIELD per message in it.
 -- The call itself is idempotent too: its answer is kept under its own key, and the same call
 -- repeated (its reply lost to a timeout or a partition) gets that answer again, not "all repeats";
 -- a call its caller cancelled (it gave up before the call ran) does nothing.
@@ -18,7 +19,7 @@
 -- key's expiry in seconds, ARGV[5] the positions (1-based, comma-separated) of the results to
 -- review, ARGV[6..m+5] each message's slots, comma-separated; ARGV[m+6..2m+5] each message's digest
 -- ('' = not checked); ARGV[2m+6..] the result JSON of each of those slots, message by message, in
--- the same order.
+-- the same order; then, last, the ticket text of each result to review, in the order of ARGV[5].
 -- Returns {repeats, conflicts}: positions (1-based, in that order) of results published before by
 -- the same message (re-executions), and of results of another message under a used task id.
 local m = tonumber(ARGV[3])
@@ -51,9 +52,12 @@ do
     entry = {'data', '', 'epoch', tostring(decoded.id)}
   end
 end
-local review, reviewed = {}, false
+local review, reviewed, positions = {}, false, {}
 for at in string.gmatch(ARGV[5], '%d+') do
-  review[tonumber(at)] = true
+  positions[#positions + 1] = tonumber(at)
+end
+for k, at in ipairs(positions) do  -- position -> its ticket's text (the last #positions arguments)
+  review[at] = ARGV[#ARGV - #positions + k]
 end
 local result, position, repeats, conflicts = 2 * m + 6, 1, {}, {}
 for i = 1, m do
@@ -86,7 +90,7 @@ for i = 1, m do
           entry[2] = ARGV[result]
           redis.call('XADD', KEYS[1], '*', unpack(entry))
           if review[position] then
-            redis.call('XADD', KEYS[3 * m + 3], '*', 'data', ARGV[result])
+            redis.call('XADD', KEYS[3 * m + 3], '*', 'data', ARGV[result], 'text', review[position])
             reviewed = true
           end
         else

@@ -11,7 +11,7 @@ each call is ignored: this outbox is its own result backend (`stored`).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ticketq.publishing import Published, Unconfirmed
@@ -36,7 +36,7 @@ class MemoryOutbox:
         return self.deliveries[task_ids[0]]
 
     def publish(self, slots: Sequence[tuple], finished: Sequence[str],
-                review: Collection[tuple[str, int]] = ()) -> Published:  # fmt: skip
+                review: Mapping[tuple[str, int], str] | None = None) -> Published:  # fmt: skip
         repeats, conflicts = [], []
         for task_id, slot, encoded, *digest in slots:
             given = digest[0] if digest else ""
@@ -48,8 +48,8 @@ class MemoryOutbox:
             else:
                 self.done[task_id].add(slot)
                 self.results.append(json.loads(encoded))
-                if (task_id, slot) in review:
-                    self.review.append(json.loads(encoded))
+                if review and (task_id, slot) in review:
+                    self.review.append({**json.loads(encoded), "text": review[task_id, slot]})
         for task_id in finished:
             self.deliveries.pop(task_id, None)
         return Published(repeats, conflicts)

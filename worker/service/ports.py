@@ -72,7 +72,7 @@ class Outbox(Protocol):
     def count_deliveries(self, task_ids: Sequence[str]) -> int: ...
 
     def publish(self, slots: Sequence[tuple], finished: Sequence[str],
-                review: Collection[tuple[str, int]] = ()) -> Published: ...  # fmt: skip
+                review: Mapping[tuple[str, int], str] | None = None) -> Published: ...  # fmt: skip
 
     def landed(self, unconfirmed: Unconfirmed) -> Published | None: ...
 

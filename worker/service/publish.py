@@ -65,7 +65,8 @@ class Publisher:
         """
         digests = work.digests
         entries = [(slot.request.id, slot.index, slot.encoded, digests.get(slot.request.id, "")) for slot in slots]
-        review = {(slot.request.id, slot.index) for slot in slots if slot.result.get("review") is True}
+        review = {(slot.request.id, slot.index): slot.ticket.text  # the reviewer reads the text beside the answer
+                  for slot in slots if slot.result.get("review") is True}  # fmt: skip
         repeated, conflicts = self.outbox.publish(entries, complete, review)
         if repeated:
             self.hooks.on_repeats(len(repeated))
