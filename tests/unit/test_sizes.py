@@ -33,9 +33,6 @@ ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     ("function", "ticketq_cli/classify_commands.py:classify"): (53, "typer options, one per line"),
     ("function", "ticketq_cli/classify_commands.py:evaluate"): (54, "typer options, one per line"),
     ("file", "ticketq_cli/evaluate.py"): (413, "not yet split: metrics and their table"),
-    ("function", "ticketq_bench/cli.py:bench"): (55, "typer options, one per line"),
-    ("function", "ticketq_bench/figures.py:summarise"): (56, "not yet split"),
-    ("file", "ticketq_bench/modes.py"): (432, "one function per bench mode"),
     ("class", "gateway/intake.py:Intake"): (159, "records, the idempotency claim and the send: to split"),
 }
 
