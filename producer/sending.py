@@ -22,6 +22,7 @@ from producer.messages import Checked, TicketResult, argsrepr, payload
 from producer.outage import Outage
 from producer.resends import next_send
 from ticketq.names import TASK_CLASSIFY
+from ticketq.process import bar_disabled
 
 PUBLISH_BATCH = 500  # messages per Redis pipeline in submit_many (kombu >= 5.7's Producer.batch)
 
@@ -45,7 +46,8 @@ class Sender:
         sent: list[TicketResult] = []
         try:
             task_ids = [task_id or str(uuid.uuid4()) for task_id in task_ids]
-            with tqdm(total=sum(map(len, chunks)), unit="ticket", desc="enqueue", disable=not progress) as bar:
+            bar = tqdm(total=sum(map(len, chunks)), unit="ticket", desc="enqueue", disable=bar_disabled(progress))
+            with bar:
                 for first in range(0, len(chunks), PUBLISH_BATCH):
                     block = range(first, min(first + PUBLISH_BATCH, len(chunks)))
                     self._send_block([chunks[i] for i in block], [task_ids[i] for i in block], packed, sent)
