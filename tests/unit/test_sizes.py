@@ -24,8 +24,6 @@ ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     ("constructor", "worker/engine/model.py:Engine.__init__"): (14, "the engine split of issue 40 is open"),
     ("class", "worker/engine/fields.py:FieldsEngine"): (175, "the engine split of issue 40 is open"),
     ("file", "worker/engine/kernels.py"): (465, "device, dtype and GEMM probes: to split with the precision policy"),
-    ("class", "worker/settings.py:Settings"): (157, "one field per TICKETQ_* setting"),
-    ("class", "ticketq/config.py:ClientSettings"): (165, "one field per client setting"),
     ("class", "producer/broker.py:Broker"): (155, "not yet split: connection and outage riding"),
     ("class", "producer/client.py:Producer"): (198, "the public API's one class"),
     ("function", "producer/run.py:send_and_collect"): (74, "not yet split"),
