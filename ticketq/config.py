@@ -49,6 +49,50 @@ WORKER_SETTINGS = frozenset({
 GATEWAY_PREFIXES = ("gateway_", "deliver_")
 
 
+class TicketSettings(BaseModel):
+    """What a ticket may be: the closed label set (with optional hints) and the size limit."""
+
+    labels: Annotated[tuple[str, ...], NoDecode] = Field(
+        DEFAULT_LABELS, description="Closed label set, comma separated; `name=description` adds a hint."
+    )
+    max_ticket_bytes: int = Field(
+        MAX_TICKET_BYTES, ge=64, description="Raw text above this is rejected (dead-lettered)."
+    )
+
+    @field_validator("labels", mode="before")
+    @classmethod
+    def _split_labels(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",")]
+        return value
+
+    @field_validator("labels")
+    @classmethod
+    def _check_labels(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        names = [label.split("=", 1)[0].strip() for label in value]
+        if len(names) < 2:
+            raise ValueError("needs at least two labels, comma separated (billing,technical,account)")
+        if any(not name for name in names):
+            raise ValueError("has an empty label name; labels are comma separated, each non-empty")
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            shown = ", ".join(map(repr, duplicates))
+            raise ValueError(f"label {shown} appears more than once; each label must be unique")
+        return tuple(label.strip() for label in value)
+
+    @property
+    def label_names(self) -> tuple[str, ...]:
+        return tuple(label.split("=", 1)[0].strip() for label in self.labels)
+
+    @property
+    def label_descriptions(self) -> dict[str, str]:
+        return {
+            name.strip(): desc.strip()
+            for name, _, desc in (label.partition("=") for label in self.labels)
+            if desc.strip()
+        }
+
+
 class RedisSettings(BaseModel):
     """Where the Redis is and how its writes are confirmed: the broker (a Redis URL, or a Sentinel
     list and its master's name), the result backend, the replica acks."""
@@ -129,18 +173,12 @@ class RedisSettings(BaseModel):
         return self.result_backend or self.broker_url
 
 
-class ClientSettings(RedisSettings, BaseSettings):
+class ClientSettings(RedisSettings, TicketSettings, BaseSettings):
     """What producers and workers share. Every field is `TICKETQ_<FIELD>` in the environment; the
-    Redis ones come from `RedisSettings`."""
+    tickets' and the Redis ones come from `TicketSettings` and `RedisSettings` (listed first)."""
 
     model_config = SettingsConfigDict(env_prefix="TICKETQ_", extra="ignore", validate_default=True)
 
-    labels: Annotated[tuple[str, ...], NoDecode] = Field(
-        DEFAULT_LABELS, description="Closed label set, comma separated; `name=description` adds a hint."
-    )
-    max_ticket_bytes: int = Field(
-        MAX_TICKET_BYTES, ge=64, description="Raw text above this is rejected (dead-lettered)."
-    )
     queue: str = Field(QUEUE, description="Celery queue the worker consumes.")
     # A client sets it too: kombu's Redis transport must use the worker's value.
     visibility_timeout_s: int = Field(300, ge=1, description="Redis redelivers unacked messages after this.")
@@ -177,27 +215,6 @@ class ClientSettings(RedisSettings, BaseSettings):
                 lines.append(f"{name} is not a ticketq setting and is ignored; {hint}")
         return lines + [line for name in sorted(environ) if (line := _misnamed(name, known))]
 
-    @field_validator("labels", mode="before")
-    @classmethod
-    def _split_labels(cls, value: object) -> object:
-        if isinstance(value, str):
-            value = [part.strip() for part in value.split(",")]
-        return value
-
-    @field_validator("labels")
-    @classmethod
-    def _check_labels(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        names = [label.split("=", 1)[0].strip() for label in value]
-        if len(names) < 2:
-            raise ValueError("needs at least two labels, comma separated (billing,technical,account)")
-        if any(not name for name in names):
-            raise ValueError("has an empty label name; labels are comma separated, each non-empty")
-        duplicates = sorted({name for name in names if names.count(name) > 1})
-        if duplicates:
-            shown = ", ".join(map(repr, duplicates))
-            raise ValueError(f"label {shown} appears more than once; each label must be unique")
-        return tuple(label.strip() for label in value)
-
     def with_overrides(self: S, **overrides: Any) -> S:
         """A copy with `overrides` (None = not given), validated as from the environment, or `SettingsError`
         naming each value as the caller passed it (`broker_url=...`)."""
@@ -209,18 +226,6 @@ class ClientSettings(RedisSettings, BaseSettings):
         except ValidationError as exc:
             flags = {name: f"{name}=" for name in given}
             raise SettingsError("\n".join(_describe(error, flags) for error in exc.errors())) from None
-
-    @property
-    def label_names(self) -> tuple[str, ...]:
-        return tuple(label.split("=", 1)[0].strip() for label in self.labels)
-
-    @property
-    def label_descriptions(self) -> dict[str, str]:
-        return {
-            name.strip(): desc.strip()
-            for name, _, desc in (label.partition("=") for label in self.labels)
-            if desc.strip()
-        }
 
 
 # scheme://user:PASSWORD@host: the user has no ':', the password runs to the last '@' before the
