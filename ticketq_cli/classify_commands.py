@@ -271,7 +271,8 @@ def _schema_option(path: Path | None):
 
 
 def _report_evaluation(evaluation, cuts: list[float], standin: bool, json_out: Path | None) -> None:
-    from ticketq_cli.evaluate import FieldsEvaluation, print_fields, print_scores
+    from ticketq_cli.eval_report import print_fields, print_scores
+    from ticketq_cli.evaluate import FieldsEvaluation
 
     out = Console()
     report(console, evaluation.refused, f"{len(evaluation.refused)} rows refused (not scored):")
