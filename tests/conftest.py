@@ -41,9 +41,10 @@ def tiny_settings(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_settings):
-    from worker.engine import Engine
 
-    return Engine.from_settings(tiny_settings)
+    from worker.engine.replicas import load_engine
+
+    return load_engine(tiny_settings)
 
 
 @pytest.fixture

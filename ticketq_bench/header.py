@@ -236,6 +236,8 @@ def exactness_lines(rows: list[dict]) -> list[str]:
             f"re-checked in float32 (per round {', '.join(f'{x:.1%}' for x in recheck['share'])}), bound "
             f"{recheck['bound'][-1]:.3g}; labels equal to the reference on {equal}/{checked['tickets']} tickets"
         )
+        if recheck.get("fast_s"):
+            lines.append(time_split(recheck))
         ratios = [f"{mode} {checked['items_per_s'] / row['items_per_s']:.2f}x" for mode, row in ran.items()
                   if mode in RIVALS and row.get("items_per_s")]  # fmt: skip
         if ratios:
@@ -248,6 +250,17 @@ def exactness_lines(rows: list[dict]) -> list[str]:
             f"its items/s; labels equal ticket for ticket: {_same_labels(dedup, plain)}"
         )
     return lines
+
+
+def time_split(recheck: dict) -> str:
+    """Where ticketq-checked's time went, in its median round: fast forwards, re-check forwards and
+    tickets sent straight to float32, and the share of tickets and tokens each took."""
+    median = {key: statistics.median(recheck[key]) for key in ("fast_s", "recheck_s", "straight_s", "tokens_share",
+                                                               "straight_share")}  # fmt: skip
+    return (f"ticketq-checked time split (median round): {median['fast_s']:.2f} s in {recheck['precision']} forwards, "
+            f"{median['recheck_s']:.2f} s re-checking in float32 ({median['tokens_share']:.1%} of the tokens computed "
+            f"again), {median['straight_s']:.2f} s on tickets sent straight to float32 "
+            f"({median['straight_share']:.1%} of the tickets)")
 
 
 def _same_labels(a: dict, b: dict) -> str:

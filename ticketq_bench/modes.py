@@ -21,9 +21,12 @@ from tqdm import tqdm
 
 from ticketq_bench import baselines
 from ticketq_bench.ceiling import linear_ceiling
+from ticketq_bench.checked import describe_fast, recheck_figures
 from ticketq_bench.memory import peak_rss_mb, reset_peak_rss
 from ticketq_bench.procs import ROOT
 from ticketq_bench.records import Answer, Bench, Load, ModeResult
+from worker.engine.kernels import int8_available, resolve_precision
+from worker.engine.replicas import check_with, sibling, with_int8, with_precision
 from worker.results import BatchReport
 
 # (bench, texts, progress bar or None) -> (answers in ticket order, one report per forward)
@@ -117,12 +120,7 @@ class InProcessRun(ModeRun):
 
     def rechecks(self, engine, answers: list[Answer], reports: list[BatchReport]) -> None:
         """The round's re-check share and the bound it was cut at (the report's notes read them from the row)."""
-        entry = self.result.figures.setdefault("recheck", {"share": [], "bound": [], "measured": [],
-                                                           "precision": engine.precision})  # fmt: skip
-        entry["share"].append(sum(a.rechecked for a in answers) / len(answers))
-        entry["bound"].append(engine.recheck.bound.bound)
-        entry["measured"].append(engine.recheck.bound.measured)
-        entry["forwards"] = sum(r.recheck for r in reports)
+        recheck_figures(self.result.figures, engine, answers, reports)
 
     def ceiling(self, engine, reports: list[BatchReport], seconds: float) -> None:
         """The round's tokens/s against its linear layers' ceiling at its mean forward (see `ceiling`)."""
@@ -193,17 +191,17 @@ def prepare_fast(bench: Bench, mode: str, console: Console) -> str | None:
     if engine.precision != "float32":
         return f"{mode} skipped: it is built on a float32 engine (--dtype float32), this one runs {engine.precision}"
     if mode == "ticketq-checked":
-        from worker.engine.kernels import resolve_precision
-
         precision, checked = resolve_precision("auto", engine.device, engine.info.matmul, recheck=True)
-        if not checked:
+        if not checked and engine.device.type == "cpu" and int8_available():
+            precision = "int8"  # the candidate where auto finds nothing faster: shown, its note says a worker's choice
+        elif not checked:
             return (f"ticketq-checked skipped: no precision measures faster than float32 on this {engine.device.type} "
                     "(TICKETQ_DTYPE=auto runs float32 here)")  # fmt: skip
     else:
         precision = "bfloat16"
     same = next((e for e in bench.fast_engines.values() if e.precision == precision), None)
     try:
-        fast = same._sibling(same.model, same.info) if same is not None else engine.with_precision(precision)
+        fast = sibling(same, same.model, same.info) if same is not None else with_precision(engine, precision)
     except (ValueError, RuntimeError) as exc:
         return f"{mode} skipped: {exc}"
     if bench.tuning is not None:  # another precision, another cost per token: plan with its own measurements
@@ -214,32 +212,15 @@ def prepare_fast(bench: Bench, mode: str, console: Console) -> str | None:
         console.print(f"autotune on {engine.info.device}/{precision}: {tuning.describe()}")
     if mode == "ticketq-checked":  # shown even where a worker would answer in float32 (the note says so)
         with console.status(f"measuring {precision}'s error bound against float32 (cached per machine)…"):
-            fast.check_with(engine, force=True)
+            check_with(fast, engine, force=True)
     bench.fast_engines[mode] = fast
     return None
-
-
-def describe_fast(mode: str, engine) -> str:
-    from worker.engine.precision import SAFETY, expected_gain
-    from worker.engine.recheck import MIN_GAIN
-
-    if mode == "ticketq-checked":
-        bound = engine.recheck.bound
-        gain = expected_gain(bound.speed, bound.share)
-        served = (f"a worker serves it (>= {MIN_GAIN}x needed)" if gain >= MIN_GAIN else
-                  f"a worker would answer in float32 here (< {MIN_GAIN}x): shown for the figures")  # fmt: skip
-        return (f"ticketq-checked: answers in {engine.precision}, a ticket whose decision gap is under "
-                f"{bound.bound:.3g} ({SAFETY:g} x the largest {engine.precision} error measured, {bound.measured:.3g}) "
-                f"computed again in float32; every label is compared with the reference. Its calibration: "
-                f"{engine.precision} {bound.speed:.2f}x float32's speed, {bound.share:.0%} of its tickets re-checked, "
-                f"{gain:.2f}x predicted: {served}")  # fmt: skip
-    return f"{mode}: answers in {engine.precision} as they come (unchecked, inexact)"
 
 
 def prepare_nodedup(bench: Bench) -> None:
     """Build (once) ticketq-nodedup's engine: the same model, prompt, plan and cost model, dedup off."""
     if bench.nodedup_engine is None:
-        bench.nodedup_engine = bench.engine._sibling(bench.engine.model, bench.engine.info)
+        bench.nodedup_engine = sibling(bench.engine, bench.engine.model, bench.engine.info)
         bench.nodedup_engine.dedup = False
 
 
@@ -252,7 +233,7 @@ def prepare_int8(bench: Bench, console: Console) -> str | None:
         bench.int8_engine, bench.int8_tuning = engine, bench.tuning
         return None
     try:
-        bench.int8_engine = engine.with_int8()
+        bench.int8_engine = with_int8(engine)
     except (ValueError, RuntimeError) as exc:
         return f"ticketq-int8 skipped: {exc}"
     if bench.tuning is not None:  # int8 changes the cost per token: plan with its own measurements

@@ -63,7 +63,8 @@ def with_duplicates(tickets: list[dict], share: float, seed: int) -> list[dict]:
 
 def setup(options: Options, console: Console) -> Bench | None:
     """Settings from TICKETQ_* plus the options, the engine (loaded once), and the autotune."""
-    from worker.engine import Engine, ModelNotFound
+    from worker.engine import ModelNotFound
+    from worker.engine.replicas import load_engine
 
     settings = _settings(options, console)
     schema = _schema(options, console)
@@ -71,7 +72,7 @@ def setup(options: Options, console: Console) -> Bench | None:
         return None
     with console.status(f"loading {settings.model}…"):
         try:
-            engine = Engine.from_settings(settings)
+            engine = load_engine(settings)
         except ModelNotFound as exc:
             console.print(f"[red]{exc}[/]")
             return None

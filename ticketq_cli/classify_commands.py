@@ -141,13 +141,13 @@ def _load_engine(settings):
     with paused_gc(freeze=True):
         from transformers.utils import logging as hf_logging
 
-        from worker.engine import Engine
+        from worker.engine.replicas import load_engine
 
         if not sys.stderr.isatty():  # no progress frames in a pipe or a log: not transformers' "Loading weights" either
             hf_logging.disable_progress_bar()
 
         try:
-            engine = Engine.from_settings(settings)
+            engine = load_engine(settings)
         except ModelNotFound as exc:
             fail(str(exc))
     if engine.info.standin:

@@ -12,7 +12,7 @@ from typing import Any
 
 from ticketq.schema import Schema
 from worker.engine.batching import Batch, Plan
-from worker.engine.scheduler import run_planned
+from worker.engine.scheduler import Exact, run_planned
 from worker.results import BatchReport, Prediction
 
 
@@ -26,10 +26,10 @@ class NullClassifier:
     dedup = False  # a copy costs what computing it again costs
     deferred = False
     cost = None  # it plans without a cost model
-    recheck = None  # no fast precision to re-check
 
     def __init__(self, labels: tuple[str, ...]) -> None:
         self.labels = labels
+        self.policy = Exact(self)  # no fast precision to re-check
         # One probabilities dict per label, shared by its answers (read only): at tens of thousands
         # of tickets a second, one built per ticket would cost a sixth of the model thread.
         self._probs = [{name: float(name == label) for name in labels} for label in labels]

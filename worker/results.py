@@ -44,6 +44,7 @@ class BatchReport(PaddedTokens):
     real_tokens: int
     seconds: float
     recheck: bool = False  # a float32 forward over tickets the fast precision could not settle
+    straight: bool = False  # a float32 forward over tickets a fast precision's policy sent straight to it
 
     @property
     def computed_tokens(self) -> int:

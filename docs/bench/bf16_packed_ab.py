@@ -27,6 +27,7 @@ from worker.engine import Engine
 from worker.engine.kernels import PackedLinear, release_freed_memory, replace_module
 from worker.engine.layout import prefix_mask
 from worker.engine.prompt import EncodedTicket
+from worker.engine.replicas import load_engine
 from worker.settings import Settings
 
 
@@ -86,7 +87,7 @@ def main() -> None:
     args = parser.parse_args()
     shapes = args.batch or [(5, 119), (16, 64)]
     settings = Settings(model=args.model, dtype="bfloat16", device="cpu", threads=args.threads)
-    engines = {"A torch linear": Engine.from_settings(settings), "B oneDNN prepacked": Engine.from_settings(settings)}
+    engines = {"A torch linear": load_engine(settings), "B oneDNN prepacked": load_engine(settings)}
     counts = [set_packed(e.decoder, packed) for e, packed in zip(engines.values(), (False, True), strict=True)]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16 engines A and B "
           f"(linears changed: {counts}); load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")  # fmt: skip

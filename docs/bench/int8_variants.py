@@ -39,6 +39,7 @@ from producer.synthetic import generate_tickets
 from worker.engine import Engine
 from worker.engine.int8 import quantize_linears_int8
 from worker.engine.kernels import full_range_dynamic_linear
+from worker.engine.replicas import load_engine
 from worker.results import Prediction
 from worker.settings import Settings
 
@@ -173,7 +174,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    engine = Engine.from_settings(Settings(model=args.model, dtype="float32", device="cpu", threads=args.threads))
+    engine = load_engine(Settings(model=args.model, dtype="float32", device="cpu", threads=args.threads))
     builders = variants(engine.model.config.num_hidden_layers)
     names = list(builders) if args.variants == "all" else args.variants.split(",")
     texts = [t["text"] for t in generate_tickets(args.tickets, seed=args.seed)]

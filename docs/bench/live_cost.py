@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 from producer.synthetic import generate_tickets
-from worker.engine import Engine
 from worker.engine.autotune import ROWS, WIDTHS, LiveCostModel, autotune
+from worker.engine.replicas import load_engine
 from worker.settings import Settings
 
 
@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--autotune-s", type=float, default=15.0)
     args = parser.parse_args()
 
-    engine = Engine.from_settings(Settings(model=args.model, dtype=args.dtype, threads=args.threads, live_cost=False))
+    engine = load_engine(Settings(model=args.model, dtype=args.dtype, threads=args.threads, live_cost=False))
     load_quiet = os.getloadavg()[0]
     quiet = autotune(engine, budget_s=args.autotune_s).cost
     texts = [ticket["text"] for ticket in generate_tickets(4000, seed=1)]

@@ -44,6 +44,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from producer.synthetic import generate_tickets
 from worker.engine import Engine
 from worker.engine.prompt import EncodedTicket
+from worker.engine.replicas import load_engine, with_int8
 from worker.settings import Settings
 
 TAG = "ticketq::"
@@ -281,10 +282,10 @@ def main() -> None:
                         help="time the linear ceiling at each batch's M beside each forward")  # fmt: skip
     args = parser.parse_args()
     settings = Settings(model=args.model, dtype=args.dtype, device="cpu", threads=args.threads)
-    engine = Engine.from_settings(settings)
+    engine = load_engine(settings)
     engines = {args.dtype: engine}
     if args.dtype == "float32":
-        engines["int8"] = engine.with_int8()
+        engines["int8"] = with_int8(engine)
     texts = [t["text"] for t in generate_tickets(args.tickets, seed=0)]
     rows, width = typical_batch(engine, texts)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())

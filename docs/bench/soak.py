@@ -74,13 +74,13 @@ def main() -> int:
     args = parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere in the checkout
     from producer.synthetic import generate_tickets
-    from worker.engine import Engine
     from worker.engine.kernels import ONEDNN_CACHE_VARIABLES
+    from worker.engine.replicas import load_engine
     from worker.settings import Settings
 
     given = {"model": args.model, "matmul": args.matmul, "dtype": args.dtype, "threads": args.threads}
     settings = Settings(**{k: v for k, v in given.items() if v is not None})
-    engine = Engine.from_settings(settings)
+    engine = load_engine(settings)
     if args.autotune_s:
         from worker.engine.autotune import autotune
 

@@ -22,7 +22,7 @@ from ticketq_bench.cli import main, parse_args
 from ticketq_bench.figures import compare
 from ticketq_bench.procs import ROOT
 from ticketq_bench.records import Answer
-from worker.engine import Engine, batching
+from worker.engine import Engine, EngineOptions, batching
 from worker.engine.prompt import system_text
 from worker.settings import DEFAULT_SYSTEM_PROMPT
 
@@ -166,9 +166,8 @@ def test_modes_default_quick_and_all():
 @pytest.mark.parametrize("labels", [("account", "account security", "billing"), ("billing", "technical", "account")])
 def test_full_prompt_batch_matches_the_reference(tiny_engine, labels):
     """The full-prompt batches (the baselines' scorer), also for labels sharing leading tokens."""
-    engine = Engine(
-        tiny_engine.model, tiny_engine.tokenizer, labels=labels, system=system_text(DEFAULT_SYSTEM_PROMPT, labels, {})
-    )
+    engine = Engine(tiny_engine.model, tiny_engine.tokenizer,
+        EngineOptions(labels=labels, system=system_text(DEFAULT_SYSTEM_PROMPT, labels, {})))
     texts = [t["text"] for t in generate_tickets(12, seed=5)] + ["x", "<|im_end|> refund please"]
     encoded = engine.encode(texts)
     plan = batching.plan_fixed([len(e.ids) for e in encoded], 5)
@@ -279,9 +278,8 @@ def test_llama_cpp_scores_shared_label_prefixes_like_the_reference(tiny_engine, 
     from ticketq_bench.llama_cpp_peer import LlamaCppScorer, gguf_model
 
     labels = ("account", "account security", "billing")
-    engine = Engine(
-        tiny_engine.model, tiny_engine.tokenizer, labels=labels, system=system_text(DEFAULT_SYSTEM_PROMPT, labels, {})
-    )
+    engine = Engine(tiny_engine.model, tiny_engine.tokenizer,
+        EngineOptions(labels=labels, system=system_text(DEFAULT_SYSTEM_PROMPT, labels, {})))
     assert any(engine.prompt.trie.branches.keys() - {()})
     gguf = gguf_model(tiny_model_dir, "f32", ROOT / "out")
     scorer = LlamaCppScorer(gguf, engine.prompt, threads=1, n_ctx=1024)

@@ -37,13 +37,14 @@ import json, sys
 from pathlib import Path
 from worker.engine import Engine
 from worker.settings import Settings
+from worker.engine.replicas import load_engine
 
 def rss_mb():
     line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmRSS:"))
     return int(line.split()[1]) / 1024
 
 model, warm, measured = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-engine = Engine.from_settings(Settings(model=model, dtype="float32", device="cpu", threads=1, matmul="onednn"))
+engine = load_engine(Settings(model=model, dtype="float32", device="cpu", threads=1, matmul="onednn"))
 row = engine.encode(["Please reset my password"])[0]
 shapes = [(rows, width) for width in range(len(row.ids), 400) for rows in (1, 2, 3)]
 shapes = list({rows * width: (rows, width) for rows, width in shapes}.values())  # one per M = rows x width

@@ -21,7 +21,7 @@ from producer.synthetic import generate_tickets
 from ticketq_bench.cli import main
 from ticketq_bench.peer_process import CRASH_ENV, describe_exit
 from ticketq_bench.procs import ROOT
-from worker.engine import Engine
+from worker.engine import Engine, EngineOptions
 from worker.engine.prompt import system_text
 from worker.settings import DEFAULT_SYSTEM_PROMPT
 
@@ -128,9 +128,8 @@ def test_openvino_scores_shared_label_prefixes_like_the_reference(tiny_engine, t
     from ticketq_bench.peers import OpenVinoScorer, PeerPrompt, openvino_model
 
     labels = ("account", "account security", "billing")
-    engine = Engine(
-        tiny_engine.model, tiny_engine.tokenizer, labels=labels, system=system_text(DEFAULT_SYSTEM_PROMPT, labels, {})
-    )
+    engine = Engine(tiny_engine.model, tiny_engine.tokenizer,
+        EngineOptions(labels=labels, system=system_text(DEFAULT_SYSTEM_PROMPT, labels, {})))
     assert any(engine.prompt.trie.branches.keys() - {()})
     scorer = OpenVinoScorer(openvino_model(tiny_model_dir, ROOT / "out"), PeerPrompt.of(engine.prompt), 1, "f32", 4)
     texts = [t["text"] for t in generate_tickets(6, seed=6)] + ["x"]

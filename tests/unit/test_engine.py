@@ -20,11 +20,12 @@ from hypothesis import strategies as st
 from texts import long_text
 
 from producer.synthetic import awkward_texts, generate_tickets
-from worker.engine import Engine, ModelNotFound, batching
+from worker.engine import Engine, EngineOptions, ModelNotFound, batching
 from worker.engine.kernels import PackedLinear
 from worker.engine.loading import cache_tensors, load_model
 from worker.engine.model import NoChatTemplate
 from worker.engine.prompt import InvalidTicket, system_text
+from worker.engine.replicas import load_engine
 from worker.results import Prediction, padding_ratio
 from worker.settings import DEFAULT_SYSTEM_PROMPT
 
@@ -218,13 +219,8 @@ COLLIDING_LABEL_SETS = {
 @pytest.fixture(scope="module", params=list(COLLIDING_LABEL_SETS), ids=list(COLLIDING_LABEL_SETS))
 def colliding_engine(request, tiny_engine) -> Engine:
     labels = COLLIDING_LABEL_SETS[request.param]
-    return Engine(
-        tiny_engine.model,
-        tiny_engine.tokenizer,
-        labels=labels,
-        system=system_text(DEFAULT_SYSTEM_PROMPT, labels, {}),
-        max_batch_tokens=1024,
-    )
+    return Engine(tiny_engine.model, tiny_engine.tokenizer,
+        EngineOptions(labels=labels, system=system_text(DEFAULT_SYSTEM_PROMPT, labels, {}), max_batch_tokens=1024))
 
 
 @pytest.fixture(scope="module")
@@ -278,10 +274,8 @@ def test_long_ticket_is_truncated_and_flagged(tiny_engine):
 
 
 def test_truncation_limit_is_the_engines(tiny_engine):
-    engine = Engine(
-        tiny_engine.model, tiny_engine.tokenizer, labels=tiny_engine.labels, system=tiny_engine.prompt.system,
-        max_ticket_tokens=16,
-    )  # fmt: skip
+    engine = Engine(tiny_engine.model, tiny_engine.tokenizer,
+        EngineOptions(labels=tiny_engine.labels, system=tiny_engine.prompt.system, max_ticket_tokens=16))  # fmt: skip
     text = "My invoice was charged twice this month and I would like a refund for the second charge please."
     prediction = engine.classify([text])[0][0]
     assert (prediction.truncated, prediction.tokens) == (True, 16)
@@ -427,7 +421,7 @@ def test_model_without_a_chat_template_names_the_fix(tiny_model_dir, tiny_settin
     (copy / "tokenizer_config.json").write_text(json.dumps(config))
     settings = tiny_settings.model_copy(update={"model": str(copy)})
     with pytest.raises(NoChatTemplate, match=r"has no chat template.*add a \"chat_template\"") as info:
-        Engine.from_settings(settings)
+        load_engine(settings)
     assert isinstance(info.value, ModelNotFound) and "\n" not in str(info.value)
     assert str(copy) in str(info.value)
     with pytest.raises(ModelNotReady, match=r"tokenizer_config\.json"):
@@ -461,7 +455,7 @@ def test_bf16_probe_measures_a_real_ratio():
 
 @pytest.fixture(scope="module")
 def int8_engine(tiny_settings):
-    return Engine.from_settings(tiny_settings.model_copy(update={"dtype": "int8", "recheck": "never"}))  # raw int8
+    return load_engine(tiny_settings.model_copy(update={"dtype": "int8", "recheck": "never"}))  # raw int8
 
 
 def test_int8_is_opt_in_and_says_so(tiny_engine, int8_engine):
@@ -535,7 +529,7 @@ def test_int8_agreement_with_the_float32_reference(int8_engine, corpus, referenc
 
 def test_int8_is_refused_off_the_cpu(tiny_settings):
     with pytest.raises(ValueError, match="TICKETQ_DTYPE=int8"):
-        Engine.from_settings(tiny_settings.model_copy(update={"dtype": "int8", "device": "cuda"}))
+        load_engine(tiny_settings.model_copy(update={"dtype": "int8", "device": "cuda"}))
 
 
 # ----- float32 GEMMs through oneDNN (TICKETQ_MATMUL) --------------------------------------------
@@ -545,7 +539,7 @@ needs_onednn = pytest.mark.skipif(not PackedLinear.available(), reason="this tor
 
 @pytest.fixture(scope="module")
 def onednn_engine(tiny_settings):
-    return Engine.from_settings(tiny_settings.model_copy(update={"matmul": "onednn"}))
+    return load_engine(tiny_settings.model_copy(update={"matmul": "onednn"}))
 
 
 @needs_onednn
@@ -587,16 +581,16 @@ def test_bfloat16_packed_for_onednn_gives_torchs_own_bf16_answers(tiny_settings,
     from worker.engine.kernels import cpu_has_native_bf16
 
     if not cpu_has_native_bf16():  # torch's bf16 GEMM is not oneDNN's here: auto packs nothing, onednn is refused
-        plain = Engine.from_settings(tiny_settings.model_copy(update={"dtype": "bfloat16", "matmul": "auto"}))
+        plain = load_engine(tiny_settings.model_copy(update={"dtype": "bfloat16", "matmul": "auto"}))
         assert plain.info.matmul == "torch" and not plain.info.fused
         assert not any(isinstance(layer.mlp.up_proj, PackedLinear) for layer in plain.decoder.layers)
         with pytest.raises(ValueError, match="native bf16"):
-            Engine.from_settings(tiny_settings.model_copy(update={"dtype": "bfloat16", "matmul": "onednn"}))
+            load_engine(tiny_settings.model_copy(update={"dtype": "bfloat16", "matmul": "onednn"}))
         return
     # transformers' layers on both sides (the fused loop has its own test, tests/unit/test_fused.py)
-    packed = Engine.from_settings(tiny_settings.model_copy(update={"dtype": "bfloat16", "matmul": "auto",
+    packed = load_engine(tiny_settings.model_copy(update={"dtype": "bfloat16", "matmul": "auto",
                                                                    "fuse": False}))  # fmt: skip
-    plain = Engine.from_settings(tiny_settings.model_copy(update={"dtype": "bfloat16", "matmul": "torch"}))
+    plain = load_engine(tiny_settings.model_copy(update={"dtype": "bfloat16", "matmul": "torch"}))
     assert packed.info.matmul == "onednn" and plain.info.matmul == "torch"
     assert all(isinstance(layer.mlp.up_proj, PackedLinear) for layer in packed.decoder.layers)
     assert not any(isinstance(layer.mlp.up_proj, PackedLinear) for layer in plain.decoder.layers)
@@ -611,7 +605,7 @@ def test_bfloat16_packed_for_onednn_gives_torchs_own_bf16_answers(tiny_settings,
 def test_int8_on_a_onednn_model_quantises_the_packed_linears(tiny_settings):
     from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
 
-    engine = Engine.from_settings(tiny_settings.model_copy(update={"dtype": "int8", "matmul": "onednn"}))
+    engine = load_engine(tiny_settings.model_copy(update={"dtype": "int8", "matmul": "onednn"}))
     for layer in engine.decoder.layers:
         assert isinstance(layer.mlp.down_proj, PackedLinear)  # kept float32, through oneDNN
         assert isinstance(layer.mlp.up_proj, DynamicInt8Linear)

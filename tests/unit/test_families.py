@@ -13,9 +13,9 @@ from families import FAMILIES, FUSED, build_family
 from texts import long_text
 
 from producer.synthetic import generate_tickets
-from worker.engine import Engine
 from worker.engine.fused import FusedDecoder
 from worker.engine.kernels import PackedLinear
+from worker.engine.replicas import load_engine
 from worker.engine.scoring import OutputTerms
 from worker.engine.selfcheck import ArchitectureUnsupported
 from worker.settings import Settings
@@ -52,7 +52,7 @@ def worst_diff(engine, texts) -> float:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_batched_equals_reference_and_the_info_names_the_path(family, family_dirs):
-    engine = Engine.from_settings(settings(family_dirs[family]))
+    engine = load_engine(settings(family_dirs[family]))
     assert worst_diff(engine, tickets(engine)) <= PROB_TOL
     assert engine.info.fused == (ONEDNN and family in FUSED)
     assert (engine._fused is not None) == engine.info.fused
@@ -63,8 +63,8 @@ def test_batched_equals_reference_and_the_info_names_the_path(family, family_dir
 def test_bfloat16_rechecked_in_float32_loads_and_gives_float32_labels(family, family_dirs, tmp_path, monkeypatch):
     """GPT-2 used to crash here (the calibration's cache key read a `norm` only Llama-style decoders have)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a fresh calibration, not this machine's cached one
-    engine = Engine.from_settings(settings(family_dirs[family], dtype="bfloat16", matmul="auto", recheck="always"))
-    assert engine.precision == "bfloat16" and engine.recheck is not None
+    engine = load_engine(settings(family_dirs[family], dtype="bfloat16", matmul="auto", recheck="always"))
+    assert engine.precision == "bfloat16" and engine.policy.checked
     texts = tickets(engine)[:4]
     answers, _ = engine.classify(texts)
     assert [a.label for a in answers] == [engine.reference(t).label for t in texts]
@@ -80,7 +80,7 @@ def test_a_fused_decoder_that_skips_a_term_gives_way_to_transformers_layers(fami
         return fused
 
     monkeypatch.setattr(FusedDecoder, "build", classmethod(without_qk_norms))
-    engine = Engine.from_settings(settings(family_dirs["qwen3"]))
+    engine = load_engine(settings(family_dirs["qwen3"]))
     assert not engine.info.fused and engine._fused is None
     assert "fused decoder" in engine.info.self_check and "transformers' layers serve" in engine.info.self_check
     assert worst_diff(engine, tickets(engine)[:3]) <= PROB_TOL
@@ -89,7 +89,7 @@ def test_a_fused_decoder_that_skips_a_term_gives_way_to_transformers_layers(fami
 def test_a_scorer_that_skips_a_term_is_refused_in_one_line(family_dirs, monkeypatch):
     monkeypatch.setattr(OutputTerms, "of", classmethod(lambda cls, config: cls()))  # Granite's logits_scaling lost
     with pytest.raises(ArchitectureUnsupported) as caught:
-        Engine.from_settings(settings(family_dirs["granite"]))
+        load_engine(settings(family_dirs["granite"]))
     message = str(caught.value)
     assert "\n" not in message and "granite" in message and "cannot serve this architecture exactly" in message
 
@@ -114,7 +114,7 @@ def test_a_schemas_fields_equal_their_reference_on_each_family(family, family_di
             "topics": {"instruction": "Which topics?", "labels": ["refund", "outage"], "multi": True},
         },
     })  # fmt: skip
-    engine = Engine.from_settings(settings(family_dirs[family]))
+    engine = load_engine(settings(family_dirs[family]))
     runner = engine.fields(schema)
     texts = tickets(engine)[:4]
     for text, answer in zip(texts, runner.classify(texts)[0], strict=True):

@@ -15,7 +15,7 @@ from texts import long_text
 
 from producer.synthetic import awkward_texts, generate_tickets
 from ticketq.schema import DEFAULT_FIELD, TicketFields, default_schema, load_schema, parse_schema
-from worker.engine import Engine, batching
+from worker.engine import Engine, EngineOptions, batching
 from worker.engine.fields import FieldsEngine, FieldsHost
 from worker.engine.prompt import FieldsPrompt, system_text, truncate
 from worker.settings import DEFAULT_SYSTEM_PROMPT
@@ -235,7 +235,8 @@ def test_the_default_schema_answers_as_classify(tiny_engine, tickets):
 
 
 def test_an_engine_without_a_schema_asks_for_one(tiny_engine):
-    bare = Engine(tiny_engine.model, tiny_engine.tokenizer, labels=tiny_engine.labels, system=tiny_engine.prompt.system)
+    bare = Engine(tiny_engine.model, tiny_engine.tokenizer,
+        EngineOptions(labels=tiny_engine.labels, system=tiny_engine.prompt.system))
     with pytest.raises(ValueError, match="without a schema"):
         bare.fields()
 
@@ -263,10 +264,9 @@ def test_truncate_keeps_head_tail_or_both_ends():
 
 @pytest.mark.parametrize("mode", ["head", "tail", "head+tail"])
 def test_each_truncation_mode_reads_its_part_of_a_long_ticket(tiny_engine, mode):
-    engine = Engine(
-        tiny_engine.model, tiny_engine.tokenizer, labels=tiny_engine.labels, system=tiny_engine.prompt.system,
-        max_ticket_tokens=16, truncation=mode,
-    )  # fmt: skip
+    engine = Engine(tiny_engine.model, tiny_engine.tokenizer,
+        EngineOptions(labels=tiny_engine.labels, system=tiny_engine.prompt.system, max_ticket_tokens=16,
+            truncation=mode))  # fmt: skip
     digits = "".join(str(i % 10) for i in range(40))  # one token per digit
     kept = {"head": digits[:16], "tail": digits[-16:], "head+tail": digits[:8] + digits[-8:]}[mode]
     encoded = engine.prompt.encode(digits)
@@ -294,7 +294,7 @@ def test_a_single_field_system_layout_is_classify_with_its_labels(tiny_engine):
     labels = ("account", "account security", "billing")
     system = system_text("\n\n".join([one.system, "Which team should handle the ticket?"]), labels,
                          SCHEMA["fields"]["team"]["labels"])  # fmt: skip
-    engine = Engine(tiny_engine.model, tiny_engine.tokenizer, labels=labels, system=system)
+    engine = Engine(tiny_engine.model, tiny_engine.tokenizer, EngineOptions(labels=labels, system=system))
     texts = ["my account got hacked", "refund the second charge please", "a"]
     results, _ = tiny_engine.fields(one).classify(texts)
     predictions, _ = engine.classify(texts)

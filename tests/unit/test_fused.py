@@ -15,11 +15,12 @@ from texts import long_text
 
 from producer.synthetic import awkward_texts, generate_tickets
 from ticketq.schema import parse_schema
-from worker.engine import Engine
+from worker.engine import Engine, EngineOptions
 from worker.engine.fused import FusedDecoder
 from worker.engine.kernels import PackedLinear
 from worker.engine.layout import prefix_mask
 from worker.engine.prompt import system_text
+from worker.engine.replicas import load_engine
 from worker.settings import DEFAULT_SYSTEM_PROMPT
 
 pytestmark = pytest.mark.skipif(not PackedLinear.available(), reason="this torch has no oneDNN linear ops")
@@ -32,12 +33,12 @@ NESTED = ("account", "account security", "account security review", "technical")
 
 @pytest.fixture(scope="module")
 def fused(tiny_settings) -> Engine:
-    return Engine.from_settings(tiny_settings.model_copy(update={"matmul": "onednn"}))
+    return load_engine(tiny_settings.model_copy(update={"matmul": "onednn"}))
 
 
 @pytest.fixture(scope="module")
 def unfused(tiny_settings) -> Engine:
-    return Engine.from_settings(tiny_settings.model_copy(update={"matmul": "onednn", "fuse": False}))
+    return load_engine(tiny_settings.model_copy(update={"matmul": "onednn", "fuse": False}))
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +60,9 @@ def worst_diff(got, want) -> float:
 def test_the_fused_path_runs_on_prepacked_weights_only(fused, unfused, tiny_settings):
     assert fused.info.fused and fused._fused is not None
     assert not unfused.info.fused and unfused._fused is None
-    plain = Engine.from_settings(tiny_settings)  # torch's GEMM: nothing packed, nothing fused
+    plain = load_engine(tiny_settings)  # torch's GEMM: nothing packed, nothing fused
     assert plain.info.matmul == "torch" and not plain.info.fused
-    int8 = Engine.from_settings(tiny_settings.model_copy(update={"dtype": "int8", "matmul": "onednn"}))
+    int8 = load_engine(tiny_settings.model_copy(update={"dtype": "int8", "matmul": "onednn"}))
     assert int8.info.matmul == "onednn" and not int8.info.fused  # dynamic int8 linears are not PackedLinear
     assert FusedDecoder.build(plain.decoder) is None and FusedDecoder.build(int8.decoder) is None
 
@@ -72,11 +73,11 @@ def test_bfloat16_batches_run_fused_without_post_ops_and_agree(tiny_settings, ti
     from worker.engine.kernels import cpu_has_native_bf16
 
     if not cpu_has_native_bf16():  # bf16 weights stay plain here (tests/unit/test_engine.py): nothing to fuse
-        plain = Engine.from_settings(tiny_settings.model_copy(update={"dtype": "bfloat16", "matmul": "auto"}))
+        plain = load_engine(tiny_settings.model_copy(update={"dtype": "bfloat16", "matmul": "auto"}))
         assert not plain.info.fused and FusedDecoder.build(plain.decoder) is None
         return
-    bf16 = Engine.from_settings(tiny_settings.model_copy(update={"dtype": "bfloat16", "matmul": "onednn"}))
-    plain = Engine.from_settings(tiny_settings.model_copy(update={"dtype": "bfloat16", "matmul": "onednn",
+    bf16 = load_engine(tiny_settings.model_copy(update={"dtype": "bfloat16", "matmul": "onednn"}))
+    plain = load_engine(tiny_settings.model_copy(update={"dtype": "bfloat16", "matmul": "onednn",
                                                                   "fuse": False}))  # fmt: skip
     assert bf16.info.fused and not bf16._fused.post_ops and not plain.info.fused
     got, _ = bf16.classify(tickets)
@@ -123,7 +124,8 @@ def test_keeping_positions_gives_those_rows_of_the_full_forward(fused):
 
 def test_fused_trie_continuations_match_the_reference(fused, tickets):
     """Labels sharing one and two first tokens: the continuation forwards read the batch's cached keys."""
-    nested = Engine(fused.model, fused.tokenizer, labels=NESTED, system=system_text(DEFAULT_SYSTEM_PROMPT, NESTED, {}))
+    nested = Engine(fused.model, fused.tokenizer,
+        EngineOptions(labels=NESTED, system=system_text(DEFAULT_SYSTEM_PROMPT, NESTED, {})))
     assert nested.info.fused and any(len(path) >= 2 for path in nested.prompt.trie.branches)
     texts = tickets[:30] + tickets[-10:]
     got, _ = nested.classify(texts)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from worker.engine import kernels
+from worker.engine.replicas import check_with, load_engine, with_precision
 
 CPU = torch.device("cpu")
 
@@ -235,7 +236,6 @@ def test_the_bf16_calibration_hands_onednn_one_dtype_and_the_layer_width_per_cal
     (packed too on a CPU with native bf16, torch's GEMM elsewhere), then the calibration runs both.
     Every oneDNN linear call must get its input, packed weight and bias in one dtype and an input of
     the layer's width (the copy used to cast the biases it shared with the float32 layers to bf16)."""
-    from worker.engine import Engine
 
     calls: list[tuple] = []
     forward, then = kernels.PackedLinear.forward, kernels.PackedLinear.then
@@ -255,9 +255,9 @@ def test_the_bf16_calibration_hands_onednn_one_dtype_and_the_layer_width_per_cal
 
     monkeypatch.setattr(kernels.PackedLinear, "forward", recording_forward)
     monkeypatch.setattr(kernels.PackedLinear, "then", recording_then)
-    exact = Engine.from_settings(tiny_settings.model_copy(update={"matmul": "onednn"}))
-    fast = exact.with_precision("bfloat16")
-    assert fast.check_with(exact, force=True)  # the calibration: both engines on the calibration tickets
+    exact = load_engine(tiny_settings.model_copy(update={"matmul": "onednn"}))
+    fast = with_precision(exact, "bfloat16")
+    assert check_with(fast, exact, force=True)  # the calibration: both engines on the calibration tickets
     assert {fast.precision, exact.precision} == {"bfloat16", "float32"} and calls
     for x_dtype, weight, bias, dims, width, in_features in calls:
         assert x_dtype == weight == bias and dims in (2, 3) and width == in_features

@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from test_engine import PROB_TOL, assert_matches_reference, assert_well_formed, snapshot_equal
 
 from producer.synthetic import awkward_texts, generate_tickets
-from worker.engine import Engine
+from worker.engine import Engine, EngineOptions
 from worker.engine.prompt import LabelTrie, system_text
+from worker.engine.replicas import load_engine
 from worker.settings import DEFAULT_SYSTEM_PROMPT, SettingsError, load_settings
 
 LABEL_SETS = {  # TICKETQ_LABELS values from the report, and labels nested as prefixes
@@ -33,7 +34,7 @@ def settings_with_labels(tiny_settings, labels: str):
 
 @pytest.fixture(scope="module", params=list(LABEL_SETS), ids=list(LABEL_SETS))
 def label_engine(request, tiny_settings) -> Engine:
-    return Engine.from_settings(settings_with_labels(tiny_settings, LABEL_SETS[request.param]))
+    return load_engine(settings_with_labels(tiny_settings, LABEL_SETS[request.param]))
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def tickets() -> list[str]:
 
 def engine_with(tiny_engine, labels: tuple[str, ...]) -> Engine:
     system = system_text(DEFAULT_SYSTEM_PROMPT, labels, {})
-    return Engine(tiny_engine.model, tiny_engine.tokenizer, labels=labels, system=system)
+    return Engine(tiny_engine.model, tiny_engine.tokenizer, EngineOptions(labels=labels, system=system))
 
 
 # ----- the trie ------------------------------------------------------------------------------

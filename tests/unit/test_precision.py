@@ -21,6 +21,7 @@ from worker.engine.precision import (
     ErrorBound,
     decision_error,
     decision_gap,
+    envelope,
     load_calibration,
 )
 from worker.engine.prompt import EncodedTicket
@@ -125,15 +126,35 @@ def _schema_answer(logits: dict[str, float], odds: dict[str, float], category: F
 
 def test_the_bound_only_widens_and_is_saved_at_once(tmp_path):
     path = tmp_path / "bound.json"
-    bound = ErrorBound("int8", 0.1, 16, path)
+    bound = ErrorBound("int8", Calibration(0.1, 16, 0.0, 0.0, 0.0, 0.1), path)
     assert bound.bound == pytest.approx(0.1 * SAFETY)
     assert bound.unsettled(prediction(normalised({"a": 0.15, "b": 0.0})))
     assert not bound.unsettled(prediction(normalised({"a": 0.25, "b": 0.0})))
     assert not bound.observe(0.05, "test") and bound.measured == 0.1  # smaller: kept
     assert bound.observe(0.3, "test") and bound.bound == pytest.approx(0.3 * SAFETY)
-    assert load_calibration(path) == Calibration(0.3, 18, 0.0, 0.0)
+    assert load_calibration(path) == Calibration(0.3, 18, 0.0, 0.0, 0.0, 0.3)
     assert not bound.observe(math.nan, "test")
-    assert ErrorBound("bfloat16", 0.0, 1).bound == FLOOR  # never under float32's own rounding
+    assert ErrorBound("bfloat16", Calibration(0.0, 1, 0.0, 0.0)).bound == FLOOR  # never under float32's own rounding
+
+
+def test_the_bound_grows_with_the_ticket_as_its_calibration_measured():
+    """Errors that grow as the square root of the length: the envelope takes exponent 0.5, and a short
+    ticket is held to a tighter bound than the flat one (SAFETY x the largest error)."""
+    errors = [(tokens, 0.01 * math.sqrt(tokens)) for tokens in (16, 64, 256, 400)]
+    exponent, rate = envelope(errors)
+    assert exponent == 0.5 and rate == pytest.approx(0.01)
+    bound = ErrorBound("bfloat16", Calibration(0.2, 4, 0.0, 0.0, exponent, rate))
+    assert bound.bound_at(16) == pytest.approx(0.08) and bound.bound_at(400) == pytest.approx(0.4) == bound.bound
+    short = replace(prediction(normalised({"a": 0.1, "b": 0.0})), tokens=16)  # gap 0.1: over 0.08
+    assert not bound.unsettled(short) and bound.unsettled(replace(short, tokens=400))
+    assert envelope([(16, 0.1), (400, 0.1)]) == (0.0, 0.1)  # flat errors: a flat bound
+
+
+def test_a_live_error_above_the_envelope_at_its_length_widens_it():
+    bound = ErrorBound("bfloat16", Calibration(0.2, 4, 0.0, 0.0, 0.5, 0.01))
+    assert not bound.observe(0.15, "re-check", tokens=400)  # under 0.01 x 20 at that length: kept
+    assert bound.observe(0.15, "shadow check", tokens=100)  # 0.015 per sqrt-token: the envelope rises
+    assert bound.rate == pytest.approx(0.015) and bound.bound_at(400) == pytest.approx(0.6)
 
 
 def test_the_predicted_gain_counts_each_recheck_as_a_float32_answer():
@@ -144,7 +165,7 @@ def test_the_predicted_gain_counts_each_recheck_as_a_float32_answer():
 
 
 def test_the_bound_is_widened_safely_from_two_threads(tmp_path):
-    bound = ErrorBound("int8", 0.0, 0, tmp_path / "b.json")
+    bound = ErrorBound("int8", Calibration(0.0, 0, 0.0, 0.0), tmp_path / "b.json")
     threads = [threading.Thread(target=lambda k=k: [bound.observe(k + i / 1000, "t") for i in range(200)])
                for k in range(4)]  # fmt: skip
     for thread in threads:
@@ -158,7 +179,8 @@ def test_the_bound_is_widened_safely_from_two_threads(tmp_path):
 
 
 class FakeEngine:
-    """Tickets are strings; an answer is (text, engine name). `unsure`: texts answered `Unsettled`."""
+    """Tickets are strings; an answer is (text, engine name). It is its own policy: `unsure` texts
+    are screened `Unsettled` for `recheck`."""
 
     deferred = False
 
@@ -166,6 +188,13 @@ class FakeEngine:
         self.name, self.unsure, self.recheck, self.rows = name, unsure, recheck, rows
         self.forwards: list[list[str]] = []
         self.max_batch_tokens = 1024
+        self.policy, self.checked = self, recheck is not None
+
+    def route(self, encoded):
+        return self
+
+    def screen(self, engine, answers):
+        return [Unsettled(a, self.recheck) if a[0] in self.unsure else a for a in answers]
 
     def encode(self, texts):
         return [EncodedTicket(tuple(ord(ch) for ch in text), len(text), False) for text in texts]
@@ -177,7 +206,7 @@ class FakeEngine:
     def forward_batch(self, tickets, width=None):
         texts = ["".join(map(chr, t.ids)) for t in tickets]
         self.forwards.append(texts)
-        return [Unsettled((t, self.name), self.recheck) if t in self.unsure else (t, self.name) for t in texts]
+        return [(t, self.name) for t in texts]
 
 
 class FakeRecheck(FakeEngine):

@@ -14,7 +14,8 @@ from producer.synthetic import generate_tickets
 from ticketq.schema import load_schema
 from worker.engine import Engine
 from worker.engine.precision import decision_error
-from worker.engine.scheduler import Unsettled
+from worker.engine.replicas import load_engine
+from worker.engine.scheduler import Exact, Unsettled
 from worker.settings import Settings
 
 SCHEMA = """
@@ -37,7 +38,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def checked(tiny_settings, dtype: str = "int8", **changes) -> Engine:
-    return Engine.from_settings(tiny_settings.model_copy(update={"dtype": dtype, "recheck": "always", **changes}))
+    return load_engine(tiny_settings.model_copy(update={"dtype": dtype, "recheck": "always", **changes}))
 
 
 @pytest.fixture
@@ -47,7 +48,7 @@ def texts() -> list[str]:
 
 def test_int8_rechecked_gives_float32s_label_on_every_ticket(cache, tiny_settings, tiny_engine, texts):
     engine = checked(tiny_settings)
-    assert engine.info.dtype == "int8" and engine.info.recheck and engine.recheck is not None
+    assert engine.info.dtype == "int8" and engine.info.recheck and engine.policy.checked
     answers, reports = engine.classify(texts)
     exact, _ = tiny_engine.classify(texts)
     assert [a.label for a in answers] == [e.label for e in exact]
@@ -56,17 +57,18 @@ def test_int8_rechecked_gives_float32s_label_on_every_ticket(cache, tiny_setting
     assert all(a.precision == "int8" for a in answers if not a.rechecked)
     assert any(r.recheck for r in reports) and not all(r.recheck for r in reports)
     # raw int8 on the same tickets does differ somewhere: the re-check is what makes them equal
-    engine.recheck, recheck = None, engine.recheck
+    engine.policy, policy = Exact(engine), engine.policy
     raw, _ = engine.classify(texts)
     assert [a.label for a in raw] != [e.label for e in exact]
-    engine.recheck = recheck
+    engine.policy = policy
 
 
 def test_the_reference_of_a_checked_engine_is_float32s(cache, tiny_settings, tiny_engine, texts):
     engine = checked(tiny_settings, dtype="bfloat16")
-    assert engine.model is not engine.recheck.exact.model  # a float32 twin beside the bfloat16 copy
+    assert engine.model is not engine.policy.exact.model  # a float32 twin beside the bfloat16 copy
     for text in texts[:4]:
-        assert engine.reference(text) == tiny_engine.reference(text)
+        assert engine.policy.reference(text) == tiny_engine.reference(text)
+        assert engine.reference(text).precision == "bfloat16"  # the engine itself computes in its own precision
     answers, _ = engine.classify(texts)
     assert [a.label for a in answers] == [e.label for e in tiny_engine.classify(texts)[0]]
 
@@ -77,23 +79,23 @@ def test_the_bound_is_measured_once_per_machine_then_read(cache, tiny_settings, 
     assert "calibrated against float32" in caplog.text
     (path,) = cache.glob("int8-*.json")
     saved = json.loads(path.read_text())
-    assert saved["measured"] == first.recheck.bound.measured > 0
+    assert saved["measured"] == first.policy.bound.measured > 0
     caplog.clear()
     written = path.stat().st_mtime_ns
     with caplog.at_level(logging.INFO, logger="worker.engine"):
         second = checked(tiny_settings)
-    assert "calibrated" not in caplog.text and second.recheck.bound.measured == first.recheck.bound.measured
+    assert "calibrated" not in caplog.text and second.policy.bound.measured == first.policy.bound.measured
     assert path.stat().st_mtime_ns == written  # read, not written again at every start
 
 
 def test_a_larger_error_seen_live_widens_the_bound_at_once(cache, tiny_settings, texts):
     engine = checked(tiny_settings)
-    bound = engine.recheck.bound
+    bound = engine.policy.bound
     before = bound.bound
     fast = engine.classify(texts[:1])[0][0]
-    engine.recheck, recheck = None, engine.recheck  # the raw int8 answer, as a served one would be
+    engine.policy, policy = Exact(engine), engine.policy  # the raw int8 answer, as a served one would be
     served = engine.classify(texts[:1])[0][0]
-    engine.recheck = recheck
+    engine.policy = policy
     wider = {name: p for name, p in served.probs.items()}
     labels = sorted(wider)
     wider[labels[0]], wider[labels[1]] = wider[labels[1]], wider[labels[0]]  # a reference far from it
@@ -111,7 +113,7 @@ def test_every_field_of_a_schema_is_checked(cache, tmp_path, tiny_settings, tiny
     schema = load_schema(path)
     engine = checked(tiny_settings)
     runner, exact = engine.fields(schema), tiny_engine.fields(schema)
-    assert runner.recheck is not None and "triage" in engine.error_bounds()
+    assert runner.policy.checked and "triage" in engine.error_bounds()
     answers, _ = runner.classify(texts)
     expected, _ = exact.classify(texts)
     for got, want in zip(answers, expected, strict=True):  # the labels and the review flags are float32's
@@ -126,7 +128,7 @@ def test_a_checked_worker_measures_its_schemas_bounds_before_its_first_job(cache
     path = tmp_path / "triage.toml"
     path.write_text(SCHEMA)
     settings = tiny_settings.model_copy(update={"dtype": "int8", "recheck": "always", "schemas": str(path)})
-    engine = Engine.from_settings(settings)
+    engine = load_engine(settings)
     with caplog.at_level(logging.INFO, logger="worker.engine"):
         routing = Routing.of(engine, settings)
     assert routing.schemas.prefixes_computed == 1 and "triage" in engine.error_bounds()
@@ -140,14 +142,14 @@ def test_a_checked_worker_measures_its_schemas_bounds_before_its_first_job(cache
 
 
 def test_off_the_fast_precision_answers_as_it_comes(cache, tiny_settings, texts):
-    engine = Engine.from_settings(tiny_settings.model_copy(update={"dtype": "int8", "recheck": "never"}))
-    assert engine.recheck is None and not engine.info.recheck
+    engine = load_engine(tiny_settings.model_copy(update={"dtype": "int8", "recheck": "never"}))
+    assert not engine.policy.checked and not engine.info.recheck
     assert not any(isinstance(a, Unsettled) or a.rechecked for a in engine.classify(texts)[0])
     assert not list(cache.glob("*.json"))  # nothing measured
 
 
 def test_float32_is_never_rechecked(cache, tiny_settings):
-    assert Engine.from_settings(tiny_settings.model_copy(update={"recheck": "always"})).recheck is None
+    assert not load_engine(tiny_settings.model_copy(update={"recheck": "always"})).policy.checked
 
 
 def test_settings_default_to_rechecked_where_it_pays_and_deduplicated():
@@ -161,29 +163,28 @@ def test_settings_default_to_rechecked_where_it_pays_and_deduplicated():
 def test_auto_serves_the_fast_precision_only_where_its_calibration_says_it_pays(cache, tiny_settings, monkeypatch,
                                                                                speed, share, served):  # fmt: skip
     """A fast precision 1.36x float32's with half its tickets re-checked runs at 0.81x: float32 is served."""
-    from worker.engine import recheck
+    from worker.engine import policy
     from worker.engine.precision import Calibration
 
-    monkeypatch.setattr(recheck, "calibrate", lambda *args, **kwargs: Calibration(0.1, 32, speed, share))
-    engine = Engine.from_settings(tiny_settings.model_copy(update={"dtype": "int8", "recheck": "auto"}))
-    assert engine.precision == served and (engine.recheck is not None) == (served == "int8")
+    monkeypatch.setattr(policy, "calibrate", lambda *args, **kwargs: Calibration(0.1, 32, speed, share))
+    engine = load_engine(tiny_settings.model_copy(update={"dtype": "int8", "recheck": "auto"}))
+    assert engine.precision == served and engine.policy.checked == (served == "int8")
 
 
 def test_a_live_share_that_makes_the_check_cost_more_than_it_saves_turns_it_off(cache, tiny_settings, texts,
                                                                                 monkeypatch, caplog):  # fmt: skip
-    from worker.engine import recheck
+    from worker.engine import policy
 
-    monkeypatch.setattr(recheck, "LIVE_WINDOW", 40)
+    monkeypatch.setattr(policy, "LIVE_WINDOW", 40)
     engine = checked(tiny_settings)
-    engine.recheck.judged = True  # as TICKETQ_RECHECK=auto serves it (the tiny model's calibration would not)
-    engine.recheck.bound.speed = 1.2  # break-even at 1/6 of the answers re-checked; the tiny model has more
-    with caplog.at_level(logging.WARNING, logger="worker.engine.recheck"):
+    engine.policy.judged = True  # as TICKETQ_RECHECK=auto serves it (the tiny model's calibration would not)
+    engine.policy.bound.speed = 1.2  # break-even at 1/6 of the answers re-checked; the tiny model has more
+    with caplog.at_level(logging.WARNING, logger="worker.engine.policy"):
         answers, _ = engine.classify(texts)
-    assert not engine.recheck.pays and "answering in float32 from now on" in caplog.text
+    assert not engine.policy.pays and "answering in float32 from now on" in caplog.text
     later, _ = engine.classify(texts[:20])
     assert {a.precision for a in later} == {"float32"} and not any(a.rechecked for a in later)
     assert [a.label for a in answers[:20]] == [a.label for a in later]
     kept = checked(tiny_settings)  # TICKETQ_RECHECK=always: kept whatever the share
-    kept.recheck.bound.speed = 1.2
-    kept.classify(texts)
-    assert kept.recheck.pays and any(a.rechecked for a in kept.classify(texts[:40])[0])
+    kept.policy.bound.speed = 1.2
+    assert any(a.rechecked for a in kept.classify(texts)[0]) and kept.policy.pays

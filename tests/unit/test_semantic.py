@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from producer.synthetic import generate_tickets
-from worker.engine import Engine
+from worker.engine import Engine, EngineOptions
 from worker.engine.prompt import PromptTemplate
 
 TRAIN_SEED, HELDOUT_SEED = 101, 202
@@ -93,7 +93,7 @@ def trained_engine(tiny_model_dir, tiny_engine) -> Engine:
     finally:
         torch.set_num_threads(threads)
     assert sum(losses[-10:]) / 10 < 0.2, losses[-10:]
-    engine = Engine(model, tiny_engine.tokenizer, labels=tiny_engine.labels, system=prompt.system)
+    engine = Engine(model, tiny_engine.tokenizer, EngineOptions(labels=tiny_engine.labels, system=prompt.system))
     assert engine.prompt.prefix_ids == prompt.prefix_ids and engine.prompt.trie.sequences == prompt.trie.sequences
     return engine
 

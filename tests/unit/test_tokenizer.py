@@ -18,6 +18,7 @@ import pytest
 from producer.synthetic import awkward_texts, generate_tickets
 from ticketq_cli.standin import STANDIN_MARKER, STANDIN_NOTE, build, is_standin
 from worker.engine.prompt import PromptTemplate, canonical_text
+from worker.engine.replicas import load_engine
 
 ENDOFTEXT, IM_START, IM_END = 151643, 151644, 151645
 
@@ -164,10 +165,11 @@ def test_thinking_template_is_rendered_with_thinking_off(tiny_model_dir):
 
 
 def test_engine_under_a_thinking_template_matches_its_reference(tiny_engine, tiny_model_dir):
-    from worker.engine import Engine
+    from worker.engine import Engine, EngineOptions
 
     tokenizer = tokenizer_with(tiny_model_dir, chat_template=THINKING_TEMPLATE)
-    engine = Engine(tiny_engine.model, tokenizer, labels=("team1", "team2", "billing"), system="Route tickets.")
+    engine = Engine(tiny_engine.model, tokenizer,
+        EngineOptions(labels=("team1", "team2", "billing"), system="Route tickets."))
     texts = [t["text"] for t in generate_tickets(12, seed=3)]
     predictions, _ = engine.classify(texts)
     for got, text in zip(predictions, texts, strict=True):
@@ -274,10 +276,8 @@ def test_standin_marker_is_present_and_reported(tiny_model_dir, tiny_engine):
 
 
 def test_model_without_marker_is_not_reported_as_standin(tiny_model_dir, tiny_settings, tmp_path):
-    from worker.engine import Engine
-
     copy = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
     (copy / STANDIN_MARKER).unlink()
     assert not is_standin(copy)
-    engine = Engine.from_settings(tiny_settings.model_copy(update={"model": str(copy)}))
+    engine = load_engine(tiny_settings.model_copy(update={"model": str(copy)}))
     assert engine.info.standin is False

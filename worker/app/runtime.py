@@ -98,11 +98,12 @@ def build_classifier(settings: Settings) -> Classifier:
     if settings.null_classifier:
         log.warning("TICKETQ_NULL_CLASSIFIER is on: labels are a hash, for measuring queue overhead only")
         return NullClassifier(settings.label_names)
-    from worker.engine import Engine, ModelNotFound  # torch is imported only by workers that classify
+    from worker.engine import ModelNotFound  # torch is imported only by workers that classify
+    from worker.engine.replicas import load_engine
 
     started = time.perf_counter()
     try:
-        engine = Engine.from_settings(settings)
+        engine = load_engine(settings)
     except ModelNotFound as exc:
         raise ModelNotReady(str(exc)) from None
     if settings.autotune:

@@ -17,11 +17,12 @@
 - `selfcheck` — at load, the batched path held to the reference: the fused decoder's fallback, or a refusal.
 - `int8` — the dynamic int8 decoder.
 - `precision` — decision gaps and errors of a fast precision's answers; `ErrorBound` (no torch).
-- `recheck` — a fast runner's float32 twin, re-checking the answers within its error bound.
+- `policy` — the precision policy the scheduler consults: which engine computes a ticket first, and
+  which answers a fast runner's float32 twin computes again.
 - `loading` — `from_pretrained` (the garbage collector paused) and the transformers cache API.
 - `autotune` — the planner's cost model fitted to the device: measured at start-up, refitted while serving.
 
-Importing the package imports no torch; `Engine`, `ModelInfo` and `ModelNotFound` load it on
+Importing the package imports no torch; `Engine`, `EngineOptions`, `ModelInfo` and `ModelNotFound` load it on
 first use, so `from worker.engine import batching` stays light.
 """
 
@@ -32,9 +33,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from worker.engine.configure import ModelInfo
     from worker.engine.loading import ModelNotFound
-    from worker.engine.model import Engine
+    from worker.engine.model import Engine, EngineOptions
 
-__all__ = ["Engine", "ModelInfo", "ModelNotFound"]
+__all__ = ["Engine", "EngineOptions", "ModelInfo", "ModelNotFound"]
 
 
 def __getattr__(name: str) -> Any:
@@ -42,6 +43,10 @@ def __getattr__(name: str) -> Any:
         from worker.engine.model import Engine
 
         return Engine
+    if name == "EngineOptions":
+        from worker.engine.model import EngineOptions
+
+        return EngineOptions
     if name == "ModelInfo":
         from worker.engine.configure import ModelInfo
 

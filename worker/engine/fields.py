@@ -38,8 +38,7 @@ from worker.engine.kernels import dtype_name
 from worker.engine.layout import packed_mask, padded_ids
 from worker.engine.loading import prefix_cache
 from worker.engine.prompt import YES, EncodedTicket, FieldsPrompt, PromptTemplate, Question
-from worker.engine.recheck import Recheck
-from worker.engine.scheduler import BatchCallback, MoreCallback, run_planned
+from worker.engine.scheduler import BatchCallback, Exact, MoreCallback, Policy, run_planned
 from worker.engine.scoring import HeadRows, branch_logprobs, choice_logprobs, label_logprobs
 from worker.results import BatchReport
 
@@ -108,7 +107,7 @@ class FieldsEngine:
             self._segment_of += [k] * len(ids)
         self._ends = [start + len(ids) for start, (_, ids) in zip(self._starts, segments, strict=True)]
         self.prefix_reuses = 0
-        self.recheck: Recheck | None = None  # the float32 twin of a fast precision (`Engine.compile`)
+        self.policy: Policy = Exact(self)  # how its answers are held to float32's (`Engine.compile`)
 
     @property
     def dedup(self) -> bool:
@@ -173,8 +172,6 @@ class FieldsEngine:
     @torch.inference_mode()
     def forward_batch(self, tickets: Sequence[EncodedTicket], width: int | None = None) -> list[TicketFields]:
         """One forward over `tickets` (shared part + every segment) right-padded to `width`, after the cached prefix."""
-        if self.recheck is not None and not self.recheck.pays:  # the re-checks cost more than they saved
-            return self.recheck.exact.forward_batch(tickets, width)
         device, P = self.device, self.prefix_len
         shared = torch.tensor([len(e.ids) for e in tickets], device=device)  # (B,)
         lengths = shared + len(self.segment_ids)  # (B,)
@@ -201,7 +198,7 @@ class FieldsEngine:
             for index, branch in enumerate(self._segments)
         }
         answers = [self._answer(i, e, scores) for i, e in enumerate(tickets)]
-        return self.recheck.screen(answers) if self.recheck is not None else answers
+        return answers
 
     def _answer(self, row: int, encoded: EncodedTicket, scores: dict[Branch, list[list[float]]]) -> TicketFields:
         return self._assemble(encoded, lambda branch, child: scores[branch][row][child])
@@ -211,9 +208,7 @@ class FieldsEngine:
     @torch.inference_mode()
     def reference(self, text: object) -> TicketFields:
         """One ticket, each question's full prompt, no cache, full-vocabulary logits: the answers to match
-        (float32's, where this runner has a float32 twin)."""
-        if self.recheck is not None:
-            return self.recheck.exact.reference(text)
+        in this runner's model (a fast runner's answers are held to its twin's: `policy.reference`)."""
         encoded = self.prompt.encode(text)
         logprobs: dict[Branch, torch.Tensor] = {}
         for q, question in enumerate(self.questions):

@@ -10,8 +10,10 @@
 `TICKETQ_DTYPE=int8` (CPU) swaps the optimised path's decoder for a copy whose linear layers (all
 but the MLP's down projection) run torch's dynamic int8 kernels; the model, the prefix cache and
 `reference` stay float32, so every int8 answer is still judged against float32. A fast precision
-(bfloat16, int8) is re-checked by default (`recheck`): answers within its measured error bound
-are computed again by the float32 twin, so the labels are float32's.
+(bfloat16, int8) is re-checked by default: the engine's `policy` (`worker.engine.policy.Checked`)
+holds it to its float32 twin, and the scheduler consults it for which engine computes a ticket and
+which answers are computed again, so the labels are float32's. The engine itself only computes,
+in its own precision: `forward_batch` and `reference` never hand a ticket to another engine.
 `TICKETQ_MATMUL` chooses who multiplies the decoder's weights on a CPU (`kernels`); with the
 weights prepacked for oneDNN, batches run through `fused.FusedDecoder`.
 
@@ -23,13 +25,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
-from ticketq.schema import DEFAULT_SCHEMA_NAME, Schema, TicketFields, default_schema
+from ticketq.schema import DEFAULT_SCHEMA_NAME, Schema, TicketFields
 from worker.engine.batching import Plan, plan_optimal
-from worker.engine.configure import ModelInfo, cast_copy, load_configured
+from worker.engine.configure import ModelInfo
 from worker.engine.cost import CostModel
 from worker.engine.fields import FieldsEngine
 from worker.engine.fused import FusedDecoder
@@ -37,16 +39,14 @@ from worker.engine.int8 import INT8, quantize_linears_int8
 from worker.engine.kernels import dtype_name
 from worker.engine.layout import padded_ids, prefix_mask
 from worker.engine.loading import ModelNotFound, cache_tensors, prefix_cache
+from worker.engine.policy import Checked, check
 from worker.engine.precision import ErrorBound, decision_error, fields_of
-from worker.engine.prompt import EncodedTicket, PromptTemplate, system_text
-from worker.engine.recheck import Recheck, attach_recheck
-from worker.engine.scheduler import AnswersCallback, BatchCallback, MoreCallback, run_planned
+from worker.engine.prompt import EncodedTicket, PromptTemplate
+from worker.engine.scheduler import AnswersCallback, BatchCallback, Exact, MoreCallback, Policy, run_planned
 from worker.engine.scoring import HeadRows, branch_logprobs, choice_logprobs, label_logprobs, make_prediction
-from worker.engine.selfcheck import verify
 from worker.results import BatchReport, Prediction
-from worker.settings import Settings
 
-__all__ = ["Engine", "ModelInfo", "NoChatTemplate"]
+__all__ = ["Engine", "EngineOptions", "ModelInfo", "NoChatTemplate"]
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (1, kv_heads, P, head_dim) keys and values
 
@@ -55,24 +55,39 @@ class NoChatTemplate(ModelNotFound):
     """The tokenizer has no chat template to render the prompt with; the message names the fix."""
 
 
+@dataclass(frozen=True)
+class EngineOptions:
+    """What an engine answers and how it plans: its labels and system prompt, the ticket budget and
+    truncation, the batch budget, its own field as a schema (None where built from a ready system
+    text), whether batches run fused (`fused`) and whether a run computes duplicates once."""
+
+    labels: tuple[str, ...]
+    system: str
+    max_ticket_tokens: int = 512
+    truncation: str = "head"
+    max_batch_tokens: int = 1024
+    max_batch_size: int = 64
+    schema: Schema | None = None
+    fuse: bool = True
+    dedup: bool = True  # TICKETQ_DEDUP
+
+
 class Engine:
-    """A loaded model + prompt, ready to classify. Build with `Engine.from_settings`."""
+    """A loaded model + prompt, ready to classify. Build a worker's with `replicas.load_engine`."""
 
     deferred = False  # its tickets run when planned (`scheduler.BatchEngine`); a re-check's wait
     compiles = True  # `compile(schema)` answers a schema's fields on this model (`schemas.SchemaSet`)
 
-    def __init__(self, model, tokenizer, *, labels: tuple[str, ...], system: str, max_ticket_tokens: int = 512,
-                 max_batch_tokens: int = 1024, max_batch_size: int = 64, cost: CostModel | None = None,
-                 info: ModelInfo | None = None, int8: bool = False, truncation: str = "head",
-                 schema: Schema | None = None, fuse: bool = True, dedup: bool = True) -> None:  # fmt: skip
-        self.model, self.tokenizer, self.labels = model, tokenizer, labels
+    def __init__(self, model, tokenizer, options: EngineOptions, *, cost: CostModel | None = None,
+                 info: ModelInfo | None = None, int8: bool = False) -> None:  # fmt: skip
+        self.model, self.tokenizer, self.options, self.labels = model, tokenizer, options, options.labels
         _check_chat_template(tokenizer)
-        self.prompt = PromptTemplate(tokenizer, system, labels, max_ticket_tokens, truncation)
-        # the single field `classify` answers, as a schema (`fields(schema)` answers it too); None
-        # where the engine was built from a ready system text rather than a system prompt and labels
-        self.schema = schema
+        self.prompt = PromptTemplate(tokenizer, options.system, options.labels, options.max_ticket_tokens,
+                                     options.truncation)  # fmt: skip
+        self.schema = options.schema  # the single field `classify` answers, as a schema (`fields(schema)` too)
         self._fields: dict[str, FieldsEngine] = {}  # schema name -> its FieldsEngine, built on first use
-        self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
+        self.max_batch_tokens, self.max_batch_size = options.max_batch_tokens, options.max_batch_size
+        self.dedup = options.dedup
         self.cost = cost or CostModel(fixed_ms=25.0, token_ms=0.8)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -82,15 +97,14 @@ class Engine:
         if int8 and (self.device.type != "cpu" or self.dtype != torch.float32):
             raise ValueError(f"TICKETQ_DTYPE=int8 needs a float32 model on the CPU, got {self.dtype} on {self.device}")
         self.int8 = int8
-        self.dedup = dedup  # a run computes duplicate tickets once (TICKETQ_DEDUP)
-        self.recheck: Recheck | None = None  # the float32 twin of a fast precision (`check_with`)
-        self.bounds: dict[str, ErrorBound] = {}  # schema name -> its runner's error bound, where re-checked
-        self._force_recheck = False  # re-checked whatever the calibration predicts (TICKETQ_RECHECK=always)
+        self.policy: Policy = Exact(self)  # how its answers are held to float32's (`replicas.check_with`)
+        self.bounds: dict[str, ErrorBound] = {}  # schema name -> its runner's error bound, where checked
+        self.force_recheck = False  # checked whatever the calibration predicts (TICKETQ_RECHECK=always)
         self.float_decoder = model.get_decoder()  # the prefix cache is computed once, exactly, in float32
         self.decoder = quantize_linears_int8(self.float_decoder) if int8 else self.float_decoder
         # the batches' forward with the elementwise work inside oneDNN's GEMMs, where the weights
         # are prepacked; None runs transformers' decoder (the reference path always does)
-        self._fused = FusedDecoder.build(self.decoder) if fuse else None
+        self._fused = FusedDecoder.build(self.decoder) if options.fuse else None
         self.info = replace(self.info, fused=self._fused is not None)
         self.label_head = model.get_output_embeddings()  # (V, H) weight; only label rows are used
         self._cache_kwarg = (
@@ -106,39 +120,14 @@ class Engine:
             path: HeadRows.of(model, kids) for path, kids in self.prompt.trie.branches.items()
         }
 
-    @classmethod
-    def from_settings(cls, settings: Settings) -> Engine:
-        model, tokenizer, info, exact_model = load_configured(settings)
-        labels = settings.label_names
-        options = dict(
-            labels=labels, system=system_text(settings.system_prompt, labels, settings.label_descriptions),
-            max_ticket_tokens=settings.max_ticket_tokens, truncation=settings.truncation,
-            max_batch_tokens=settings.max_batch_tokens, max_batch_size=settings.max_batch_size,
-            schema=default_schema(labels, settings.system_prompt, settings.label_descriptions),
-            fuse=settings.fuse, dedup=settings.dedup,
-        )  # fmt: skip
-        cost = lambda: CostModel(settings.cost_fixed_ms, settings.cost_token_ms, settings.cost_quad_ms)  # noqa: E731
-        engine = cls(model, tokenizer, info=info, int8=info.dtype == INT8, cost=cost(), **options)
-        if exact_model is not None:
-            exact = cls(exact_model, tokenizer, info=replace(info, dtype="float32", recheck=False), cost=cost(),
-                        **options)  # fmt: skip
-            verify(exact, also=(engine,))  # the float32 twin held to the reference; the fast copy unfused with it
-            # float32 where the check would not pay (TICKETQ_RECHECK=auto)
-            return engine if engine.check_with(exact, force=settings.recheck == "always") else exact
-        verify(engine)  # float32: held to the reference, unfused where the fused decoder differs
-        return engine
+    def held_to(self, policy: Checked) -> None:
+        """From now on the scheduler routes and screens this engine's tickets by `policy` (its float32 twin's)."""
+        self.policy = policy
+        self.bounds[self._own_schema] = policy.bound
 
-    def check_with(self, exact: Engine, force: bool = False) -> bool:
-        """Re-check in `exact` (this model's float32 twin) every answer within this precision's error
-        bound, measured now or cached for this machine (`recheck.attach_recheck`). False (and this
-        engine left unchecked) where the calibration predicts it would not pay, unless `force`."""
-        prompt = self.prompt
-        key = [*prompt.prefix_ids, -1, *prompt.suffix_ids, -1, *sorted(prompt.trie.branches)]
-        recheck = attach_recheck(self, exact, self.precision, key, {}, force)
-        self._force_recheck = force  # the schemas compiled later are held to the same rule
-        if recheck is not None:
-            self.bounds[self._own_schema] = recheck.bound
-        return recheck is not None
+    @property
+    def fused(self) -> bool:
+        return self._fused is not None
 
     def unfuse(self) -> None:
         """Run batches through transformers' layers from now on (the self-check's fallback, `selfcheck`)."""
@@ -153,7 +142,7 @@ class Engine:
         """A live shadow check of a fast answer: its error against the reference may widen the bound."""
         bound = self.bounds.get(served.schema if isinstance(served, TicketFields) else self._own_schema)
         if bound is not None and served.precision != "float32":
-            bound.observe(decision_error(served, reference), "shadow check")
+            bound.observe(decision_error(served, reference), "shadow check", served.tokens)
 
     @property
     def _own_schema(self) -> str:
@@ -163,26 +152,6 @@ class Engine:
     def precision(self) -> str:
         """The arithmetic of the batched path: float32, bfloat16, float16 or int8."""
         return self.info.dtype
-
-    def with_int8(self) -> Engine:
-        """The same model, prompt and planner with the int8 batched path (the bench compares both in one run)."""
-        return self._sibling(self.model, replace(self.info, dtype=INT8, recheck=False), int8=True)
-
-    def with_precision(self, precision: str, matmul: str = "auto") -> Engine:
-        """The same prompt and planner on a copy of this float32 model cast to `precision` (int8: `with_int8`),
-        its weights packed for oneDNN where `matmul` resolves so; unchecked (`check_with` adds the re-check)."""
-        if precision == INT8:
-            return self.with_int8()
-        model, matmul = cast_copy(self.model, getattr(torch, precision), matmul)
-        return self._sibling(model, replace(self.info, dtype=precision, matmul=matmul, recheck=False))
-
-    def _sibling(self, model, info: ModelInfo, int8: bool = False) -> Engine:
-        return Engine(
-            model, self.tokenizer, labels=self.labels, system=self.prompt.system,
-            max_ticket_tokens=self.prompt.max_ticket_tokens, truncation=self.prompt.truncation,
-            max_batch_tokens=self.max_batch_tokens, max_batch_size=self.max_batch_size, cost=replace(self.cost),
-            info=info, int8=int8, schema=self.schema, fuse=self._fused is not None, dedup=self.dedup,
-        )  # fmt: skip
 
     def fields(self, schema: Schema | None = None) -> FieldsEngine:
         """The `FieldsEngine` for `schema` (default: the engine's own) on this model, built once per schema name."""
@@ -197,14 +166,15 @@ class Engine:
     def compile(self, schema: Schema) -> FieldsEngine:
         """A new `FieldsEngine` for `schema` on this model, re-checked by the float32 twin's where this engine is."""
         runner = FieldsEngine(self, schema)
-        if self.recheck is None:
+        if not isinstance(self.policy, Checked):
             return runner
-        exact = self.recheck.exact.compile(schema)
-        recheck = attach_recheck(runner, exact, self.precision, [*runner.prompt.prefix_ids, -1, *runner.segment_ids],
-                                 fields_of(schema), self._force_recheck, schema.name)  # fmt: skip
-        if recheck is None:  # the check would not pay for this schema: float32 answers it
+        exact = self.policy.exact.compile(schema)
+        policy = check(runner, exact, self.precision, [*runner.prompt.prefix_ids, -1, *runner.segment_ids],
+                       fields_of(schema), self.force_recheck, schema.name)  # fmt: skip
+        if policy is None:  # the check would not pay for this schema: float32 answers it
             return exact
-        self.bounds[schema.name] = recheck.bound
+        runner.policy = policy
+        self.bounds[schema.name] = policy.bound
         return runner
 
     # ----- the model: prefix cache, batched decode, last-position logits --------------------
@@ -276,9 +246,7 @@ class Engine:
 
     @torch.inference_mode()
     def forward_batch(self, rows: Sequence[EncodedTicket], width: int | None = None) -> list[Prediction]:
-        """One forward pass over `rows` right-padded to `width`, after the cached prefix."""
-        if self.recheck is not None and not self.recheck.pays:  # the re-checks cost more than they saved
-            return self.recheck.exact.forward_batch(rows, width)
+        """One forward pass over `rows` right-padded to `width`, after the cached prefix, in this engine's precision."""
         lengths = torch.tensor([len(r.ids) for r in rows], device=self.device)  # (B,)
         width = width or int(lengths.max())
         ids = padded_ids([row.ids for row in rows], width, self.pad_id, self.device)  # (B, W)
@@ -292,7 +260,7 @@ class Engine:
             scores[path] = branch_logprobs(after, self._branch_rows[path])  # (B, C)
         answers = [self._prediction(row, lambda path, child, i=i: float(scores[path][i, child]))
                    for i, row in enumerate(rows)]  # fmt: skip
-        return self.recheck.screen(answers) if self.recheck is not None else answers
+        return answers
 
     def _continuation(self, path: tuple[int, ...], lengths: torch.Tensor, width: int, cache) -> torch.Tensor:
         """Hidden state after a shared label prefix `path`, appended to each row's real tokens via the batch cache."""
@@ -315,10 +283,8 @@ class Engine:
 
     @torch.inference_mode()
     def reference(self, text: object) -> Prediction:
-        """One ticket, full prompt, no cache, full-vocabulary logits: the answer to match (float32's, where
-        this engine has a float32 twin)."""
-        if self.recheck is not None:
-            return self.recheck.exact.reference(text)
+        """One ticket, full prompt, no cache, full-vocabulary logits, in this engine's model: the answer to
+        match (a fast engine's answers are held to its float32 twin's: `policy.reference`)."""
         encoded = self.prompt.encode(text)
         full = self.prompt.full_ids(encoded)
         branch = {path: choice_logprobs(self.last_logits([*full, *path]), kids)  # (C,) per branch

@@ -11,15 +11,25 @@ can only change where the fast answer's *gap* is smaller than the error a gap ca
   cross the threshold (`_review_gap`), in the same space.
 
 `decision_error(fast, exact)` is the largest change of any such gap between two answers for the
-same ticket; `decision_gap(answer)` the smallest gap in one answer. An `ErrorBound` holds the
-largest error measured (`calibrate`: a fixed batch of tickets run in both precisions at start-up,
-cached per machine) and answers `unsettled(answer)`: gap < measured x SAFETY. Those tickets are
-computed again in float32 (`worker.engine.recheck`); every other label equals float32's, as long
-as no ticket's error exceeds the bound. The bound only widens: every re-checked ticket and every
-live shadow check measures the error again, and one larger than any measured widens it at once.
+same ticket; `decision_gap(answer)` the smallest gap in one answer. An `ErrorBound` holds what the
+fast precision's error was measured to be and answers `unsettled(answer)`: the answer's gap is
+within the bound *at its ticket's length*. Those tickets are computed again in float32
+(`worker.engine.policy`); every other label equals float32's, as long as no ticket's error exceeds
+the bound at its length.
 
-Cost: the calibration runs `calibration_texts()` (32 tickets) once in each precision, at the first
-start on a machine for a model, prompt and precision (the verdict is cached, `cache_dir("precision")`).
+The bound grows with the ticket (a low precision's rounding accumulates over the tokens it runs
+over): `bound_at(tokens) = SAFETY x rate x tokens**exponent`, where `exponent` is the one of
+EXPONENTS whose envelope over the calibration tickets is tightest and `rate` the largest error
+over tokens**exponent measured. Short tickets are held to a tight bound, long ones to a wide one.
+The bound only widens: every re-checked ticket and every live shadow check measures the error
+again, and one above the envelope at its length raises `rate` at once.
+
+Margin: for n calibration tickets whose normalised errors are exchangeable, the chance that the
+next ticket's exceeds all n is at most 1/(n+1) (2% at the 48 of `calibration_texts`); SAFETY
+multiplies that largest value, and the live checks widen the bound where the tail is reached.
+
+Cost: the calibration runs `calibration_texts()` once in each precision, at the first start on a
+machine for a model, prompt and precision (the verdict is cached, `cache_dir("precision")`).
 No torch here: answers are the engine's plain records.
 """
 
@@ -83,10 +93,12 @@ CALIBRATION_TEXTS = (
 
 
 def calibration_texts() -> list[str]:
-    """The calibration batch: CALIBRATION_TEXTS, then each followed by the next (longer tickets: a
-    low precision's error grows with the tokens it runs over)."""
+    """The calibration batch: CALIBRATION_TEXTS, then each followed by the next, then by the next two
+    (longer tickets: a low precision's error grows with the tokens it runs over)."""
     texts = list(CALIBRATION_TEXTS)
-    return texts + [f"{a}\n\n{b}" for a, b in zip(texts, texts[1:] + texts[:1], strict=True)]
+    shifted = texts[1:] + texts[:1]
+    pairs = [f"{a}\n\n{b}" for a, b in zip(texts, shifted, strict=True)]
+    return texts + pairs + [f"{a}\n\n{b}" for a, b in zip(pairs, shifted[1:] + shifted[:1], strict=True)]
 
 
 def _log_probs(probs: dict[str, float]) -> dict[str, float]:
@@ -164,47 +176,79 @@ def fields_of(schema: Any) -> dict[str, Field]:
     return {spec.name: spec for spec in getattr(schema, "fields", ())}
 
 
+# The length exponents a bound may take (`bound_at`): flat, square-root and linear growth.
+EXPONENTS = (0.0, 0.5, 1.0)
+
+
 class ErrorBound:
-    """The largest decision error measured between a fast precision and float32, and the bound it sets.
+    """What a fast precision's error against float32 was measured to be, and the bound it sets on
+    a ticket of each length (`bound_at`).
 
     Thread-safe: the classifying thread reads it, the shadow checker's thread may widen it.
     """
 
-    def __init__(self, precision: str, measured: float, samples: int, path: Path | None = None,
-                 on_change: Callable[[ErrorBound], None] | None = None, speed: float = 0.0,
-                 share: float = 0.0) -> None:  # fmt: skip
+    def __init__(self, precision: str, calibration: Calibration, path: Path | None = None,
+                 on_change: Callable[[ErrorBound], None] | None = None) -> None:  # fmt: skip
         self.precision = precision
-        self.measured = measured
-        self.samples = samples  # tickets measured so far (calibration and live)
-        self.speed, self.share = speed, share  # the calibration's (`Calibration`)
+        self.measured = calibration.measured  # the largest error measured, at any length
+        self.samples = calibration.samples  # tickets measured so far (calibration and live)
+        self.speed, self.share = calibration.speed, calibration.share  # the calibration's
+        self.exponent = calibration.exponent
+        self.rate = calibration.rate  # the largest error / tokens**exponent measured
         self.path = path
         self.on_change = on_change
         self._lock = threading.Lock()
 
     @property
     def bound(self) -> float:
+        """SAFETY x the largest error measured: the flat bound (the metric's figure)."""
         return max(self.measured * SAFETY, FLOOR)
 
-    def unsettled(self, answer: Prediction | TicketFields, fields: Mapping[str, Field] | None = None) -> bool:
-        """Whether float32 could answer `answer`'s ticket otherwise: its smallest gap is within the bound."""
-        return decision_gap(answer, fields) < self.bound
+    def bound_at(self, tokens: int) -> float:
+        """The bound on a ticket of `tokens` tokens."""
+        return max(self.rate * SAFETY * _scale(tokens, self.exponent), FLOOR)
 
-    def observe(self, error: float, source: str) -> bool:
-        """One more measured error (a re-check, a shadow check); widens the bound at once if it is the largest yet."""
+    def unsettled(self, answer: Prediction | TicketFields, fields: Mapping[str, Field] | None = None) -> bool:
+        """Whether float32 could answer `answer`'s ticket otherwise: its smallest gap is within the
+        bound at its length."""
+        return decision_gap(answer, fields) < self.bound_at(answer.tokens)
+
+    def observe(self, error: float, source: str, tokens: int = 1) -> bool:
+        """One more measured error on a ticket of `tokens` tokens (a re-check, a shadow check); widens
+        the bound at once if it is above the envelope at that length."""
         if not math.isfinite(error):
             return False
         with self._lock:
             self.samples += 1
-            if error <= self.measured:
+            self.measured = max(self.measured, error)
+            normalised = error / _scale(tokens, self.exponent)
+            if normalised <= self.rate:
                 return False
-            before, self.measured = self.bound, error
-        log.warning("%s error bound widened by a %s: measured %.3g > the largest seen before; bound %.3g -> %.3g",
-                    self.precision, source, error, before, self.bound)  # fmt: skip
+            before, self.rate = self.bound_at(tokens), normalised
+        log.warning("%s error bound widened by a %s: measured %.3g on a %d-token ticket, above the bound's "
+                    "envelope; bound there %.3g -> %.3g", self.precision, source, error, tokens, before,
+                    self.bound_at(tokens))  # fmt: skip
         if self.path is not None:
             save_bound(self.path, self)
         if self.on_change is not None:
             self.on_change(self)
         return True
+
+
+def _scale(tokens: int, exponent: float) -> float:
+    return max(tokens, 1) ** exponent
+
+
+def envelope(errors: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """(exponent, rate) of the tightest of EXPONENTS' envelopes over measured (tokens, error) pairs:
+    rate = the largest error / tokens**exponent, tightest = the smallest mean bound over those tickets."""
+    if not errors:
+        return 0.0, 0.0
+    def fit(exponent: float) -> tuple[float, float]:
+        rate = max(error / _scale(tokens, exponent) for tokens, error in errors)
+        return sum(rate * _scale(tokens, exponent) for tokens, _ in errors) / len(errors), rate
+    best = min(EXPONENTS, key=lambda exponent: fit(exponent)[0])
+    return best, fit(best)[1]
 
 
 class Calibration(NamedTuple):
@@ -213,7 +257,9 @@ class Calibration(NamedTuple):
     measured: float  # the largest decision error
     samples: int  # tickets measured
     speed: float  # the fast precision's items/s over float32's
-    share: float  # the tickets whose gap is within the bound (SAFETY x measured): computed twice
+    share: float  # the tickets whose gap is within the bound at their length: computed twice
+    exponent: float = 0.0  # the bound's length exponent (`envelope`)
+    rate: float = 0.0  # the largest error / tokens**exponent
 
     @property
     def gain(self) -> float:
@@ -246,22 +292,25 @@ def calibrate(precision: str, fast: Callable[[Sequence[str]], list], exact: Call
     log.info("%s: %d tickets answered in %.1fs; now the float32 reference", what, len(texts), between - started)
     reference = exact(texts)
     ended = time.perf_counter()
-    measured = max(decision_error(f, e) for f, e in zip(answers, reference, strict=True))
-    bound = max(measured * SAFETY, FLOOR)
-    share = sum(decision_gap(a, fields) < bound for a in answers) / len(answers)
-    calibration = Calibration(measured, len(texts), (ended - between) / max(between - started, 1e-9), share)
-    log.info("%s calibrated against float32 on %d tickets in %.1fs: largest decision error %.3g, %.2fx float32's "
-             "speed, %.0f%% within the bound: re-checked, %.2fx float32's speed predicted", precision, len(texts),
-             ended - started, measured, calibration.speed, 100 * share, calibration.gain)  # fmt: skip
+    errors = [(f.tokens, decision_error(f, e)) for f, e in zip(answers, reference, strict=True)]
+    exponent, rate = envelope(errors)
+    speed = (ended - between) / max(between - started, 1e-9)
+    calibration = Calibration(max(e for _, e in errors), len(texts), speed, 0.0, exponent, rate)
+    bound = ErrorBound(precision, calibration)
+    calibration = calibration._replace(share=sum(bound.unsettled(a, fields) for a in answers) / len(answers))
+    log.info("%s calibrated against float32 on %d tickets in %.1fs: largest decision error %.3g (bound %.3g x "
+             "tokens^%g), %.2fx float32's speed, %.0f%% within the bound: re-checked, %.2fx float32's speed "
+             "predicted", precision, len(texts), ended - started, bound.measured, SAFETY * rate, exponent,
+             calibration.speed, 100 * calibration.share, calibration.gain)  # fmt: skip
     return calibration
 
 
 def load_calibration(path: Path) -> Calibration | None:
-    """The calibration cached at `path`, or None (absent, unreadable, or from before it was timed)."""
+    """The calibration cached at `path`, or None (absent, unreadable, or from before it was length-aware)."""
     try:
         entry = json.loads(path.read_text(encoding="utf-8"))
         calibration = Calibration(float(entry["measured"]), int(entry["samples"]), float(entry["speed"]),
-                                  float(entry["share"]))  # fmt: skip
+                                  float(entry["share"]), float(entry["exponent"]), float(entry["rate"]))  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return calibration if all(math.isfinite(x) and x >= 0 for x in calibration) else None
@@ -274,7 +323,8 @@ def save_bound(path: Path, bound: ErrorBound) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         entry = {"precision": bound.precision, "measured": bound.measured, "samples": bound.samples,
-                 "speed": bound.speed, "share": bound.share, "at": time.time()}  # fmt: skip
+                 "speed": bound.speed, "share": bound.share, "exponent": bound.exponent, "rate": bound.rate,
+                 "at": time.time()}  # fmt: skip
         partial.write_text(json.dumps(entry), encoding="utf-8")
         partial.replace(path)
     except OSError as exc:

@@ -8,17 +8,21 @@ answers it finished, keyed by ticket. The step is three calls, made by the loop'
 (`worker.service.loop` in a worker, `drain` offline): `schedule`, `engine.forward_batch`, `update`.
 The scheduler never calls out: arrivals come in through `add`, answers go out as `update` returns.
 
-Two things happen between a forward and its answers going out:
+Each engine carries a precision `policy` (`worker.engine.policy`), and the scheduler consults it
+twice: `policy.route(encoded)` when a ticket joins (the engine that computes it first: a fast
+precision's float32 twin where the fast answer would likely be wasted), and `policy.screen(engine,
+answers)` after a forward. Then two things happen between a forward and its answers going out:
 
 - **Duplicates are computed once.** A ticket encoded exactly as one already in the run, for the
   same engine (the same token ids: the same computation), is not planned; it gets that ticket's
   answer when it has one, under its own key.
-- **Unsettled answers are computed again.** An engine may answer `Unsettled(answer, recheck)`:
-  a fast precision's answer within its error bound (`worker.engine.precision`). The ticket then
-  waits for `recheck` (a `deferred` engine, float32) and its answer is `recheck.settle(fast,
-  exact)`. Re-checks are batched like any other tickets (planned together, length-sorted) and run
-  when nothing else waits, or when they fill half a token budget, or once the oldest has waited
-  DEFER_FORWARDS other forwards, whichever comes first: that bounds a re-checked ticket's wait.
+- **Unsettled answers are computed again.** A policy may screen an answer as `Unsettled(answer,
+  recheck)`: a fast precision's answer within its error bound (`worker.engine.precision`). The
+  ticket then waits for `recheck` (a `deferred` engine, float32) and its answer is
+  `recheck.settle(fast, exact)`. Re-checks are batched like any other tickets (planned together,
+  length-sorted) and run when nothing else waits, or when they fill half a token budget, or once
+  the oldest has waited DEFER_FORWARDS other forwards, whichever comes first: that bounds a
+  re-checked ticket's wait.
 
 No torch: the scheduler is plain Python over the planner (`batching`).
 """
@@ -54,6 +58,43 @@ class BatchEngine(Protocol[Answer]):
     def forward_batch(self, tickets: Sequence[Any], width: int | None = None) -> list[Answer]: ...
 
 
+class Policy(Protocol):
+    """How an engine's precision is held to float32's labels (`worker.engine.policy`)."""
+
+    checked: bool  # whether answers may be computed again (a fast precision's twin)
+
+    def route(self, encoded: Any) -> BatchEngine[Any]: ...
+
+    def screen(self, engine: BatchEngine[Any], answers: list) -> list: ...
+
+    def reference(self, text: object) -> Any: ...
+
+
+class Runner(BatchEngine[Answer], Protocol):
+    """An engine a ticket is given to (`Ticketed`): its `policy` routes and screens its tickets."""
+
+    policy: Policy
+
+
+class Exact:
+    """The policy of an engine whose answers are final (float32's, or a fast one's served unchecked):
+    it computes its own tickets and every answer is settled."""
+
+    checked = False
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def route(self, encoded: Any) -> Any:
+        return self.engine
+
+    def screen(self, engine: Any, answers: list) -> list:
+        return answers
+
+    def reference(self, text: object) -> Any:
+        return self.engine.reference(text)
+
+
 class DeferredEngine(BatchEngine[Answer], Protocol):
     """An engine whose tickets are re-checks: batched under half its token budget, each answer
     settling the fast answer it re-checks."""
@@ -63,7 +104,7 @@ class DeferredEngine(BatchEngine[Answer], Protocol):
     def settle(self, fast: Any, exact: Any) -> Answer: ...
 
 
-class OwnEngine(BatchEngine[Answer], Protocol):
+class OwnEngine(Runner[Answer], Protocol):
     """An engine that runs its own tickets (`run_planned`): it says whether a run computes duplicates once."""
 
     dedup: bool
@@ -81,10 +122,10 @@ class Unsettled(NamedTuple):
 
 
 class Ticketed(NamedTuple):
-    """A ticket of a run: the engine that computes it, the ticket as that engine encoded it, and
-    the key its answer comes back under (None: its index in the run)."""
+    """A ticket of a run: the engine given it (its policy routes it), the ticket as that engine
+    encoded it, and the key its answer comes back under (None: its index in the run)."""
 
-    engine: BatchEngine[Any]
+    engine: Runner[Any]
     encoded: Hashable
     key: Hashable = None
 
@@ -135,13 +176,10 @@ class PlannedRun:
         self._fast: dict[int, Any] = {}  # index -> the fast answer its re-check will settle
         self._forwards = 0  # forwards run so far
         self._deferred_since: dict[int, int] = {}  # id(deferred engine) -> forwards run when its oldest joined
+        self._policies: dict[int, Policy] = {}  # id(engine) -> the policy that routed tickets to it
+        self._straight: set[int] = set()  # engines a policy routed tickets to in place of the one given
         self.duplicates = 0  # tickets answered with another's answer, not computed
         self.rechecked = 0  # tickets computed again by a deferred engine
-
-    @property
-    def waiting(self) -> bool:
-        """Whether any ticket waits to be computed."""
-        return any(batches for _, batches in self._plans.values())
 
     def add(self, tickets: Sequence[Ticketed], plan: Plan | None = None) -> dict[Hashable, Any]:
         """Tickets (engine, encoded, key) join the run, indexed after those before them. `plan`: the
@@ -150,7 +188,12 @@ class PlannedRun:
         start = len(self.encoded)
         joining: dict[int, list[int]] = {}
         copies: list[int] = []
-        for index, (engine, encoded, key) in enumerate(tickets, start):
+        for index, (given, encoded, key) in enumerate(tickets, start):
+            engine = given.policy.route(encoded)
+            self._policies.setdefault(id(engine), given.policy)
+            if engine is not given:
+                self._straight.add(id(engine))
+                plan = None  # the given plan was the given engine's
             self.encoded.append(encoded)
             self.keys.append(index if key is None else key)
             self.results.append(None)
@@ -209,7 +252,10 @@ class PlannedRun:
     def update(self, forward: Forward, answers: Sequence[Any], seconds: float) -> Step:
         """Record a computed forward's answers; returns its report and the answers it settled, by key."""
         batch, engine = forward.batch, forward.engine
-        report = BatchReport(batch.rows, batch.width, batch.real_tokens, seconds, recheck=engine.deferred)
+        report = BatchReport(batch.rows, batch.width, batch.real_tokens, seconds, recheck=engine.deferred,
+                             straight=id(engine) in self._straight)  # fmt: skip
+        if not engine.deferred:
+            answers = self._policies[id(engine)].screen(engine, list(answers))
         self._forwards += 1
         settled, unsettled = [], {}
         for index, answer in zip(batch.indices, answers, strict=True):

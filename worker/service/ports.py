@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ticketq.publishing import Published, Unconfirmed
 from ticketq.schema import Schema
-from worker.engine.scheduler import BatchEngine
+from worker.engine.scheduler import BatchEngine, Policy
 
 if TYPE_CHECKING:
     from worker.engine.configure import ModelInfo
@@ -29,7 +29,7 @@ class Classifier(BatchEngine[Any], Protocol):
     compiles: bool  # `compile(schema)` answers other schemas on its model (TICKETQ_SCHEMAS)
     dedup: bool  # a run computes duplicate tickets once (TICKETQ_DEDUP)
     cost: CostModel | None  # the planner's cost model, refitted live (None: plans without one)
-    recheck: Any  # its float32 re-check (`worker.engine.recheck.Recheck`), None where unchecked
+    policy: Policy  # how its answers are held to float32's (`worker.engine.policy`): routes, screens, reference
 
     def compile(self, schema: Schema) -> BatchEngine[Any]: ...
 

@@ -61,10 +61,9 @@ class Routing:
         return tickets
 
     def reference(self, schema: str | None) -> Callable[[str], Any]:
-        """The unbatched reference path of `schema`'s answers (not thread-safe: the classifying thread only)."""
-        if self.schemas is None or schema is None:
-            return self.classifier.reference
-        return self.schemas.runner(schema).reference
+        """The unbatched reference path `schema`'s answers are held to, float32's where its runner is a
+        checked fast precision (not thread-safe: the classifying thread only)."""
+        return self.runner(schema).policy.reference
 
 
 def _schema_set(classifier: Classifier, settings: Settings) -> Any:
@@ -80,7 +79,7 @@ def _schema_set(classifier: Classifier, settings: Settings) -> Any:
 
     schema_set = SchemaSet(classifier, schemas, settings.schema_cache)
     log.info("schemas served: %s (tickets naming none: %s)", ", ".join(schema_set.names), schema_set.default)
-    if classifier.recheck is not None:  # a fast precision: each schema's bound before any job
+    if classifier.policy.checked:  # a fast precision: each schema's bound before any job
         for name in schema_set.names[: schema_set.capacity]:
             schema_set.runner(name)  # calibrated at the first start on a machine, read from the cache after
     return schema_set
