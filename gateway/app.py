@@ -240,8 +240,10 @@ def _ticket_routes(app: FastAPI, state: _State) -> None:
             raise Refused(401, "bad_signature", str(exc)) from None
         state.limit(f"webhook:{source}")
         payload = intake.parse_body(body)[0]
+        if webhooks.is_ping(found, payload):  # a helpdesk checking the URL (Intercom's `ping`): nothing to take
+            return JSONResponse({"status": "ok"}, 200)
         try:
-            ticket = webhooks.ticket_of(found, payload)
+            ticket = webhooks.ticket_of(found, payload, body, state.settings.max_ticket_bytes)
         except webhooks.Unmapped as exc:
             raise Refused(422, "unmapped_payload", str(exc)) from None
         return await state.take([ticket], Caller(f"webhook:{source}", tenant_of(source)), None, body)

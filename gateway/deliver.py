@@ -86,6 +86,8 @@ def backoff_s(attempt: int, base_s: float, cap_s: float, rng: random.Random) -> 
 class Dispatcher:
     """The consumer-group loop; `run_forever()` until `stop` is set (SIGTERM and SIGINT set it)."""
 
+    dead_stream = DELIVER_DEAD_STREAM  # where results given up on go (the write-back's has its own)
+
     def __init__(self, settings: GatewaySettings, metrics: DeliverMetrics | None = None) -> None:
         self.settings = settings
         self.metrics = metrics or DeliverMetrics.build()
@@ -192,13 +194,13 @@ class Dispatcher:
 
     def _dead_letter(self, entry_id: str, fields: dict, url: str | None, error: str) -> None:
         pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(DELIVER_DEAD_STREAM, {"entry_id": entry_id, "data": fields.get(b"data", b""), "url": url or "",
+        pipe.xadd(self.dead_stream, {"entry_id": entry_id, "data": fields.get(b"data", b""), "url": url or "",
                                         "error": error, "attempts": self.settings.deliver_max_attempts},
                   maxlen=self.settings.stream_maxlen, approximate=True)  # fmt: skip
         pipe.xack(RESULTS_STREAM, self.group, entry_id)
         pipe.execute()
         self.metrics.dead.inc()
-        log.warning("result %s dead-lettered to %s: %s", entry_id, DELIVER_DEAD_STREAM, error)
+        log.warning("result %s dead-lettered to %s: %s", entry_id, self.dead_stream, error)
 
     def _url_for(self, result: Any) -> str | None:
         schema = result.get("schema") if isinstance(result, dict) else None

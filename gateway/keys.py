@@ -18,6 +18,13 @@ DELIVER_DEAD_STREAM = "ticketq:deliver:dead"
 # count}; results stored in the Celery backend between `after` and `before` (stream ids, ms) are
 # what `ticketq-deliver redeliver-trimmed` re-POSTs, and it deletes each range it repaired.
 DELIVER_GAPS_STREAM = "ticketq:deliver:trimmed"
+# Write-back (gateway.writeback): labels written to helpdesks given up on after
+# TICKETQ_DELIVER_MAX_ATTEMPTS requests, as DELIVER_DEAD_STREAM's entries (`ticketq-writeback dead`).
+WRITEBACK_DEAD_STREAM = "ticketq:writeback:dead"
+# The state last written to a helpdesk ticket: target and the helpdesk's ticket id -> the sha256 of
+# that write (`gateway.writeback.adapters.Write.digest`), kept TICKETQ_RESULT_EXPIRES_S; the same
+# answer again is not re-written.
+WRITEBACK_WRITTEN_KEY = "ticketq:writeback:written:{target}:{ticket}"
 # Celery's result backend key of a task (what `redeliver-trimmed` reads).
 CELERY_RESULT_KEY = "celery-task-meta-{task_id}"
 
@@ -38,3 +45,10 @@ DELIVER_DEAD = "ticketq_deliver_dead_letters"
 DELIVER_SECONDS = "ticketq_deliver_post_seconds"
 DELIVER_TRIMMED = "ticketq_deliver_trimmed_results"
 DELIVER_LAG = "ticketq_deliver_lag_results"
+WRITEBACK_WRITES = "ticketq_writeback_writes"
+WRITEBACK_REQUESTS = "ticketq_writeback_requests"
+WRITEBACK_DEAD = "ticketq_writeback_dead_letters"
+WRITEBACK_SECONDS = "ticketq_writeback_request_seconds"
+WRITEBACK_TRIMMED = "ticketq_writeback_trimmed_results"
+WRITEBACK_LAG = "ticketq_writeback_lag_results"
+WRITEBACK_SKIPPED = "ticketq_writeback_skipped"

@@ -1,6 +1,7 @@
 """The dispatcher's repair commands: results it could not deliver, listed and POSTed again.
 
-- Dead letters (`keys.DELIVER_DEAD_STREAM`): `ticketq-deliver dead` lists them, `ticketq-deliver
+- Dead letters (`keys.DELIVER_DEAD_STREAM`, or the dispatcher's `dead_stream`: the write-back's
+  own): `ticketq-deliver dead` lists them, `ticketq-deliver
   dead --redeliver` POSTs each once more, under its first delivery id, and deletes the dead letter
   when the receiver answered 2xx.
 - Trimmed ranges (`keys.DELIVER_GAPS_STREAM`, recorded by the dispatcher when TICKETQ_STREAM_MAXLEN
@@ -22,7 +23,7 @@ from typing import Any
 
 from gateway.deliver import Dispatcher
 from gateway.group import stream_id, text
-from gateway.keys import CELERY_RESULT_KEY, DELIVER_DEAD_STREAM, DELIVER_GAPS_STREAM
+from gateway.keys import CELERY_RESULT_KEY, DELIVER_GAPS_STREAM
 from ticketq import codec
 
 SCAN_COUNT = 1000  # keys per SCAN step over the Celery backend
@@ -51,7 +52,7 @@ class Repaired:
 def dead_letters(dispatcher: Dispatcher) -> list[DeadLetter]:
     """Every delivery dead letter, oldest first."""
     out = []
-    for dead_id, fields in dispatcher.redis.xrange(DELIVER_DEAD_STREAM):
+    for dead_id, fields in dispatcher.redis.xrange(dispatcher.dead_stream):
         data = fields.get(b"data")
         out.append(DeadLetter(text(dead_id), text(fields.get(b"entry_id", b"")), text(fields.get(b"url", b"")),
                               text(fields.get(b"error", b"")), codec.loads(data) if data else None))  # fmt: skip
@@ -65,7 +66,7 @@ def redeliver_dead(dispatcher: Dispatcher) -> Repaired:
         error = dispatcher.post_once(letter.delivery_id, letter.result)
         _count(done, error)
         if not error:
-            dispatcher.redis.xdel(DELIVER_DEAD_STREAM, letter.dead_id)
+            dispatcher.redis.xdel(dispatcher.dead_stream, letter.dead_id)
             dispatcher.metrics.deliveries.inc()
     return done
 

@@ -1,49 +1,60 @@
-"""Helpdesk webhooks in: which source sent it (its signature, checked with a shared secret), and
-which JSON fields of its payload are the ticket's id, subject and body.
-
-Two signature kinds, as the helpdesks sign:
-- `zendesk`: `X-Zendesk-Webhook-Signature` = base64 HMAC-SHA256(secret, timestamp + body), with
-  the timestamp in `X-Zendesk-Webhook-Signature-Timestamp` (ISO 8601 or unix seconds); a timestamp
-  further than TICKETQ_GATEWAY_WEBHOOK_WINDOW_S from now is refused, so a captured request cannot
-  be replayed later. Within the window a replay names the same ticket id: a no-op.
-- `hub` (GitHub, Intercom): `X-Hub-Signature-256: sha256=<hex HMAC-SHA256(secret, body)>`, or
-  Intercom's `X-Hub-Signature: sha1=<hex>`. These carry no timestamp: a replay is a no-op by the
-  ticket id, never a second ticket.
+"""Helpdesk webhooks in: which source sent it (its signature kind, `gateway.signatures`, checked with
+a shared secret), and which JSON fields of its payload are the ticket's id, subject and body.
 
 A source's ticket id is `<source>:<id at its id path>`, so two helpdesks never collide; the text
-is the subject and the body joined by a blank line; metadata records the source and its id.
+is the subject, the body and (where the payload has one) the new comment, joined by blank lines;
+metadata records the source and its id. Per source:
+
+- `html`: the body and comment are HTML (Intercom's `<p>…`, Freshdesk's description, Help Scout's
+  threads) and are turned into text (`html_text`: entities decoded, `<br>`/`<p>` as line breaks,
+  scripts and styles dropped) before the model reads them.
+- a text above TICKETQ_MAX_TICKET_BYTES (a long e-mail thread) is cut to it by the worker's own
+  truncation rule (`ticketq.schema.truncate`, in UTF-8 bytes; `truncation`, default `head+tail`,
+  which keeps both ends so the worker's token cut reads what it would have read in the whole),
+  never refused; metadata `text_bytes` says how long it was.
+- `ping`: `path=value` of a setup ping (Intercom's `topic=ping`): answered 200, nothing enqueued.
+- `reclassify`: a later event for the same ticket (a new comment, an edit) is classified again:
+  the ticket id is then `<source>:<id>:<event>`, `<event>` the payload's event id (`event` path) or,
+  without one, a digest of the body; the same event delivered twice is one ticket (a no-op).
+  Without it, a later event for a ticket already taken is a no-op.
+
 Built-in sources are `DEFAULT_SOURCES`; a TOML file (TICKETQ_GATEWAY_WEBHOOK_MAPPING) replaces them:
 
     [sources.zendesk]
-    kind = "zendesk"
+    kind = "zendesk"         # zendesk, hub, helpscout or freshdesk (gateway.signatures)
     id = "detail.id"
     subject = "detail.subject"
     body = "detail.description"
-    schema = "triage"        # optional: the schema its tickets are answered with
+    comment = "event.comment.body"   # optional: a later event's new comment
+    event = "id"                     # optional: the event's own id (reclassify)
+    reclassify = true                # optional (default false)
+    schema = "triage"                # optional: the schema its tickets are answered with
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import hmac
+import re
 import sys
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass
-from datetime import datetime, timezone
+from dataclasses import dataclass, fields
 from pathlib import Path
+
+import html_text
+
+from gateway.signatures import KINDS, SECRET_HEADER, BadSignature, parse_timestamp
+from gateway.signatures import verify as verify_kind
+from ticketq.schema import TRUNCATIONS, truncate
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-KINDS = ("zendesk", "hub")
-
-
-class BadSignature(ValueError):
-    """A webhook whose signature is missing, wrong, or out of the time window (answered 401)."""
+__all__ = ["DEFAULT_SOURCES", "BadSignature", "Source", "Unmapped", "is_ping", "load_sources", "parse_timestamp",
+           "ticket_of", "verify"]  # fmt: skip
+EVENT_KEY = re.compile(r"[^A-Za-z0-9_.-]")  # what an event id may keep in a ticket id
+EVENT_KEY_CHARS = 64
 
 
 class Unmapped(ValueError):
@@ -52,7 +63,7 @@ class Unmapped(ValueError):
 
 @dataclass(frozen=True)
 class Source:
-    """A helpdesk: its signature kind and the dotted JSON paths of the ticket's fields."""
+    """A helpdesk: its signature kind and the dotted JSON paths of the ticket's fields (module docstring)."""
 
     name: str
     kind: str
@@ -60,18 +71,61 @@ class Source:
     subject: str | None
     body: str
     schema: str | None = None
+    html: bool = False
+    comment: str | None = None
+    event: str | None = None
+    reclassify: bool = False
+    ping: str | None = None
+    truncation: str = "head+tail"
+    secret_header: str = SECRET_HEADER
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"webhook source {self.name!r}: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.truncation not in TRUNCATIONS:
+            raise ValueError(f"webhook source {self.name!r}: truncation must be one of {', '.join(TRUNCATIONS)}, "
+                             f"got {self.truncation!r}")  # fmt: skip
+        if self.ping is not None and "=" not in self.ping:
+            raise ValueError(f"webhook source {self.name!r}: ping must be `path=value`, got {self.ping!r}")
 
 
 DEFAULT_SOURCES = {
-    # Zendesk's event webhooks (zen:event-type:ticket.created): the ticket is `detail`.
-    "zendesk": Source("zendesk", "zendesk", id="detail.id", subject="detail.subject", body="detail.description"),
-    # Intercom's conversation.user.created notification: the conversation is data.item.
-    "intercom": Source("intercom", "hub", id="data.item.id", subject="data.item.source.subject",
-                       body="data.item.source.body"),
+    # Zendesk's event webhooks (zen:event-type:ticket.created, ...comment_added): the ticket is `detail`.
+    "zendesk": Source(
+        "zendesk",
+        "zendesk",
+        id="detail.id",
+        subject="detail.subject",
+        body="detail.description",
+        comment="event.comment.body",
+        event="id",
+    ),
+    # Intercom's conversation.user.created / .replied notifications: the conversation is data.item.
+    "intercom": Source(
+        "intercom",
+        "hub",
+        id="data.item.id",
+        subject="data.item.source.subject",
+        body="data.item.source.body",
+        html=True,
+        event="id",
+        ping="topic=ping",
+        comment="data.item.conversation_parts.conversation_parts.0.body",
+    ),
+    # Help Scout's convo.created / convo.customer.reply.created: a v2 Conversation, newest thread first.
+    "helpscout": Source(
+        "helpscout", "helpscout", id="id", subject="subject", body="_embedded.threads.0.body", html=True
+    ),
+    # Freshdesk's automation-rule webhook with the simple JSON content (the freshdesk_webhook object).
+    "freshdesk": Source(
+        "freshdesk",
+        "freshdesk",
+        id="freshdesk_webhook.ticket_id",
+        subject="freshdesk_webhook.ticket_subject",
+        body="freshdesk_webhook.ticket_description",
+        comment="freshdesk_webhook.ticket_latest_public_comment",
+        html=True,
+    ),
 }
 
 
@@ -80,11 +134,21 @@ def load_sources(path: str | None) -> dict[str, Source]:
     if path is None:
         return dict(DEFAULT_SOURCES)
     data = tomllib.loads(Path(path).read_text())
+    known = {f.name for f in fields(Source)} - {"name"}
     sources = {}
     for name, entry in data.get("sources", {}).items():
+        unknown = sorted(set(entry) - known)
+        if unknown:
+            raise ValueError(f"{path}: webhook source {name!r} has unknown key(s) {', '.join(unknown)}")
         try:
-            sources[name] = Source(name, entry["kind"], entry["id"], entry.get("subject"), entry["body"],
-                                   entry.get("schema"))  # fmt: skip
+            sources[name] = Source(
+                name,
+                entry["kind"],
+                entry["id"],
+                entry.get("subject"),
+                entry["body"],
+                **{k: v for k, v in entry.items() if k not in ("kind", "id", "subject", "body")},
+            )
         except KeyError as exc:
             raise ValueError(f"{path}: webhook source {name!r} has no {exc.args[0]!r}") from None
     return sources
@@ -92,68 +156,61 @@ def load_sources(path: str | None) -> dict[str, Source]:
 
 def verify(source: Source, secret: bytes, headers: Mapping[str, str], body: bytes, window_s: float,
            now: float | None = None) -> None:  # fmt: skip
-    """Raise `BadSignature` (one line: what is wrong) unless `body` is signed by `secret`."""
-    if source.kind == "zendesk":
-        _verify_zendesk(secret, headers, body, window_s, time.time() if now is None else now)
-    else:
-        _verify_hub(secret, headers, body)
+    """Raise `BadSignature` (one line: what is wrong) unless `body` is signed by `secret` as `source` signs."""
+    verify_kind(source.kind, secret, headers, body, window_s, now, source.secret_header)
 
 
-def _verify_zendesk(secret: bytes, headers: Mapping[str, str], body: bytes, window_s: float, now: float) -> None:
-    signature = headers.get("x-zendesk-webhook-signature")
-    stamp = headers.get("x-zendesk-webhook-signature-timestamp")
-    if not signature or not stamp:
-        raise BadSignature("missing X-Zendesk-Webhook-Signature or X-Zendesk-Webhook-Signature-Timestamp")
-    expected = base64.b64encode(hmac.new(secret, stamp.encode() + body, hashlib.sha256).digest()).decode()
-    if not hmac.compare_digest(expected, signature.strip()):
-        raise BadSignature("X-Zendesk-Webhook-Signature does not match the body and timestamp")
-    at = parse_timestamp(stamp)
-    if abs(now - at) > window_s:
-        raise BadSignature(f"timestamp {stamp!r} is {abs(now - at):.0f} s from now, outside the "
-                           f"{window_s:g} s window (TICKETQ_GATEWAY_WEBHOOK_WINDOW_S): a replay, or a skewed clock")
+def is_ping(source: Source, payload: object) -> bool:
+    """True for the source's setup ping (answered 200, nothing enqueued)."""
+    if source.ping is None:
+        return False
+    path, _, value = source.ping.partition("=")
+    return _at(payload, path, required=False) == value
 
 
-def _verify_hub(secret: bytes, headers: Mapping[str, str], body: bytes) -> None:
-    for header, algorithm in (("x-hub-signature-256", "sha256"), ("x-hub-signature", "sha1")):
-        given = headers.get(header)
-        if given is None:
-            continue
-        expected = f"{algorithm}=" + hmac.new(secret, body, algorithm).hexdigest()
-        if not hmac.compare_digest(expected, given.strip().lower()):
-            raise BadSignature(f"{header} does not match the body")
-        return
-    raise BadSignature("missing X-Hub-Signature-256 (sha256=<hex HMAC of the body>)")
-
-
-def parse_timestamp(stamp: str) -> float:
-    """Unix seconds of an ISO 8601 timestamp (a trailing Z is UTC) or of a number; `BadSignature` else."""
-    text = stamp.strip()
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    try:
-        at = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        raise BadSignature(f"timestamp {text[:40]!r} is neither ISO 8601 nor unix seconds") from None
-    return (at if at.tzinfo else at.replace(tzinfo=timezone.utc)).timestamp()
-
-
-def ticket_of(source: Source, payload: object) -> dict:
-    """The ticket (`id`, `text`, `metadata`, and `schema` if the source names one) in a payload."""
+def ticket_of(source: Source, payload: object, body: bytes = b"", max_bytes: int | None = None) -> dict:
+    """The ticket (`id`, `text`, `metadata`, and `schema` if the source names one) in a payload;
+    `body` (the raw request) names the event when the source re-classifies and the payload has no
+    event id; a text above `max_bytes` is cut by the truncation rule."""
     ticket_id = _at(payload, source.id)
-    body = _at(payload, source.body)
-    subject = _at(payload, source.subject, required=False) if source.subject else None
     if not isinstance(ticket_id, str | int) or isinstance(ticket_id, bool):
         raise Unmapped(f"{source.id} must be a string or integer, got {type(ticket_id).__name__}")
-    if not isinstance(body, str) or (subject is not None and not isinstance(subject, str)):
-        raise Unmapped(f"{source.body} (and {source.subject}) must be strings")
-    text = f"{subject}\n\n{body}" if subject else body
-    ticket = {"id": f"{source.name}:{ticket_id}", "text": text,
-              "metadata": {"source": source.name, "source_id": str(ticket_id)}}  # fmt: skip
+    text = _text(source, payload)
+    metadata = {"source": source.name, "source_id": str(ticket_id)}
+    wire_id = f"{source.name}:{ticket_id}"
+    if source.reclassify:
+        metadata["event"] = _event_key(source, payload, body)
+        wire_id = f"{wire_id}:{metadata['event']}"
+    encoded = text.encode("utf-8", "surrogatepass")
+    if max_bytes is not None and len(encoded) > max_bytes:
+        text = bytes(truncate(encoded, max_bytes, source.truncation)).decode("utf-8", "ignore")
+        metadata["text_bytes"] = len(encoded)
+    ticket = {"id": wire_id, "text": text, "metadata": metadata}
     if source.schema:
         ticket["schema"] = source.schema
     return ticket
+
+
+def _text(source: Source, payload: object) -> str:
+    """Subject, body and (where present) the comment, joined by blank lines; HTML made text."""
+    body = _at(payload, source.body)
+    subject = _at(payload, source.subject, required=False) if source.subject else None
+    comment = _at(payload, source.comment, required=False) if source.comment else None
+    if not isinstance(body, str) or (subject is not None and not isinstance(subject, str)):
+        raise Unmapped(f"{source.body} (and {source.subject}) must be strings")
+    parts = [subject, _plain(source, body), _plain(source, comment) if isinstance(comment, str) else None]
+    return "\n\n".join(part for part in parts if part)
+
+
+def _plain(source: Source, text: str) -> str:
+    return html_text.extract_text(text, guess_layout=True) if source.html and text.strip() else text
+
+
+def _event_key(source: Source, payload: object, body: bytes) -> str:
+    given = _at(payload, source.event, required=False) if source.event else None
+    if isinstance(given, str | int) and not isinstance(given, bool) and str(given).strip():
+        return EVENT_KEY.sub("-", str(given))[:EVENT_KEY_CHARS]
+    return hashlib.sha256(body).hexdigest()[:24]
 
 
 def _at(payload: object, path: str, required: bool = True) -> object:

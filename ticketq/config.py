@@ -46,7 +46,7 @@ WORKER_SETTINGS = frozenset({
 })  # fmt: skip
 # The settings only the HTTP gateway and the results dispatcher read (`gateway.settings`): the
 # same reason, the same check (tests/integration/test_exit_codes.py).
-GATEWAY_PREFIXES = ("gateway_", "deliver_")
+GATEWAY_PREFIXES = ("gateway_", "deliver_", "writeback_")
 
 
 class TicketSettings(BaseModel):

@@ -36,7 +36,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ticketq.contract import SCHEMA_NAME
 from ticketq.errors import TicketqError
@@ -60,11 +60,29 @@ __all__ = [
     "default_schema",
     "load_schema",
     "parse_schema",
+    "truncate",
 ]
+
+T = TypeVar("T")
 
 # How a ticket longer than the token limit is cut: keep its start (what ticketq always did), its
 # end (where a reply thread puts the newest message), or both ends, half the limit each.
 TRUNCATIONS = ("head", "tail", "head+tail")
+
+
+def truncate(items: Sequence[T], limit: int, mode: str = "head") -> Sequence[T]:
+    """At most `limit` of `items`: the first (`head`), the last (`tail`), or the first and last halves
+    (`head+tail`). The one truncation rule: the engine cuts token ids by it, the gateway UTF-8 bytes."""
+    if len(items) <= limit:
+        return items
+    if mode == "head":
+        return items[:limit]
+    if mode == "tail":
+        return items[len(items) - limit :]
+    if mode == "head+tail":
+        tail = limit // 2
+        return items[: limit - tail] + items[len(items) - tail :]
+    raise ValueError(f"truncation must be one of {', '.join(TRUNCATIONS)}, got {mode!r}")
 # Where the fields go in the prompt:
 # - "system": one single-label field, its labels in the system prompt and the answer straight after
 #   the ticket (the prompt ticketq has always used; every token but the ticket's is cached);

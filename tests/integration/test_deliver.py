@@ -60,12 +60,13 @@ class _Server(ThreadingHTTPServer):
 
 class Receiver:
     """An HTTP receiver: verifies each POST's signature, records its delivery id, answers 500 for
-    the first `fail_first` POSTs (all of them when `fail_first` is None), or every POST in its first
-    `down_s` seconds, 200 after."""
+    the first `fail_first` POSTs (all of them when `fail_first` is None), or every POST in the
+    `down_s` seconds from the first one (an outage the dispatcher meets however late it starts),
+    200 after."""
 
     def __init__(self, fail_first: int | None = 0, delay_s: float = 0.0, down_s: float = 0.0) -> None:
         self.fail_first, self.delay_s = fail_first, delay_s
-        self.up_at = time.monotonic() + down_s
+        self.down_s, self.up_at = down_s, None  # the outage starts at the first POST
         self.posts = 0
         self.seen: Counter = Counter()
         self.bodies: dict[str, dict] = {}  # delivery id -> the body delivered
@@ -93,6 +94,8 @@ class Receiver:
         delivery = request.headers["X-Ticketq-Delivery"]
         with self.lock:
             self.posts += 1
+            if self.up_at is None:
+                self.up_at = time.monotonic() + self.down_s
             failing = self.fail_first is None or self.posts <= self.fail_first or time.monotonic() < self.up_at
             if not ok:
                 self.bad_signatures += 1

@@ -18,7 +18,8 @@ also those of the rendered prompt tokenised whole.
 
 Tickets longer than `max_ticket_tokens` are cut by a truncation mode (`ticketq.schema.TRUNCATIONS`):
 `head` keeps the first tokens (the default, what ticketq always did), `tail` the last, `head+tail`
-the first half and the last half of the limit.
+the first half and the last half of the limit: `ticketq.schema.truncate`, the one rule (the gateway
+cuts a helpdesk's over-long text by it too, in bytes).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from itertools import pairwise
 
 from ticketq import contract
 from ticketq.contract import TicketRejected
-from ticketq.schema import TRUNCATIONS, Schema
+from ticketq.schema import TRUNCATIONS, Schema, truncate
 
 TICKET_MARKER = "\x00TICKET\x00"
 ANSWER_MARKER = "\x00ANSWER\x00"
@@ -51,20 +52,6 @@ class EncodedTicket:
     truncated: bool
     total_tokens: int = 0  # tokens of the ticket before truncation
     truncation: str = "head"  # the mode that cut it, where `truncated`
-
-
-def truncate(ids: list[int], limit: int, mode: str = "head") -> list[int]:
-    """At most `limit` of `ids`: the first (`head`), the last (`tail`), or the first and last halves (`head+tail`)."""
-    if len(ids) <= limit:
-        return ids
-    if mode == "head":
-        return ids[:limit]
-    if mode == "tail":
-        return ids[len(ids) - limit :]
-    if mode == "head+tail":
-        tail = limit // 2
-        return ids[: limit - tail] + ids[len(ids) - tail :]
-    raise ValueError(f"truncation must be one of {', '.join(TRUNCATIONS)}, got {mode!r}")
 
 
 def canonical_text(text: object) -> str:
