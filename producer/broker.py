@@ -5,7 +5,6 @@ tells a Redis that lost its data, and the errors that name the Redis that failed
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 
 import redis
 from celery import Celery
@@ -14,11 +13,10 @@ from producer.backend import BulkRedisBackend, make_app
 from producer.errors import BATCH_ERRORS, CONNECTION_ERRORS, BrokerUnavailable, NotReplicated
 from producer.messages import TicketResult
 from producer.outage import Outage
-from ticketq import codec, connections
+from ticketq import connections
 from ticketq.config import ClientSettings, is_redis_url
 from ticketq.connections import SOCKET_TIMEOUT_S, connect, redis_client
 from ticketq.epoch import AcrossEpochs, Epoch, Loss, whoami
-from ticketq.names import RESULTS_STREAM, queue_lists
 
 log = logging.getLogger(__name__)
 
@@ -134,30 +132,6 @@ class Broker:
         except (redis.exceptions.RedisError, OSError):
             return ""
 
-    def results_stream(self, since_id: str, follow: bool) -> Iterator[tuple[str, dict]]:
-        """`Producer.results_stream`: each entry decoded, less an earlier epoch's repeats (`self.epochs`)."""
-        for entry_id, fields in stream_entries(self.redis, self.settings.broker_url, since_id, follow):
-            try:
-                result = codec.loads(fields[b"data"])
-            except (KeyError, ValueError):
-                log.warning("skipping results stream entry %s without a JSON 'data' field", entry_id)
-                continue
-            if self.epochs.repeat(fields.get(b"epoch"), result):
-                log.info("skipping results stream entry %s: ticket %s was answered before Redis lost its data",
-                         entry_id, result.get("id"))  # fmt: skip
-                continue
-            yield entry_id, result
-
-    def queue_depth(self) -> int:
-        keys = queue_lists(self.settings.queue)
-        try:
-            pipe = self.redis.pipeline(transaction=False)
-            for key in keys:
-                pipe.llen(key)
-            return sum(pipe.execute())
-        except (redis.exceptions.RedisError, OSError) as exc:
-            raise BrokerUnavailable(self.settings.broker_url, exc) from None
-
     def confirm_replicas(self, results: list[TicketResult]) -> None:
         """With TICKETQ_REPLICA_ACKS: `NotReplicated` unless that many replicas hold every send so far.
 
@@ -175,21 +149,3 @@ class Broker:
         if acked < wanted:
             raise NotReplicated(self.settings.broker_url, results, acked, wanted,
                                 self.settings.replica_timeout_s)  # fmt: skip
-
-
-def stream_entries(client: redis.Redis, url: str, since_id: str, follow: bool) -> Iterator[tuple[str, dict]]:
-    """(entry id, raw fields) of the results stream after `since_id`; `BrokerUnavailable` if Redis is away."""
-    last = since_id
-    while True:
-        try:
-            # Block in short reads: each must finish well inside the client's socket timeout.
-            reply = client.xread({RESULTS_STREAM: last}, count=500, block=1000 if follow else None)
-        except (redis.exceptions.RedisError, OSError) as exc:
-            raise BrokerUnavailable(url, exc) from None
-        if not reply:
-            if not follow:
-                return
-            continue
-        for raw_id, fields in reply[0][1]:
-            last = raw_id.decode()
-            yield last, fields

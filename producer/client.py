@@ -1,6 +1,7 @@
 """`Producer`: validates tickets at the edge, sends them, and collects their results.
 
-It composes the rooms below it: `producer.broker` (the Celery app and Redis client),
+It composes the rooms below it: `producer.checking` (tickets checked at the edge), `producer.broker`
+(the Celery app and Redis client), `producer.reads` (the results stream, the queue depth),
 `producer.sending` (publishing), `producer.waiting` (results, outages, re-sends). It imports no
 torch and nothing from `worker/`, only the shared contract (`ticketq`), so a web app can embed it.
 """
@@ -8,21 +9,20 @@ torch and nothing from `worker/`, only the shared contract (`ticketq`), so a web
 from __future__ import annotations
 
 import logging
-import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import redis
 from celery import Celery
 from celery.result import AsyncResult
 
+from producer import reads
 from producer.broker import Broker
-from producer.errors import SendInterrupted, SendStopped
-from producer.messages import Checked, Ticket, TicketResult, as_mapping, idempotent_task_id
+from producer.checking import check_all, check_ticket
+from producer.messages import Ticket, TicketResult
 from producer.outage import RETRY_FOR_S
 from producer.sending import Sender
 from producer.waiting import ResultCallback, Waiter
 from ticketq.config import ClientSettings
-from ticketq.contract import Reason, TicketRejected, UniqueIds, validate_ticket
 
 log = logging.getLogger(__name__)
 
@@ -83,19 +83,7 @@ class Producer:
         Raises `TicketRejected` (a `ValueError`; `.reason` says why), or `TypeError` for a text or
         id of the wrong type. An integer id comes back as its decimal string.
         """
-        return self._validate({"id": id, "text": text})[:2]
-
-    def _validate(self, raw: Mapping[str, object], schema: str | None = None) -> Checked:
-        """(id, text, schema): the ticket's own `schema`, else `schema`."""
-        if schema is not None and raw.get("schema") is None:
-            raw = {**raw, "schema": schema}
-        try:
-            ticket = validate_ticket(raw, self.settings.max_ticket_bytes)
-        except TicketRejected as exc:
-            if exc.reason == Reason.WRONG_TYPE:
-                raise TypeError(str(exc)) from None  # what Python callers expect for a wrong type
-            raise
-        return ticket.id or uuid.uuid4().hex, ticket.text, ticket.schema
+        return check_ticket({"id": id, "text": text}, self.settings.max_ticket_bytes)[:2]
 
     def submit(self, text: str, id: str | int | None = None, idempotent: bool = False,
                schema: str | None = None) -> TicketResult:  # fmt: skip
@@ -106,7 +94,7 @@ class Producer:
         already has a result is not sent again; its result is returned as the first time.
         `schema`: the name of the schema (fields) the worker answers it with (default: the worker's first).
         """
-        ticket = self._validate({"id": id, "text": text}, schema)
+        ticket = check_ticket({"id": id, "text": text}, self.settings.max_ticket_bytes, schema)
         if idempotent:
             return self.submit_many([{"id": ticket[0], "text": ticket[1]}], idempotent=True, schema=schema)[0]
         result = self._sender.send([ticket], packed=False)
@@ -131,53 +119,14 @@ class Producer:
         """
         if not isinstance(pack, int) or pack < 1:
             raise ValueError(f"pack must be an integer >= 1, got {pack!r}")
-        checked = self._validate_all(tickets, schema)
+        checked = check_all(tickets, self.settings.max_ticket_bytes, schema)
         self._broker.ensure_checked()
-        packed = pack > 1
         chunks = [checked[start : start + pack] for start in range(0, len(checked), pack)]
-        if not idempotent:
-            results = self._sender.send_chunks(chunks, [None] * len(chunks), packed, progress)
-            self._confirm_sent(results)
-            return results
-        task_ids = [idempotent_task_id(self.settings.queue, [i for i, *_ in chunk], packed) for chunk in chunks]
-        skipped = self._sender.answered(task_ids) | (set(already_sent) & set(task_ids))
-        if skipped:
-            log.info("%d message(s) were sent before: not sent again", len(skipped))
-        todo = [index for index, task_id in enumerate(task_ids) if task_id not in skipped]
-        before = [self._sender.result_of(task_ids[i], chunks[i], packed) for i in range(len(chunks))
-                  if task_ids[i] in skipped]  # fmt: skip
-        try:
-            sent = self._sender.send_chunks([chunks[i] for i in todo], [task_ids[i] for i in todo], packed, progress)
-        except (SendInterrupted, SendStopped) as stop:
-            stop.results[:0] = before  # what an earlier run sent is sent too
-            raise
-        self._confirm_sent(sent, before)
-        by_id = {result.id: result for result in (*before, *sent)}
-        return [by_id[task_id] for task_id in task_ids]
-
-    def _confirm_sent(self, sent: list[TicketResult], before: Sequence[TicketResult] = ()) -> None:
-        """TICKETQ_REPLICA_ACKS' wait for `sent`; Ctrl-C during it is a `SendInterrupted` holding
-        every message (Redis took them all: only their replication was not confirmed)."""
-        try:
-            self._broker.confirm_replicas(sent)
-        except KeyboardInterrupt:
-            raise SendInterrupted([*before, *sent], []) from None
-
-    def _validate_all(self, tickets: Iterable[Ticket], schema: str | None) -> list[Checked]:
-        """Every ticket checked, ids unique; one `ValueError` naming the first bad ones, else all of them."""
-        checked, problems, ids = [], [], UniqueIds()
-        for index, ticket in enumerate(tickets):
-            try:
-                valid = self._validate(as_mapping(ticket), schema)
-                ids.add(valid[0], f"at #{index}")
-                checked.append(valid)
-            except (ValueError, TypeError) as exc:
-                problems.append(f"#{index}: {exc}")
-        if problems:
-            shown = "; ".join(problems[:5]) + ("; ..." if len(problems) > 5 else "")
-            raise ValueError(f"{len(problems)} of {len(checked) + len(problems)} tickets are invalid, none sent: "
-                             f"{shown}")  # fmt: skip
-        return checked
+        if idempotent:
+            return self._sender.send_once(chunks, pack > 1, progress, already_sent)
+        results = self._sender.send_chunks(chunks, [None] * len(chunks), pack > 1, progress)
+        self._sender.confirm(results)
+        return results
 
     def resend(self, result: TicketResult) -> TicketResult:
         """Send a message again with its original task id; the worker publishes each ticket once.
@@ -215,12 +164,16 @@ class Producer:
         return self._waiter.ready_now(results)
 
     def results_stream(self, since_id: str = "0", follow: bool = False) -> Iterator[tuple[str, dict]]:
-        """`(entry_id, result)` from the results stream on the broker's Redis, after `since_id`: to its end,
-        or with `follow=True` for good (the caller breaks out); resume with the last `entry_id` as `since_id`.
-        A ticket this producer's reads yielded before a data loss is not yielded again after it
-        (`ticketq.epoch.AcrossEpochs`, over the last `stream_maxlen` results)."""
-        return self._broker.results_stream(since_id, follow)
+        """`(entry_id, result)` from the results stream on the broker's Redis, after `since_id`.
+
+        Stops at the end of the stream, or with `follow=True` waits for new entries forever (the
+        caller breaks out). Resume later by passing the last `entry_id` as `since_id`. A ticket this
+        producer's reads yielded before a data loss is not yielded again after it
+        (`ticketq.epoch.AcrossEpochs`, over the last `stream_maxlen` results).
+        """
+        return reads.results_stream(self._broker.redis, self.settings.broker_url, since_id, follow,
+                                    self._broker.epochs)  # fmt: skip
 
     def queue_depth(self) -> int:
         """Messages waiting in the queue (not yet taken by a worker), over kombu's priority lists."""
-        return self._broker.queue_depth()
+        return reads.queue_depth(self._broker.redis, self.settings.broker_url, self.settings.queue)

@@ -69,10 +69,34 @@ def send_and_collect(producer: Producer, tickets: list[dict], rejected: int, opt
     waiting, a `pending` row for each ticket still without a result: `--resume` goes on from any of
     them.
     """
-    waiting = options.wait or options.out
-    collected = Collected()
-    interrupted, lost = False, ""
     started = time.monotonic()
+    sent = _send(producer, tickets, options)
+    if isinstance(sent, Outcome):
+        return sent
+    collected = Collected()
+    waited = _collect(producer, tickets, sent, options, collected, started)
+    if isinstance(waited, Outcome):
+        return waited
+    results, lost, interrupted = waited
+    for result in results:
+        if result.get("status") == "timeout":
+            result["status"] = PENDING
+    expected = {ticket["id"]: ticket["expected"] for ticket in tickets if "expected" in ticket}
+    for result in results:
+        if result.get("id") in expected:
+            result["expected"] = expected[result["id"]]
+    print_summary(results, rejected, started, collected.last_at)
+    pending = sum(result.get("status") == PENDING for result in results)
+    if not pending:
+        return Outcome(results)
+    what = "interrupted" if interrupted else lost or f"timed out after {options.timeout:g} s"
+    line = (f"{what}: {len(results) - pending} tickets answered, {pending} pending (sent, no result yet)"
+            f"{where(options)}")  # fmt: skip
+    return Outcome(results, line, interrupted)
+
+
+def _send(producer: Producer, tickets: list[dict], options: RunOptions) -> list | Outcome:
+    """Connect and send every ticket: their async results, or the Outcome of a send that stopped."""
     try:
         connect(producer, options.retry_for)
     except SendInterrupted as stop:
@@ -82,7 +106,7 @@ def send_and_collect(producer: Producer, tickets: list[dict], rejected: int, opt
         what = "Redis refused the credentials" if stop.refused else f"Redis not reachable for {options.retry_for:g} s"
         return stopped_send(producer, tickets, stop, options, what)
     try:
-        sent = producer.submit_many(tickets, pack=options.pack, progress=options.progress,
+        return producer.submit_many(tickets, pack=options.pack, progress=options.progress,
                                     idempotent=options.idempotent, already_sent=options.already_sent)  # fmt: skip
     except SendInterrupted as stop:
         return stopped_send(producer, tickets, stop, options, "interrupted while sending")
@@ -95,6 +119,14 @@ def send_and_collect(producer: Producer, tickets: list[dict], rejected: int, opt
                                "replicas did not confirm the send")  # fmt: skip
         outcome.status = EXIT_UNUSABLE  # docs/reliability.md, Replica acks
         return outcome
+
+
+def _collect(producer: Producer, tickets: list[dict], sent: list, options: RunOptions, collected: Collected,
+             started: float) -> tuple[list[dict], str, bool] | Outcome:  # fmt: skip
+    """Print the enqueue line and, with --wait or --out, wait: (results, why some are lost, interrupted),
+    pending rows for the tickets without a result; an Outcome when nothing is waited for."""
+    interrupted, lost = False, ""
+    waiting = options.wait or options.out
     try:
         # The enqueue line inside the try: a Ctrl-C that answers it can come while it is still being
         # printed (the process preempted just after its write), and must find the rows as in the wait.
@@ -118,21 +150,7 @@ def send_and_collect(producer: Producer, tickets: list[dict], rejected: int, opt
         # Answers stored before the Ctrl-C that the wait had not read yet: one quick read, then pending.
         late = producer.ready_now([result for result in sent if result.id not in seen])
         results = collected.results + late + pending_rows(sent, seen | {row.get("task_id") for row in late})
-    for result in results:
-        if result.get("status") == "timeout":
-            result["status"] = PENDING
-    expected = {ticket["id"]: ticket["expected"] for ticket in tickets if "expected" in ticket}
-    for result in results:
-        if result.get("id") in expected:
-            result["expected"] = expected[result["id"]]
-    print_summary(results, rejected, started, collected.last_at)
-    pending = sum(result.get("status") == PENDING for result in results)
-    if not pending:
-        return Outcome(results)
-    what = "interrupted" if interrupted else lost or f"timed out after {options.timeout:g} s"
-    line = (f"{what}: {len(results) - pending} tickets answered, {pending} pending (sent, no result yet)"
-            f"{where(options)}")  # fmt: skip
-    return Outcome(results, line, interrupted)
+    return results, lost, interrupted
 
 
 def connect(producer: Producer, retry_for: float) -> None:

@@ -8,9 +8,10 @@ twice, and the worker publishes its answer once.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 from tqdm import tqdm
@@ -18,10 +19,13 @@ from tqdm import tqdm
 from producer.backend import BulkRedisBackend, finished
 from producer.broker import Broker
 from producer.errors import BATCH_ERRORS, CONNECTION_ERRORS, SendInterrupted, SendStopped
-from producer.messages import Checked, TicketResult, argsrepr, payload
+from producer.messages import Checked, TicketResult, argsrepr, idempotent_task_id, payload
 from producer.outage import Outage
 from producer.resends import next_send
 from ticketq.names import TASK_CLASSIFY
+from ticketq.process import bar_disabled
+
+log = logging.getLogger(__name__)
 
 PUBLISH_BATCH = 500  # messages per Redis pipeline in submit_many (kombu >= 5.7's Producer.batch)
 
@@ -45,7 +49,8 @@ class Sender:
         sent: list[TicketResult] = []
         try:
             task_ids = [task_id or str(uuid.uuid4()) for task_id in task_ids]
-            with tqdm(total=sum(map(len, chunks)), unit="ticket", desc="enqueue", disable=not progress) as bar:
+            bar = tqdm(total=sum(map(len, chunks)), unit="ticket", desc="enqueue", disable=bar_disabled(progress))
+            with bar:
                 for first in range(0, len(chunks), PUBLISH_BATCH):
                     block = range(first, min(first + PUBLISH_BATCH, len(chunks)))
                     self._send_block([chunks[i] for i in block], [task_ids[i] for i in block], packed, sent)
@@ -127,6 +132,34 @@ class Sender:
         result.message_args = (rows if packed else rows[0],)
         result.sent_before = True
         return result
+
+    def send_once(self, chunks: list, packed: bool, progress: bool, already_sent: Iterable[str]) -> list[TicketResult]:
+        """`Producer.submit_many(idempotent=True)`'s send: each message's task id from (queue, its
+        ticket ids); one already answered in the backend, or among `already_sent`, is not sent again
+        (its result comes back as if just sent). Results in the order of `chunks`."""
+        queue = self.broker.settings.queue
+        task_ids = [idempotent_task_id(queue, [i for i, *_ in chunk], packed) for chunk in chunks]
+        skipped = self.answered(task_ids) | (set(already_sent) & set(task_ids))
+        if skipped:
+            log.info("%d message(s) were sent before: not sent again", len(skipped))
+        todo = [index for index, task_id in enumerate(task_ids) if task_id not in skipped]
+        before = [self.result_of(task_ids[i], chunks[i], packed) for i in range(len(chunks)) if task_ids[i] in skipped]
+        try:
+            sent = self.send_chunks([chunks[i] for i in todo], [task_ids[i] for i in todo], packed, progress)
+        except (SendInterrupted, SendStopped) as stop:
+            stop.results[:0] = before  # what an earlier run sent is sent too
+            raise
+        self.confirm(sent, before)
+        by_id = {result.id: result for result in (*before, *sent)}
+        return [by_id[task_id] for task_id in task_ids]
+
+    def confirm(self, sent: list[TicketResult], before: Sequence[TicketResult] = ()) -> None:
+        """TICKETQ_REPLICA_ACKS' wait for `sent`; Ctrl-C during it is a `SendInterrupted` holding
+        every message (Redis took them all: only their replication was not confirmed)."""
+        try:
+            self.broker.confirm_replicas(sent)
+        except KeyboardInterrupt:
+            raise SendInterrupted([*before, *sent], []) from None
 
     def answered(self, task_ids: Sequence[str]) -> set[str]:
         """The task ids among `task_ids` that have a finished result in the Redis result backend."""

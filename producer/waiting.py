@@ -21,7 +21,7 @@ from producer.messages import TicketResult, in_order, ticket_ids, ticket_results
 from producer.outage import Outage
 from producer.resends import PERIOD_MAX_S, Resends, Whereabouts
 from producer.sending import Sender, publish_batch
-from ticketq.process import paused_gc
+from ticketq.process import bar_disabled, paused_gc
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class Waiter:
         deadline = None if timeout is None else time.monotonic() + timeout
         outage = Outage("waiting for results", deadline, self.retry_for_s)
         resends = _resends_for(results, resend_after)
-        with tqdm(total=total, unit="ticket", desc="results", disable=not progress) as bar, paused_gc():
+        with tqdm(total=total, unit="ticket", desc="results", disable=bar_disabled(progress)) as bar, paused_gc():
 
             def take(task_id: str, state: str, value: object) -> None:
                 tickets = ticket_results(sent[task_id], state, value)

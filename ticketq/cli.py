@@ -12,6 +12,7 @@ import inspect
 import platform
 from collections import Counter
 from collections.abc import Callable, Iterable
+from enum import Enum
 from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated, Any
 
@@ -40,15 +41,16 @@ def command(app: typer.Typer, prog: str) -> Callable[..., Any]:
     _add_version(app, flag)
     built = typer.main.get_command(app)
     _reflow_help(built)
-    _plain_metavars(built)
+    plain_metavars(built)
     return built
 
 
-def _plain_metavars(command: Any) -> None:
+def plain_metavars(command: Any) -> None:
     """Help in click's words, for `command` and every subcommand: typer 0.2x writes a type beside
     each option (`--force <bool>`, `--out <path>`) and braces around a required argument in the
     usage line (`{path}`); here a flag shows no value, an option its value as click names it
-    (`--out PATH`, `--format TEXT`) and an argument its name (`PATH`, `[PATH]`, `PATHS...`)."""
+    (`--out PATH`, `--format TEXT`, `--dtype [auto|float32]`) and an argument its name (`PATH`,
+    `[PATH]`, `PATHS...`)."""
     if not hasattr(TyperOption, "bare_type"):  # typer before it vendored click: click's words already
         return
     for param in getattr(command, "params", ()):
@@ -61,7 +63,7 @@ def _plain_metavars(command: Any) -> None:
     if hasattr(command, "get_help_option"):  # made on first use: a flag too
         command.get_help_option = functools.partial(_flag_help_option, command.get_help_option)
     for sub in getattr(command, "commands", {}).values():
-        _plain_metavars(sub)
+        plain_metavars(sub)
 
 
 def _flag_help_option(made: Callable[[Any], Any], ctx: Any) -> Any:
@@ -77,6 +79,9 @@ _VALUE_NAMES = {"str": "TEXT", "int": "INTEGER", "float": "FLOAT"}  # click's na
 def _value_name(param: TyperOption) -> str:
     if param.type_descriptor.is_path:
         return "PATH"
+    choices = param.type_descriptor.annotation
+    if isinstance(choices, type) and issubclass(choices, Enum):  # click's Choice: [a|b|c]
+        return "[" + "|".join(str(member.value) for member in choices) + "]"
     return _VALUE_NAMES.get(param.bare_type(), param.bare_type().upper())
 
 

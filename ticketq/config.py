@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any, TypeVar
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from ticketq.contract import MAX_TICKET_BYTES
@@ -49,10 +49,8 @@ WORKER_SETTINGS = frozenset({
 GATEWAY_PREFIXES = ("gateway_", "deliver_", "writeback_")
 
 
-class ClientSettings(BaseSettings):
-    """What producers and workers share. Every field is `TICKETQ_<FIELD>` in the environment."""
-
-    model_config = SettingsConfigDict(env_prefix="TICKETQ_", extra="ignore", validate_default=True)
+class TicketSettings(BaseModel):
+    """What a ticket may be: the closed label set (with optional hints) and the size limit."""
 
     labels: Annotated[tuple[str, ...], NoDecode] = Field(
         DEFAULT_LABELS, description="Closed label set, comma separated; `name=description` adds a hint."
@@ -60,6 +58,45 @@ class ClientSettings(BaseSettings):
     max_ticket_bytes: int = Field(
         MAX_TICKET_BYTES, ge=64, description="Raw text above this is rejected (dead-lettered)."
     )
+
+    @field_validator("labels", mode="before")
+    @classmethod
+    def _split_labels(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",")]
+        return value
+
+    @field_validator("labels")
+    @classmethod
+    def _check_labels(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        names = [label.split("=", 1)[0].strip() for label in value]
+        if len(names) < 2:
+            raise ValueError("needs at least two labels, comma separated (billing,technical,account)")
+        if any(not name for name in names):
+            raise ValueError("has an empty label name; labels are comma separated, each non-empty")
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            shown = ", ".join(map(repr, duplicates))
+            raise ValueError(f"label {shown} appears more than once; each label must be unique")
+        return tuple(label.strip() for label in value)
+
+    @property
+    def label_names(self) -> tuple[str, ...]:
+        return tuple(label.split("=", 1)[0].strip() for label in self.labels)
+
+    @property
+    def label_descriptions(self) -> dict[str, str]:
+        return {
+            name.strip(): desc.strip()
+            for name, _, desc in (label.partition("=") for label in self.labels)
+            if desc.strip()
+        }
+
+
+class RedisSettings(BaseModel):
+    """Where the Redis is and how its writes are confirmed: the broker (a Redis URL, or a Sentinel
+    list and its master's name), the result backend, the replica acks."""
+
     broker_url: str = Field(
         "redis://127.0.0.1:6379/0",
         description="Celery broker: redis://, rediss:// (TLS), or Sentinel as sentinel://h1:26379;sentinel://h2:26379 "
@@ -84,6 +121,64 @@ class ClientSettings(BaseSettings):
     replica_timeout_s: float = Field(
         1.0, gt=0, description="How long one WAIT waits for TICKETQ_REPLICA_ACKS replicas."
     )
+
+    @field_validator("broker_url")
+    @classmethod
+    def _check_broker_url(cls, value: str) -> str:
+        # ticketq reads and writes Redis streams on the broker itself, so only Redis will do.
+        scheme = _url_scheme(value)
+        if scheme not in BROKER_SCHEMES:
+            raise ValueError(
+                "must be a Redis URL: redis://[:password@]host:6379/0, rediss://… (TLS) or "
+                "sentinel://host:26379;sentinel://host2:26379, "
+                f"not {scheme + '://' if scheme else 'a URL without a scheme'}"
+            )
+        return with_tls_default(value)
+
+    @field_validator("result_backend")
+    @classmethod
+    def _check_backend_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        from celery.app.backends import BACKEND_ALIASES  # lazy: only this check needs celery
+
+        scheme = _url_scheme(value)
+        if scheme.partition("+")[0] not in BACKEND_ALIASES:
+            raise ValueError(
+                f"must be a Celery result backend URL such as redis://host:6379/0 (unset: the broker), "
+                f"not {scheme + '://' if scheme else 'a URL without a scheme'}"
+            )
+        return with_tls_default(value)
+
+    @model_validator(mode="after")
+    def _check_sentinel(self) -> RedisSettings:
+        urls = {"TICKETQ_BROKER_URL": self.broker_url, "TICKETQ_RESULT_BACKEND": self.result_backend or ""}
+        named = [env for env, url in urls.items() if is_sentinel_url(url)]
+        if named and not self.sentinel_master:
+            raise ValueError(
+                f"{' and '.join(named)} {'name' if len(named) > 1 else 'names'} Redis Sentinel: set "
+                "TICKETQ_SENTINEL_MASTER to the master's name the "
+                "sentinels monitor (`sentinel monitor NAME host port quorum` in sentinel.conf)"
+            )
+        return self
+
+    @property
+    def sentinel(self) -> dict[str, str | None]:
+        """What `ticketq.connections` needs besides a URL to reach a Sentinel-managed master."""
+        password = self.sentinel_password.get_secret_value() if self.sentinel_password else None
+        return {"master_name": self.sentinel_master, "sentinel_password": password}
+
+    @property
+    def backend_url(self) -> str:
+        return self.result_backend or self.broker_url
+
+
+class ClientSettings(RedisSettings, TicketSettings, BaseSettings):
+    """What producers and workers share. Every field is `TICKETQ_<FIELD>` in the environment; the
+    tickets' and the Redis ones come from `TicketSettings` and `RedisSettings` (listed first)."""
+
+    model_config = SettingsConfigDict(env_prefix="TICKETQ_", extra="ignore", validate_default=True)
+
     queue: str = Field(QUEUE, description="Celery queue the worker consumes.")
     # A client sets it too: kombu's Redis transport must use the worker's value.
     visibility_timeout_s: int = Field(300, ge=1, description="Redis redelivers unacked messages after this.")
@@ -120,67 +215,6 @@ class ClientSettings(BaseSettings):
                 lines.append(f"{name} is not a ticketq setting and is ignored; {hint}")
         return lines + [line for name in sorted(environ) if (line := _misnamed(name, known))]
 
-    @field_validator("labels", mode="before")
-    @classmethod
-    def _split_labels(cls, value: object) -> object:
-        if isinstance(value, str):
-            value = [part.strip() for part in value.split(",")]
-        return value
-
-    @field_validator("labels")
-    @classmethod
-    def _check_labels(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        names = [label.split("=", 1)[0].strip() for label in value]
-        if len(names) < 2:
-            raise ValueError("needs at least two labels, comma separated (billing,technical,account)")
-        if any(not name for name in names):
-            raise ValueError("has an empty label name; labels are comma separated, each non-empty")
-        duplicates = sorted({name for name in names if names.count(name) > 1})
-        if duplicates:
-            shown = ", ".join(map(repr, duplicates))
-            raise ValueError(f"label {shown} appears more than once; each label must be unique")
-        return tuple(label.strip() for label in value)
-
-    @field_validator("broker_url")
-    @classmethod
-    def _check_broker_url(cls, value: str) -> str:
-        # ticketq reads and writes Redis streams on the broker itself, so only Redis will do.
-        scheme = _url_scheme(value)
-        if scheme not in BROKER_SCHEMES:
-            raise ValueError(
-                "must be a Redis URL: redis://[:password@]host:6379/0, rediss://… (TLS) or "
-                "sentinel://host:26379;sentinel://host2:26379, "
-                f"not {scheme + '://' if scheme else 'a URL without a scheme'}"
-            )
-        return with_tls_default(value)
-
-    @field_validator("result_backend")
-    @classmethod
-    def _check_backend_url(cls, value: str | None) -> str | None:
-        if value is None:
-            return value
-        from celery.app.backends import BACKEND_ALIASES  # lazy: only this check needs celery
-
-        scheme = _url_scheme(value)
-        if scheme.partition("+")[0] not in BACKEND_ALIASES:
-            raise ValueError(
-                f"must be a Celery result backend URL such as redis://host:6379/0 (unset: the broker), "
-                f"not {scheme + '://' if scheme else 'a URL without a scheme'}"
-            )
-        return with_tls_default(value)
-
-    @model_validator(mode="after")
-    def _check_sentinel(self) -> ClientSettings:
-        urls = {"TICKETQ_BROKER_URL": self.broker_url, "TICKETQ_RESULT_BACKEND": self.result_backend or ""}
-        named = [env for env, url in urls.items() if is_sentinel_url(url)]
-        if named and not self.sentinel_master:
-            raise ValueError(
-                f"{' and '.join(named)} {'name' if len(named) > 1 else 'names'} Redis Sentinel: set "
-                "TICKETQ_SENTINEL_MASTER to the master's name the "
-                "sentinels monitor (`sentinel monitor NAME host port quorum` in sentinel.conf)"
-            )
-        return self
-
     def with_overrides(self: S, **overrides: Any) -> S:
         """A copy with `overrides` (None = not given), validated as from the environment, or `SettingsError`
         naming each value as the caller passed it (`broker_url=...`)."""
@@ -192,28 +226,6 @@ class ClientSettings(BaseSettings):
         except ValidationError as exc:
             flags = {name: f"{name}=" for name in given}
             raise SettingsError("\n".join(_describe(error, flags) for error in exc.errors())) from None
-
-    @property
-    def sentinel(self) -> dict[str, str | None]:
-        """What `ticketq.connections` needs besides a URL to reach a Sentinel-managed master."""
-        password = self.sentinel_password.get_secret_value() if self.sentinel_password else None
-        return {"master_name": self.sentinel_master, "sentinel_password": password}
-
-    @property
-    def label_names(self) -> tuple[str, ...]:
-        return tuple(label.split("=", 1)[0].strip() for label in self.labels)
-
-    @property
-    def label_descriptions(self) -> dict[str, str]:
-        return {
-            name.strip(): desc.strip()
-            for name, _, desc in (label.partition("=") for label in self.labels)
-            if desc.strip()
-        }
-
-    @property
-    def backend_url(self) -> str:
-        return self.result_backend or self.broker_url
 
 
 # scheme://user:PASSWORD@host: the user has no ':', the password runs to the last '@' before the

@@ -6,7 +6,7 @@ import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["paused_gc"]
+__all__ = ["bar_disabled", "paused_gc"]
 
 
 @contextmanager
@@ -30,3 +30,9 @@ def paused_gc(freeze: bool = False) -> Iterator[None]:
             gc.freeze()
         if enabled:
             gc.enable()
+
+
+def bar_disabled(wanted: bool) -> bool | None:
+    """tqdm's `disable` for a progress bar: off unless `wanted`, and then drawn only where stderr is a
+    terminal (tqdm's None): no frames of carriage returns in a pipe or a log."""
+    return None if wanted else True

@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ticketq.cli import CONTEXT_SETTINGS
+from ticketq.cli import CONTEXT_SETTINGS, plain_metavars
 from ticketq.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from ticketq_bench.figures import strict_failure, summarise
 from ticketq_bench.header import make_header
@@ -127,64 +127,94 @@ def _modes(value: str | None) -> tuple[str, ...] | None:
     return tuple(wanted)
 
 
+# One alias per option, by help panel: the command's signature below is one line per option.
+# model
+ModelOpt = Annotated[str | None, typer.Option(metavar="ID|DIR", rich_help_panel=MODEL,
+                     help="hub id or local directory (default: TICKETQ_MODEL)")]  # fmt: skip
+DtypeOpt = Annotated[Dtype | None, typer.Option(rich_help_panel=MODEL, help="the precision of ticketq and every "
+                     "mode built on it, unchecked (default: float32; ticketq-checked adds auto's)")]  # fmt: skip
+DeviceOpt = Annotated[Device | None, typer.Option(rich_help_panel=MODEL, help="(default: TICKETQ_DEVICE)")]
+ThreadsOpt = Annotated[int | None, typer.Option(metavar="N", min=1, rich_help_panel=MODEL,
+                       help="torch threads, set once for every mode")]  # fmt: skip
+# tickets
+TicketsOpt = Annotated[int | None, typer.Option(metavar="N", min=1, rich_help_panel=TICKETS,
+                       help="how many (default: 600; with a file: all)")]  # fmt: skip
+TicketsFileOpt = Annotated[Path | None, typer.Option(metavar="PATH", rich_help_panel=TICKETS,
+                           help="JSONL {id, text} (or CSV) instead of synthetic long-tail tickets")]  # fmt: skip
+SeedOpt = Annotated[int, typer.Option(metavar="SEED", show_default=False, rich_help_panel=TICKETS,
+                    help="synthetic ticket seed (default: 0)")]  # fmt: skip
+DuplicatesOpt = Annotated[float, typer.Option(metavar="SHARE", min=0.0, max=0.95, show_default=False,
+                          rich_help_panel=TICKETS, help="this share of the synthetic tickets repeats another's "
+                          "text exactly, in a seeded order (default: 0); compare ticketq-nodedup")]  # fmt: skip
+# run
+ModesOpt = Annotated[str | None, typer.Option(metavar="LIST", callback=_modes, rich_help_panel=RUN,
+                     help="comma-separated modes, or 'all' (default: all but generate)")]  # fmt: skip
+BatchSizeOpt = Annotated[int | None, typer.Option(metavar="N", min=1, rich_help_panel=RUN,
+                         help="rows per batch in naive, naive-global, sorted (default: 16)")]  # fmt: skip
+MaxBatchTokensOpt = Annotated[int | None, typer.Option(metavar="N", min=1, rich_help_panel=RUN,
+                              help="ticketq's padded-token budget; given, autotune is skipped")]  # fmt: skip
+NoAutotuneOpt = Annotated[bool, typer.Option("--no-autotune", rich_help_panel=RUN,
+                          help="plan with the TICKETQ_COST_* model as configured")]  # fmt: skip
+AutotuneSOpt = Annotated[float | None, typer.Option(metavar="S", rich_help_panel=RUN,
+                         help="autotune measuring budget (default: 20)")]  # fmt: skip
+WarmupOpt = Annotated[int | None, typer.Option(metavar="N", min=0, rich_help_panel=RUN,
+                      help="warm-up tickets per mode and round, the shortest (default: 4)")]  # fmt: skip
+RoundsOpt = Annotated[int | None, typer.Option(metavar="N", min=1, rich_help_panel=RUN,
+                      help="rounds of every mode, interleaved; the median is shown (default: 3; "
+                      "1 with --quick or the reference alone)")]  # fmt: skip
+TieToleranceOpt = Annotated[float, typer.Option(metavar="P", min=0.0, show_default=False, rich_help_panel=RUN,
+                            help="a reference margin below this is a near-tie (default: 0.01)")]  # fmt: skip
+SchemaOpt = Annotated[Path | None, typer.Option(metavar="PATH", rich_help_panel=RUN, help=(
+    "the schema (TOML) of the schema modes (default: examples/schema.toml); alone, it runs "
+    "one-field, fields and full-prompts"))]  # fmt: skip
+ReferenceTicketsOpt = Annotated[int, typer.Option(metavar="N", min=0, show_default=False, rich_help_panel=RUN,
+                                help="tickets the schema modes are checked on against their per-field "
+                                "reference (default: 20; 0: none)")]  # fmt: skip
+LlamaCppSrcOpt = Annotated[Path | None, typer.Option(metavar="DIR", rich_help_panel=RUN, help=(
+    "llama.cpp source tree with convert_hf_to_gguf.py (default: from the llama-cpp-python sdist)"))]  # fmt: skip
+QuickOpt = Annotated[bool, typer.Option("--quick", rich_help_panel=RUN,
+                     help="a short run for a slow machine (see below)")]  # fmt: skip
+StrictOpt = Annotated[bool, typer.Option("--strict", rich_help_panel=RUN,
+                      help="exit 1 on any disagreement that is not a near-tie")]  # fmt: skip
+# output
+JsonOpt = Annotated[Path | None, typer.Option(metavar="PATH", rich_help_panel=OUTPUT,
+                    help=escape("write [header, one object per mode] as JSON"))]  # fmt: skip
+ChartOpt = Annotated[Path | None, typer.Option(metavar="PATH", rich_help_panel=OUTPUT,
+                     help="write a PNG: items/s and padding ratio per mode")]  # fmt: skip
+MarkdownOpt = Annotated[Path | None, typer.Option(metavar="PATH", rich_help_panel=OUTPUT,
+                        help="write the table as Markdown (for a README)")]  # fmt: skip
+
 app = typer.Typer(add_completion=False, context_settings=CONTEXT_SETTINGS, pretty_exceptions_enable=False)
 
 
 @app.command(help=escape(DESCRIPTION), epilog=escape(MODE_HELP.format(**QUICK)))
 def bench(
     ctx: typer.Context,
-    model: Annotated[str | None, typer.Option(metavar="ID|DIR", rich_help_panel=MODEL,
-                     help="hub id or local directory (default: TICKETQ_MODEL)")] = None,
-    dtype: Annotated[Dtype | None, typer.Option(rich_help_panel=MODEL, help="the precision of ticketq and every "
-                     "mode built on it, unchecked (default: float32; ticketq-checked adds auto's)")] = None,
-    device: Annotated[Device | None, typer.Option(rich_help_panel=MODEL, help="(default: TICKETQ_DEVICE)")] = None,
-    threads: Annotated[int | None, typer.Option(metavar="N", min=1, rich_help_panel=MODEL,
-                       help="torch threads, set once for every mode")] = None,
-    tickets: Annotated[int | None, typer.Option(metavar="N", min=1, rich_help_panel=TICKETS,
-                       help="how many (default: 600; with a file: all)")] = None,
-    tickets_file: Annotated[Path | None, typer.Option(metavar="PATH", rich_help_panel=TICKETS,
-                            help="JSONL {id, text} (or CSV) instead of synthetic long-tail tickets")] = None,
-    seed: Annotated[int, typer.Option(metavar="SEED", show_default=False, rich_help_panel=TICKETS,
-                    help="synthetic ticket seed (default: 0)")] = 0,
-    duplicates: Annotated[float, typer.Option(metavar="SHARE", min=0.0, max=0.95, show_default=False,
-                          rich_help_panel=TICKETS, help="this share of the synthetic tickets repeats another's "
-                          "text exactly, in a seeded order (default: 0); compare ticketq-nodedup")] = 0.0,
-    modes: Annotated[str | None, typer.Option(metavar="LIST", callback=_modes, rich_help_panel=RUN,
-                     help="comma-separated modes, or 'all' (default: all but generate)")] = None,
-    batch_size: Annotated[int | None, typer.Option(metavar="N", min=1, rich_help_panel=RUN,
-                          help="rows per batch in naive, naive-global, sorted (default: 16)")] = None,
-    max_batch_tokens: Annotated[int | None, typer.Option(metavar="N", min=1, rich_help_panel=RUN,
-                                help="ticketq's padded-token budget; given, autotune is skipped")] = None,
-    no_autotune: Annotated[bool, typer.Option("--no-autotune", rich_help_panel=RUN,
-                           help="plan with the TICKETQ_COST_* model as configured")] = False,
-    autotune_s: Annotated[float | None, typer.Option(metavar="S", rich_help_panel=RUN,
-                          help="autotune measuring budget (default: 20)")] = None,
-    warmup: Annotated[int | None, typer.Option(metavar="N", min=0, rich_help_panel=RUN,
-                      help="warm-up tickets per mode and round, the shortest (default: 4)")] = None,
-    rounds: Annotated[int | None, typer.Option(metavar="N", min=1, rich_help_panel=RUN,
-                      help="rounds of every mode, interleaved; the median is shown (default: 3; "
-                      "1 with --quick or the reference alone)")] = None,
-    tie_tolerance: Annotated[float, typer.Option(metavar="P", min=0.0, show_default=False, rich_help_panel=RUN,
-                             help="a reference margin below this is a near-tie (default: 0.01)")] = 0.01,
-    schema: Annotated[Path | None, typer.Option(metavar="PATH", rich_help_panel=RUN, help=(
-        "the schema (TOML) of the schema modes (default: examples/schema.toml); alone, it runs "
-        "one-field, fields and full-prompts"))] = None,
-    reference_tickets: Annotated[int, typer.Option(metavar="N", min=0, show_default=False, rich_help_panel=RUN,
-                                 help="tickets the schema modes are checked on against their per-field "
-                                 "reference (default: 20; 0: none)")] = 20,
-    llama_cpp_src: Annotated[Path | None, typer.Option(metavar="DIR", rich_help_panel=RUN, help=(
-        "llama.cpp source tree with convert_hf_to_gguf.py (default: from the llama-cpp-python sdist)"))] = None,
-    quick: Annotated[bool, typer.Option("--quick", rich_help_panel=RUN,
-                     help="a short run for a slow machine (see below)")] = False,
-    strict: Annotated[bool, typer.Option("--strict", rich_help_panel=RUN,
-                      help="exit 1 on any disagreement that is not a near-tie")] = False,
-    json: Annotated[Path | None, typer.Option(metavar="PATH", rich_help_panel=OUTPUT,
-                    help=escape("write [header, one object per mode] as JSON"))] = None,
-    chart: Annotated[Path | None, typer.Option(metavar="PATH", rich_help_panel=OUTPUT,
-                     help="write a PNG: items/s and padding ratio per mode")] = None,
-    markdown: Annotated[Path | None, typer.Option(metavar="PATH", rich_help_panel=OUTPUT,
-                        help="write the table as Markdown (for a README)")] = None,
-) -> None:  # fmt: skip
+    model: ModelOpt = None,
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
+    threads: ThreadsOpt = None,
+    tickets: TicketsOpt = None,
+    tickets_file: TicketsFileOpt = None,
+    seed: SeedOpt = 0,
+    duplicates: DuplicatesOpt = 0.0,
+    modes: ModesOpt = None,
+    batch_size: BatchSizeOpt = None,
+    max_batch_tokens: MaxBatchTokensOpt = None,
+    no_autotune: NoAutotuneOpt = False,
+    autotune_s: AutotuneSOpt = None,
+    warmup: WarmupOpt = None,
+    rounds: RoundsOpt = None,
+    tie_tolerance: TieToleranceOpt = 0.01,
+    schema: SchemaOpt = None,
+    reference_tickets: ReferenceTicketsOpt = 20,
+    llama_cpp_src: LlamaCppSrcOpt = None,
+    quick: QuickOpt = False,
+    strict: StrictOpt = False,
+    json: JsonOpt = None,
+    chart: ChartOpt = None,
+    markdown: MarkdownOpt = None,
+) -> None:
     raise typer.Exit(run(options_from(ctx.params, ctx.obj or [])))
 
 
@@ -258,11 +288,18 @@ def run(options: Options) -> int:
     return EXIT_FAILED if options.strict and strict_failure(rows) else EXIT_OK
 
 
+def command() -> Any:
+    """`app` as a click command, its help in click's words (a flag shows no `<bool>`: `ticketq.cli.plain_metavars`)."""
+    built = typer.main.get_command(app)
+    plain_metavars(built)
+    return built
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`ticketq bench ARGV`; the exit status (0 ok, 1 --strict failure, 2 bad options or setup)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        app(argv, prog_name=PROG, obj=argv)  # obj: the command as typed, for the report
+        command()(argv, prog_name=PROG, obj=argv)  # obj: the command as typed, for the report
     except SystemExit as exc:  # click's standalone mode ends every run, good or bad, in SystemExit
         return 0 if exc.code is None else int(exc.code)
     return EXIT_OK

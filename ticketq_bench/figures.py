@@ -38,13 +38,25 @@ def summarise(result: ModeResult, results: list[ModeResult], tie_tolerance: floa
         row["notes"] = [result.skipped, *result.notes]
     if not result.round_seconds:
         return row
+    row |= _speed_and_padding(result, row["rounds"])
+    if result.reference_check is not None:  # a schema mode, checked against its own reference
+        row |= {key: result.reference_check[key] for key in COMPARED} | {"reference_check": result.reference_check}
+    row["baseline"] = baseline_of(result.mode)
+    baseline = next((r for r in results if r.mode == row["baseline"] and r.round_seconds), None)
+    if baseline is not None:  # else not run yet (a partial report) or it failed
+        row |= _against(baseline, result, row, tie_tolerance)
+    return row
+
+
+def _speed_and_padding(result: ModeResult, rounds: list[dict]) -> dict:
+    """A mode's own figures: items/s (median and range over the rounds), padding, tokens, forwards."""
     n = len(result.answers)
-    rates = [r["items_per_s"] for r in row["rounds"] if r["items_per_s"]]
+    rates = [r["items_per_s"] for r in rounds if r["items_per_s"]]
     pad, computed = result.padding or (
         sum(r.pad_tokens for r in result.reports),
         sum(r.computed_tokens for r in result.reports),
     )
-    row |= {
+    return {
         "tickets": n,
         "seconds": result.seconds,
         "items_per_s": statistics.median(rates) if rates else None,
@@ -60,22 +72,22 @@ def summarise(result: ModeResult, results: list[ModeResult], tie_tolerance: floa
         "round_max_abs_prob_diff": result.round_max_abs_prob_diff,
         **result.figures,
     }
-    if result.reference_check is not None:  # a schema mode, checked against its own reference
-        row |= {key: result.reference_check[key] for key in COMPARED} | {"reference_check": result.reference_check}
-    row["baseline"] = baseline_of(result.mode)
-    baseline = next((r for r in results if r.mode == row["baseline"] and r.round_seconds), None)
-    if baseline is None:  # not run yet (a partial report) or it failed
-        return row
+
+
+def _against(baseline: ModeResult, result: ModeResult, row: dict, tie_tolerance: float) -> dict:
+    """A mode against its baseline: the speedup, and agreement with the reference or the cost ratio."""
     base_rate = statistics.median(len(baseline.answers) / s for s in baseline.round_seconds if s)
-    row["speedup"] = row["items_per_s"] / base_rate if base_rate and row["items_per_s"] else None
+    speedup = row["items_per_s"] / base_rate if base_rate and row["items_per_s"] else None
     if row["baseline"] == REFERENCE:
-        row |= compare(result.answers, baseline.answers, tie_tolerance)
-    else:  # the cost per ticket over the baseline: 1 / speedup, and each round's (the closest in load)
-        row["cost_ratio"] = 1 / row["speedup"] if row["speedup"] else None
-        row["cost_ratio_per_round"] = [
+        return {"speedup": speedup, **compare(result.answers, baseline.answers, tie_tolerance)}
+    # the cost per ticket over the baseline: 1 / speedup, and each round's (the closest in load)
+    return {
+        "speedup": speedup,
+        "cost_ratio": 1 / speedup if speedup else None,
+        "cost_ratio_per_round": [
             mine / base for mine, base in zip(result.round_seconds, baseline.round_seconds, strict=False) if base
-        ]
-    return row
+        ],
+    }
 
 
 def token_rates(computed: int | None, tickets: int | None, seconds: float | None) -> dict:

@@ -16,8 +16,9 @@ from rich.console import Console
 from rich.markup import escape
 
 from ticketq_bench.header import describe_cost, load_average
-from ticketq_bench.modes import InProcessRun, ModeRun, PeerRun, QueueRun, RunContext
+from ticketq_bench.modes import InProcessRun, ModeRun, PeerRun, RunContext
 from ticketq_bench.multifield import FieldsRun
+from ticketq_bench.queue_mode import QueueRun
 from ticketq_bench.records import FIELD_MODES, PEER_MODES, SCHEMA_MODES, Bench, ModeResult, Options
 
 # ----- set-up -------------------------------------------------------------------------------

@@ -29,25 +29,39 @@ from ticketq_cli.common import (
     read_settings,
 )
 
+# The options both commands take, and classify's output ones: one alias each, so a command's
+# signature is one line per option.
+OutOpt = Annotated[
+    Path | None, typer.Option("--out", "-o", help=f"Results JSONL, a row per input row \\[default: {DEFAULT_OUT}].")
+]
+ForceOpt = Annotated[
+    bool, typer.Option("--force", "-f", help="Replace --out if it exists; start again over a stopped run.")
+]
+ResumeOpt = Annotated[
+    bool, typer.Option("--resume", help="Continue a stopped run from OUT.partial (its rows are kept).")
+]
+FormatOpt = Annotated[str, typer.Option("--format", help="auto (by extension, then content), jsonl or csv.")]
+ThresholdsOpt = Annotated[
+    str, typer.Option(help="Margin (confidence) thresholds for the coverage tables, comma-separated.")
+]
+ModelOpt = Annotated[str | None, typer.Option(help="Hub id or local dir (default TICKETQ_MODEL).")]
+DtypeOpt = Annotated[str | None, typer.Option(help="auto|float32|bfloat16|float16|int8.")]
+DeviceOpt = Annotated[str | None, typer.Option(help="auto|cpu|cuda|mps.")]
+ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")]
+
 
 def classify(
     path: Annotated[Path, typer.Argument(help="Tickets: JSONL ({'id','text'}) or CSV with id,text columns.")],
-    out: Annotated[
-        Path | None, typer.Option("--out", "-o", help=f"Results JSONL, a row per input row \\[default: {DEFAULT_OUT}].")
-    ] = None,
-    force: Annotated[
-        bool, typer.Option("--force", "-f", help="Replace --out if it exists; start again over a stopped run.")
-    ] = False,
-    resume: Annotated[
-        bool, typer.Option("--resume", help="Continue a stopped run from OUT.partial (its rows are kept).")
-    ] = False,
-    fmt: Annotated[str, typer.Option("--format", help="auto (by extension, then content), jsonl or csv.")] = "auto",
+    out: OutOpt = None,
+    force: ForceOpt = False,
+    resume: ResumeOpt = False,
+    fmt: FormatOpt = "auto",
     schema_path: Annotated[Path | None, typer.Option("--schema", help="Answer every field of this schema (TOML), "
                            "in the worker's result shape, instead of TICKETQ_LABELS.")] = None,
-    model: Annotated[str | None, typer.Option(help="Hub id or local dir (default TICKETQ_MODEL).")] = None,
-    dtype: Annotated[str | None, typer.Option(help="auto|float32|bfloat16|float16|int8.")] = None,
-    device: Annotated[str | None, typer.Option(help="auto|cpu|cuda|mps.")] = None,
-    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
+    model: ModelOpt = None,
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
+    progress: ProgressOpt = True,
 ) -> None:
     """Classify a ticket file in-process (no Redis): every input row gets one result row (ok or failed).
 
@@ -57,8 +71,7 @@ def classify(
     """
     settings = _offline_settings(model, dtype, device)
     schema = _schema_option(schema_path)
-    if fmt not in ("auto", "jsonl", "csv"):
-        fail(f"--format {fmt}: must be auto, jsonl or csv")
+    _check_format(fmt)
     try:
         out = check_output(out or DEFAULT_OUT, [path], force)
         reader = TicketReader(path, fmt, settings.max_ticket_bytes)  # type: ignore[arg-type]
@@ -158,17 +171,15 @@ def _report_classified(summary, path: Path, out: Path) -> None:
 
 def evaluate(
     path: Annotated[Path, typer.Argument(help="Labelled tickets: JSONL or CSV rows with text and expected.")],
-    fmt: Annotated[str, typer.Option("--format", help="auto (by extension, then content), jsonl or csv.")] = "auto",
-    thresholds: Annotated[
-        str, typer.Option(help="Margin (confidence) thresholds for the coverage tables, comma-separated.")
-    ] = "0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9",
+    fmt: FormatOpt = "auto",
+    thresholds: ThresholdsOpt = "0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9",
     schema_path: Annotated[Path | None, typer.Option("--schema", help="Score every field of this schema "
                            "(TOML): `expected` is then {field: label} or {field: \\[labels]}.")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write every figure to this JSON file.")] = None,
-    model: Annotated[str | None, typer.Option(help="Hub id or local dir (default TICKETQ_MODEL).")] = None,
-    dtype: Annotated[str | None, typer.Option(help="auto|float32|bfloat16|float16|int8.")] = None,
-    device: Annotated[str | None, typer.Option(help="auto|cpu|cuda|mps.")] = None,
-    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr.")] = True,
+    model: ModelOpt = None,
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
+    progress: ProgressOpt = True,
 ) -> None:
     """Score the model on your own labelled tickets: accuracy, per-label precision and recall, the
     confusion matrix, and accuracy against coverage per margin threshold (to choose a threshold).
@@ -182,14 +193,8 @@ def evaluate(
     """
     settings = _offline_settings(model, dtype, device)
     schema = _schema_option(schema_path)
-    if fmt not in ("auto", "jsonl", "csv"):
-        fail(f"--format {fmt}: must be auto, jsonl or csv")
-    try:
-        cuts = sorted({float(part) for part in thresholds.split(",") if part.strip()})
-    except ValueError:
-        fail(f"--thresholds {thresholds!r}: must be numbers between 0 and 1, comma-separated")
-    if not cuts or not all(0 <= cut <= 1 for cut in cuts):
-        fail(f"--thresholds {thresholds!r}: must be numbers between 0 and 1, comma-separated")
+    _check_format(fmt)
+    cuts = _thresholds(thresholds)
     with _open_tickets(path, fmt, settings) as reader:
         rows = _rows_to_score(reader)
         check_model(settings, hub=True)
@@ -223,6 +228,22 @@ def _compare_zero_shot(path: Path, fmt: str, settings, engine, evaluation, progr
         base = run_eval(zero_shot(engine), _rows_to_score(reader), on_chunk=bar.update)
     Console().print(f"{engine.info.scorer}: accuracy {evaluation.scores.accuracy:.1%}; zero-shot on the same "
                     f"{base.scored} rows: {base.scores.accuracy:.1%}", highlight=False, markup=False)  # fmt: skip
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in ("auto", "jsonl", "csv"):
+        fail(f"--format {fmt}: must be auto, jsonl or csv")
+
+
+def _thresholds(thresholds: str) -> list[float]:
+    """--thresholds as sorted numbers between 0 and 1, or one line and exit 2."""
+    try:
+        cuts = sorted({float(part) for part in thresholds.split(",") if part.strip()})
+    except ValueError:
+        cuts = []
+    if not cuts or not all(0 <= cut <= 1 for cut in cuts):
+        fail(f"--thresholds {thresholds!r}: must be numbers between 0 and 1, comma-separated")
+    return cuts
 
 
 def _open_tickets(path: Path, fmt: str, settings) -> TicketReader:
@@ -266,7 +287,8 @@ def _schema_option(path: Path | None):
 
 
 def _report_evaluation(evaluation, cuts: list[float], standin: bool, json_out: Path | None) -> None:
-    from ticketq_cli.evaluate import FieldsEvaluation, print_fields, print_scores
+    from ticketq_cli.eval_report import print_fields, print_scores
+    from ticketq_cli.evaluate import FieldsEvaluation
 
     out = Console()
     report(console, evaluation.refused, f"{len(evaluation.refused)} rows refused (not scored):")

@@ -21,8 +21,8 @@ from prometheus_client.core import GaugeMetricFamily
 
 from ticketq.names import ALIVE_KEY, CONSUMERS_KEY, DEAD_LETTER_STREAM, RESULTS_STREAM, queue_lists
 from worker import constants as c
+from worker.collectors import queue_depth_family
 from worker.httpserver import health_app, wsgi_server
-from worker.metrics import queue_depth_family
 
 log = logging.getLogger(__name__)
 

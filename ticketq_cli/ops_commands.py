@@ -135,7 +135,7 @@ def dead_requeue(
     it). Nothing is sent for a ticket that already has a result, for a payload cut when it was
     dead-lettered, nor for a ticket that can never succeed (empty text, a wrong type); each says so
     (exit status 1, or 3 when nothing was re-sent, also when nothing matched)."""
-    from ticketq_cli.ops import NotRequeueable
+    from ticketq_cli.dead_letters import NotRequeueable
 
     if not keys and not reason:
         fail("name dead letters to requeue (entry or task ids) or pass --reason")

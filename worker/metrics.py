@@ -18,12 +18,8 @@ caller's `about` reports (Redis's maxmemory-policy), and any other path with 404
 
 from __future__ import annotations
 
-import math
 import threading
-from bisect import bisect_left
-from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Mapping
-from typing import Generic, TypeVar
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
@@ -37,15 +33,20 @@ from prometheus_client import (
     disable_created_metrics,
     make_wsgi_app,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.utils import floatToGoString
 
 from ticketq.names import QUEUE
 from worker import constants as c
-from worker.health.data_loss import DATA_LOST
-from worker.health.progress import CLASSIFYING
+from worker.collectors import (
+    BoundsCollector,
+    HookErrorsCollector,
+    ManyHistogram,
+    QueueBound,
+    QueueDepthCollector,
+    TallyCollector,
+)
+from worker.health import Health
 from worker.httpserver import Check, health_app, wsgi_server
-from worker.results import RUNS
+from worker.results import RunTally
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -53,144 +54,55 @@ TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 PUBLISH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
 
 
-M = TypeVar("M")
+class TicketSeries:
+    """What became of the tickets and messages: outcomes, answers, dead letters, latencies, the buffer."""
 
-
-def queue_depth_family(depths: Mapping[str, float]) -> GaugeMetricFamily:
-    """`ticketq_queue_depth{queue}`, one sample per queue: as a worker and `ticketq exporter` export it."""
-    family = GaugeMetricFamily(c.M_QUEUE_DEPTH, "Messages waiting in the broker queue.", labels=["queue"])
-    for queue, depth in depths.items():
-        family.add_metric([queue], float(depth))
-    return family
-
-
-class QueueDepthCollector:
-    """Samples the broker queue's length (LLEN) at scrape time, so alerts see the backlog."""
-
-    def __init__(self, depth: Callable[[], int], queue: str) -> None:
-        self._depth, self._queue = depth, queue
-
-    def collect(self):
-        try:
-            depth = self._depth()
-        except Exception:  # a scrape must not fail because the broker is briefly away
-            return
-        yield queue_depth_family({self._queue: depth})
-
-
-class QueueBound(Generic[M]):
-    """A labelled metric whose `queue` label is this worker's queue: `labels(**others)` fills it in,
-    so a call site names only the labels that vary (prometheus_client has no constant labels)."""
-
-    def __init__(self, metric: M, queue: str) -> None:
-        self.metric, self.queue = metric, queue
-
-    def labels(self, **labels: str) -> M:
-        return self.metric.labels(queue=self.queue, **labels)
-
-
-class TallyCollector:
-    """A counter kept elsewhere (a process-wide tally), read at scrape time."""
-
-    def __init__(self, name: str, documentation: str, read: Callable[[], int]) -> None:
-        self._name, self._documentation, self._read = name, documentation, read
-
-    def collect(self) -> Iterable[CounterMetricFamily]:
-        yield CounterMetricFamily(self._name, self._documentation, value=self._read())
-
-
-class BoundsCollector:
-    """Each re-checked runner's error bound (by schema: its precision and bound), read at scrape time."""
-
-    def __init__(self, read: Callable[[], Mapping[str, tuple[str, float]]]) -> None:
-        self._read = read
-
-    def collect(self) -> Iterable[GaugeMetricFamily]:
-        family = GaugeMetricFamily(
-            c.M_ERROR_BOUND, "A fast precision's re-check bound: answers whose smallest decision gap (log space) "
-            "is below it are computed again in float32; by precision and schema.", labels=["precision", "schema"],
-        )  # fmt: skip
-        for schema, (precision, bound) in sorted(self._read().items()):
-            family.add_metric([precision, schema], bound)
-        yield family
-
-
-class HookErrorsCollector:
-    """Hook calls that raised, by hook and call point (`worker.service.hooks.Hooks.errors`), read at scrape time."""
-
-    def __init__(self, read: Callable[[], Mapping[tuple[str, str], int]]) -> None:
-        self._read = read
-
-    def collect(self) -> Iterable[CounterMetricFamily]:
-        family = CounterMetricFamily(c.M_HOOK_ERRORS, "Hook calls that raised (logged; the job went on), by hook "
-                                     "and call point.", labels=["hook", "point"])  # fmt: skip
-        for (hook, point), count in sorted(self._read().items()):
-            family.add_metric([hook, point], count)
-        yield family
-
-
-class ManyHistogram:
-    """A histogram that takes a whole forward batch's observations in one call (`observe_many`).
-
-    prometheus_client's `Histogram.observe` takes one value per call (a lock, a bucket search and
-    two increments each): with one latency and one queue-wait observation per ticket, that was a
-    tenth of the worker's CPU at tens of thousands of tickets a second. Exposed through the
-    custom-collector API, with the series a `Histogram` has (`_bucket`, `_count`, `_sum`); `labels`:
-    fixed labels every sample carries (the worker's queue).
-    """
-
-    def __init__(self, name: str, documentation: str, buckets: Iterable[float], registry: CollectorRegistry,
-                 labels: Mapping[str, str] | None = None) -> None:  # fmt: skip
-        bounds = sorted(float(b) for b in buckets)
-        self._bounds = (*bounds, math.inf) if not bounds or bounds[-1] != math.inf else tuple(bounds)
-        self._name, self._documentation, self._labels = name, documentation, dict(labels or {})
-        self._counts = [0] * len(self._bounds)  # per bucket, not cumulative
-        self._sum = 0.0
-        self._lock = threading.Lock()
-        registry.register(self)
-
-    def observe(self, value: float) -> None:
-        self.observe_many((value,))
-
-    def observe_many(self, values: Iterable[float]) -> None:
-        values = list(values)
-        per_bucket = Tally(bisect_left(self._bounds, value) for value in values)  # first bound >= value: le
-        total = math.fsum(values)
-        with self._lock:
-            for index, count in per_bucket.items():
-                self._counts[index] += count
-            self._sum += total
-
-    def describe(self) -> list[HistogramMetricFamily]:
-        return [HistogramMetricFamily(self._name, self._documentation)]
-
-    def collect(self) -> Iterable[HistogramMetricFamily]:
-        with self._lock:
-            counts, total = list(self._counts), self._sum
-        cumulative, buckets = 0, []
-        for bound, count in zip(self._bounds, counts, strict=True):
-            cumulative += count
-            buckets.append((floatToGoString(bound), cumulative))
-        family = HistogramMetricFamily(self._name, self._documentation, labels=list(self._labels))
-        family.add_metric(list(self._labels.values()), buckets, total)
-        yield family
-
-
-class Metrics:
-    """All of ticketq's series, registered in `registry`, for a worker that consumes `queue`."""
-
-    def __init__(self, registry: CollectorRegistry | None = None, queue: str = QUEUE) -> None:
-        if not queue:
-            raise ValueError("Metrics: queue must name the queue the worker consumes (TICKETQ_QUEUE)")
-        disable_created_metrics()  # process-wide in prometheus_client; ticketq exports no _created series
-        self.registry = registry if registry is not None else CollectorRegistry()
-        self.queue = queue
-        r = self.registry
-        r.set_target_info({"queue": queue})  # for joins: `* on (instance) group_left (queue) target_info`
-        r.register(PROCESS_COLLECTOR)  # process_resident_memory_bytes, process_cpu_seconds_total, open fds
-        r.register(PLATFORM_COLLECTOR)  # python_info
+    def __init__(self, r: CollectorRegistry, queue: str) -> None:
         self.tickets = QueueBound(Counter(c.M_TICKETS, "Tickets finished, by queue, label and outcome.",
                                           ["queue", "label", "outcome"], registry=r), queue)  # fmt: skip
+        self.dead_letters = QueueBound(Counter(c.M_DEAD_LETTERS, "Messages or tickets dead-lettered, by queue and "
+                                               "reason.", ["queue", "reason"], registry=r), queue)  # fmt: skip
+        self.field_answers = QueueBound(Counter(
+            c.M_FIELD_ANSWERS, "Schema field answers, by queue, schema, field, label (a multi-label field: each "
+            "chosen, none for none) and review (confidence below the field's threshold).",
+            ["queue", "schema", "field", "label", "review"], registry=r,
+        ), queue)  # fmt: skip
+        self.duplicates = Counter(c.M_DUPLICATES, "Re-executed tickets whose result was already out.", registry=r)
+        self.answers = Counter(
+            c.M_ANSWERS, "Answers by the precision that computed them (float32, bfloat16, float16, int8) and "
+            "rechecked (true: a fast precision's answer within its error bound, computed again in float32).",
+            ["precision", "rechecked"], registry=r,
+        )  # fmt: skip
+        self.answer_cache = Counter(c.M_ANSWER_CACHE, "Tickets looked up in the answer cache "
+                                    "(TICKETQ_ANSWER_CACHE_S), by result: hit (answered from it) or miss.",
+                                    ["result"], registry=r)  # fmt: skip
+        self.queue_wait = ManyHistogram(c.M_QUEUE_WAIT, "Submit to batch start, seconds.", LATENCY_BUCKETS, r,
+                                        {"queue": queue})  # fmt: skip
+        self.latency = ManyHistogram(c.M_LATENCY, "Submit to result published, seconds.", LATENCY_BUCKETS, r,
+                                     {"queue": queue})  # fmt: skip
+        self.first_result = Histogram(
+            c.M_FIRST_RESULT, "Batch start to its first result published, seconds.", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.publish = Histogram(
+            c.M_PUBLISH, "Publishing one forward batch's results (stream + backend), seconds.",
+            buckets=PUBLISH_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.flushes = Counter(c.M_FLUSHES, "Buffer drains (micro-batches handed to the engine).", registry=r)
+        self.requests_waiting = Gauge(c.M_REQUESTS_WAITING, "Messages buffered in the worker, not yet in a job.",
+                                      registry=r)  # fmt: skip
+        self.requests_running = Gauge(c.M_REQUESTS_RUNNING, "Messages of the running job not yet answered.",
+                                      registry=r)  # fmt: skip
+
+    def watch_requests(self, waiting: Callable[[], int], running: Callable[[], int]) -> None:
+        """Sample the worker's buffered and running messages at scrape time."""
+        self.requests_waiting.set_function(waiting)
+        self.requests_running.set_function(running)
+
+
+class ForwardSeries:
+    """The forward batches: tokens computed and padded, sizes, durations, and the planner's cost model."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
         self.tokens_real = Counter(c.M_TOKENS_REAL, "Real (non-pad) tokens run through the model.", registry=r)
         self.tokens_computed = Counter(c.M_TOKENS_COMPUTED, "Tokens computed in forward passes.", registry=r)
         self.tokens_padded = Counter(c.M_TOKENS_PADDED, "Pad tokens computed in forward passes.", registry=r)
@@ -199,34 +111,8 @@ class Metrics:
         self.batch_tokens = Histogram(
             c.M_BATCH_TOKENS, "Padded tokens per forward batch.", buckets=TOKEN_BUCKETS, registry=r
         )
-        self.queue_wait = ManyHistogram(c.M_QUEUE_WAIT, "Submit to batch start, seconds.", LATENCY_BUCKETS, r,
-                                        {"queue": queue})  # fmt: skip
         self.forward = Histogram(c.M_FORWARD, "One forward batch, seconds.", buckets=LATENCY_BUCKETS, registry=r)
-        self.latency = ManyHistogram(c.M_LATENCY, "Submit to result published, seconds.", LATENCY_BUCKETS, r,
-                                     {"queue": queue})  # fmt: skip
         self.prefix_reuses = Counter(c.M_PREFIX_REUSES, "Forward batches that reused the prefix KV cache.", registry=r)
-        self.dead_letters = QueueBound(Counter(c.M_DEAD_LETTERS, "Messages or tickets dead-lettered, by queue and "
-                                               "reason.", ["queue", "reason"], registry=r), queue)  # fmt: skip
-        self.shadow_checked = Counter(c.M_SHADOW_CHECKED, "Tickets re-run on the reference path.", registry=r)
-        self.shadow_agreed = Counter(c.M_SHADOW_AGREED, "Shadow-checked tickets whose label matched.", registry=r)
-        self.shadow_dropped = Counter(c.M_SHADOW_DROPPED, "Shadow samples dropped (checker busy).", registry=r)
-        self.shadow_disagreed = Counter(
-            c.M_SHADOW_DISAGREED, "Shadow-checked tickets whose label differed; near_tie: reference margin "
-            f"below {c.NEAR_TIE}.", ["near_tie"], registry=r,
-        )  # fmt: skip
-        self.requests_waiting = Gauge(c.M_REQUESTS_WAITING, "Messages buffered in the worker, not yet in a job.",
-                                      registry=r)  # fmt: skip
-        self.requests_running = Gauge(c.M_REQUESTS_RUNNING, "Messages of the running job not yet answered.",
-                                      registry=r)  # fmt: skip
-        self.build = Info(c.M_BUILD_INFO, "ticketq's version and the versions of the libraries it runs on.",
-                          registry=r)  # fmt: skip
-        self.build.info(build_versions())
-        self.field_answers = QueueBound(Counter(
-            c.M_FIELD_ANSWERS, "Schema field answers, by queue, schema, field, label (a multi-label field: each "
-            "chosen, none for none) and review (confidence below the field's threshold).",
-            ["queue", "schema", "field", "label", "review"], registry=r,
-        ), queue)  # fmt: skip
-        self.duplicates = Counter(c.M_DUPLICATES, "Re-executed tickets whose result was already out.", registry=r)
         self.cost_model = Gauge(
             c.M_COST_MODEL, "The planner's cost model of one forward, in seconds: fixed, per computed token "
             "(token), attention per row x width^2 (quad).", ["term"], registry=r,
@@ -234,45 +120,92 @@ class Metrics:
         self.cost_model_error = Gauge(c.M_COST_MODEL_ERROR, "Median relative error of the last live cost fit "
                                       "over the recent forwards' shapes.", registry=r)  # fmt: skip
         self.cost_model_fits = Counter(c.M_COST_MODEL_FITS, "Live refits of the planner's cost model kept.", registry=r)
+
+    def observe_batch(self, rows: int, width: int, real_tokens: int, seconds: float) -> None:
+        computed = rows * width
+        self.tokens_real.inc(real_tokens)
+        self.tokens_computed.inc(computed)
+        self.tokens_padded.inc(computed - real_tokens)
+        self.padding_ratio.set((computed - real_tokens) / computed if computed else 0.0)
+        self.batch_size.observe(rows)
+        self.batch_tokens.observe(computed)
+        self.forward.observe(seconds)
+        self.prefix_reuses.inc()
+
+    def observe_cost_model(self, fixed_ms: float, token_ms: float, quad_ms: float, error: float | None = None) -> None:
+        """The planner's cost model now (ms, exported in seconds); `error`: a live fit's, one more fit."""
+        for term, value in (("fixed", fixed_ms), ("token", token_ms), ("quad", quad_ms)):
+            self.cost_model.labels(term=term).set(value / 1000)
+        if error is not None:
+            self.cost_model_error.set(error)
+            self.cost_model_fits.inc()
+
+
+class ShadowSeries:
+    """The shadow check: tickets re-run on the reference path, and whether their labels agreed."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.shadow_checked = Counter(c.M_SHADOW_CHECKED, "Tickets re-run on the reference path.", registry=r)
+        self.shadow_agreed = Counter(c.M_SHADOW_AGREED, "Shadow-checked tickets whose label matched.", registry=r)
+        self.shadow_dropped = Counter(c.M_SHADOW_DROPPED, "Shadow samples dropped (checker busy).", registry=r)
+        self.shadow_disagreed = Counter(
+            c.M_SHADOW_DISAGREED, "Shadow-checked tickets whose label differed; near_tie: reference margin "
+            f"below {c.NEAR_TIE}.", ["near_tie"], registry=r,
+        )  # fmt: skip
+
+
+class HealthSeries:
+    """The process's health and its runs' tally, read at scrape time: a stalled loop, data lost,
+    tickets re-checked or deduplicated."""
+
+    def __init__(self, r: CollectorRegistry, health: Health, runs: RunTally) -> None:
         self.stalled = Gauge(
             c.M_STALLED, "Seconds the classifying loop has held work without progress, once past "
             "TICKETQ_WORST_BATCH_S (its lease is then no longer renewed); 0 otherwise.", registry=r,
         )  # fmt: skip
-        self.stalled.set_function(CLASSIFYING.stalled_for)
+        self.stalled.set_function(health.classifying.stalled_for)
         r.register(TallyCollector(
             c.M_REDIS_DATA_LOST, "Times this worker found Redis without its data (restarted without persistence, "
-            "or flushed): the epoch marker gone.", lambda: DATA_LOST.count,
+            "or flushed): the epoch marker gone.", lambda: health.data_loss.count,
         ))  # fmt: skip
-        self.answers = Counter(
-            c.M_ANSWERS, "Answers by the precision that computed them (float32, bfloat16, float16, int8) and "
-            "rechecked (true: a fast precision's answer within its error bound, computed again in float32).",
-            ["precision", "rechecked"], registry=r,
-        )  # fmt: skip
         r.register(TallyCollector(
             c.M_RECHECKED, "Tickets a fast precision could not settle (a decision gap within its error bound), "
-            "computed again in float32.", lambda: RUNS.rechecked,
+            "computed again in float32.", lambda: runs.rechecked,
         ))  # fmt: skip
         r.register(TallyCollector(
             c.M_DEDUPLICATED, "Tickets answered with an identical ticket's answer in the same run (the same token "
-            "ids and schema), not computed.", lambda: RUNS.deduplicated,
+            "ids and schema), not computed.", lambda: runs.deduplicated,
         ))  # fmt: skip
-        self.answer_cache = Counter(c.M_ANSWER_CACHE, "Tickets looked up in the answer cache "
-                                    "(TICKETQ_ANSWER_CACHE_S), by result: hit (answered from it) or miss.",
-                                    ["result"], registry=r)  # fmt: skip
+
+
+class Metrics(TicketSeries, ForwardSeries, ShadowSeries, HealthSeries):
+    """All of ticketq's series, registered in `registry`, for a worker that consumes `queue`: each
+    area's series (its base classes) under one roof, so a reader names `metrics.<series>`."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, queue: str = QUEUE, health: Health | None = None,
+                 runs: RunTally | None = None) -> None:  # fmt: skip
+        """`health` and `runs`: the process's (the worker's runtime), read at scrape time; fresh ones if not given."""
+        if not queue:
+            raise ValueError("Metrics: queue must name the queue the worker consumes (TICKETQ_QUEUE)")
+        disable_created_metrics()  # process-wide in prometheus_client; ticketq exports no _created series
+        self.registry = r = registry if registry is not None else CollectorRegistry()
+        self.queue = queue
+        r.set_target_info({"queue": queue})  # for joins: `* on (instance) group_left (queue) target_info`
+        r.register(PROCESS_COLLECTOR)  # process_resident_memory_bytes, process_cpu_seconds_total, open fds
+        r.register(PLATFORM_COLLECTOR)  # python_info
+        TicketSeries.__init__(self, r, queue)
+        ForwardSeries.__init__(self, r)
+        ShadowSeries.__init__(self, r)
+        HealthSeries.__init__(self, r, health or Health(), runs or RunTally())
+        self.build = Info(c.M_BUILD_INFO, "ticketq's version and the versions of the libraries it runs on.",
+                          registry=r)  # fmt: skip
+        self.build.info(build_versions())
         self._bounds: Callable[[], Mapping[str, tuple[str, float]]] = dict
         r.register(BoundsCollector(lambda: self._bounds()))
-        self.flushes = Counter(c.M_FLUSHES, "Buffer drains (micro-batches handed to the engine).", registry=r)
-        self.first_result = Histogram(
-            c.M_FIRST_RESULT, "Batch start to its first result published, seconds.", buckets=LATENCY_BUCKETS, registry=r
-        )
-        self.publish = Histogram(
-            c.M_PUBLISH, "Publishing one forward batch's results (stream + backend), seconds.",
-            buckets=PUBLISH_BUCKETS, registry=r,
-        )  # fmt: skip
         self.model = Info(
             c.M_MODEL_INFO, "The model this worker serves: model, standin, dtype, device, matmul, recheck, fused.",
             registry=r,
-        )
+        )  # fmt: skip
 
     def preinit(self, labels: tuple[str, ...], reasons: tuple[str, ...],
                 fields: Iterable[tuple[str, str, Iterable[str]]] = ()) -> None:  # fmt: skip
@@ -300,30 +233,6 @@ class Metrics:
     def watch_hook_errors(self, errors: Callable[[], Mapping[tuple[str, str], int]]) -> None:
         """Export the service's count of hook calls that raised, at scrape time."""
         self.registry.register(HookErrorsCollector(errors))
-
-    def watch_requests(self, waiting: Callable[[], int], running: Callable[[], int]) -> None:
-        """Sample the worker's buffered and running messages at scrape time."""
-        self.requests_waiting.set_function(waiting)
-        self.requests_running.set_function(running)
-
-    def observe_batch(self, rows: int, width: int, real_tokens: int, seconds: float) -> None:
-        computed = rows * width
-        self.tokens_real.inc(real_tokens)
-        self.tokens_computed.inc(computed)
-        self.tokens_padded.inc(computed - real_tokens)
-        self.padding_ratio.set((computed - real_tokens) / computed if computed else 0.0)
-        self.batch_size.observe(rows)
-        self.batch_tokens.observe(computed)
-        self.forward.observe(seconds)
-        self.prefix_reuses.inc()
-
-    def observe_cost_model(self, fixed_ms: float, token_ms: float, quad_ms: float, error: float | None = None) -> None:
-        """The planner's cost model now (ms, exported in seconds); `error`: a live fit's, one more fit."""
-        for term, value in (("fixed", fixed_ms), ("token", token_ms), ("quad", quad_ms)):
-            self.cost_model.labels(term=term).set(value / 1000)
-        if error is not None:
-            self.cost_model_error.set(error)
-            self.cost_model_fits.inc()
 
     def watch_queue(self, depth: Callable[[], int]) -> None:
         """Sample `depth()` (the length of this worker's queue) at scrape time as `ticketq_queue_depth{queue}`."""
@@ -371,5 +280,3 @@ def build_versions() -> dict[str, str]:
         except PackageNotFoundError:
             versions["version" if name == "ticketq" else name] = "unknown"
     return versions
-
-

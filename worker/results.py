@@ -58,7 +58,8 @@ def padding_ratio(reports: list[BatchReport]) -> float:
 
 
 class RunTally:
-    """Process-wide counts of what runs saved or spent on exactness, read by the metrics at scrape time."""
+    """One worker's counts of what its runs saved or spent on exactness (built by its runtime, handed to
+    each run), read by the metrics at scrape time."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -70,5 +71,3 @@ class RunTally:
             self.deduplicated += deduplicated
             self.rechecked += rechecked
 
-
-RUNS = RunTally()

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from ticketq.config import ClientSettings, SettingsError  # noqa: F401 -- what load_settings raises
 from ticketq.schema import Schema, SchemaError, load_schema
@@ -30,13 +30,50 @@ DEFAULT_SYSTEM_PROMPT = (
 
 log = logging.getLogger(__name__)
 
-class Settings(ClientSettings):
-    """ticketq worker configuration. Every field is `TICKETQ_<FIELD>` in the environment; the
-    broker, queue, labels and ticket size limit come from `ClientSettings`."""
 
-    # --- model and engine ---
+class ModelSettings(BaseModel):
+    """The model a worker serves and the prompt it reads tickets in."""
+
     model: str = Field(DEFAULT_MODEL, description="Hub id or local directory of the causal LM.")
-    device: Literal["auto", "cpu", "cuda", "mps"] = Field("auto", description="auto: cuda, then mps, then cpu.")
+    device: Literal["auto", "cpu", "cuda", "mps"] = Field(
+        "auto", description="auto: cuda, then mps, then cpu."
+    )
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice).")
+    system_prompt: str = Field(
+        DEFAULT_SYSTEM_PROMPT, description="System instructions before the label list."
+    )
+    max_ticket_tokens: int = Field(512, ge=8, description="Longer tickets are truncated and flagged.")
+    head: str | None = Field(None, description="A label head fitted by `ticketq fit` (a file): it scores the labels "
+                             "from the answer position's hidden state, not the LM head's label rows; refused at "
+                             "start-up when fitted for another model or prompt (docs/learning.md).")  # fmt: skip
+    truncation: Literal["head", "tail", "head+tail"] = Field(
+        "head", description="How a ticket over TICKETQ_MAX_TICKET_TOKENS is cut: keep its start, its end (where a "
+        "reply thread puts the newest message) or half of each; a schema may set its own.",
+    )
+    schemas: str | None = Field(
+        None, description="Triage schemas (TOML, see docs/schemas.md): one or more files, "
+        "comma-separated, or a directory of *.toml. A ticket names one by its `schema`; one naming none gets the "
+        "first. `default` always names the single field of TICKETQ_LABELS, which is what every ticket gets "
+        "when this is unset.",
+    )
+    schema_cache: int = Field(
+        8, ge=1, description="Schemas whose prefix KV cache a worker keeps (least recently used dropped first)."
+    )
+
+    @field_validator("schemas")
+    @classmethod
+    def _check_schemas(cls, value: str | None) -> str | None:
+        _read_schemas(value)  # every problem of every schema file, one line each
+        return value
+
+    def load_schemas(self) -> tuple[Schema, ...]:
+        """The schemas TICKETQ_SCHEMAS names, in order (none when unset)."""
+        return _read_schemas(self.schemas)
+
+
+class PrecisionSettings(BaseModel):
+    """The precision batches run in, the float32 re-check, and the CPU kernels."""
+
     dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = Field(
         "auto",
         description="The precision batches run in. auto: the fastest this machine has: bfloat16 on cuda, and on a "
@@ -55,20 +92,6 @@ class Settings(ClientSettings):
         "them faster; else float32. always: whatever either predicts. never: the fast precision's answers as they come "
         "(inexact). The float32 copy of the model costs memory (none more for int8). true/false mean auto/never.",
     )
-    answer_cache_s: float = Field(
-        0.0, ge=0, description="Keep each computed answer in Redis this many seconds, keyed by a hash of the "
-        "ticket's canonical text, its schema and the model as run: a re-sent duplicate is answered from it, not "
-        "computed. 0: off.",
-    )
-    answer_cache_entries: int = Field(
-        100_000, ge=1, description="The answer cache's bound: past it the oldest entries are deleted (an entry is a "
-        "few hundred bytes, more for a schema's answer).",
-    )
-    dedup: bool = Field(
-        True,
-        description="Tickets encoded alike (the same token ids, the same schema) in one run are computed once "
-        "and each gets the answer, under its own id.",
-    )
     matmul: Literal["auto", "torch", "onednn"] = Field(
         "auto",
         description="On a CPU: the decoder's linear layers through torch's default GEMM (MKL for float32) or "
@@ -83,25 +106,21 @@ class Settings(ClientSettings):
         "arithmetic up to rounding), attention as two float32 matmuls, the last layer for the answer positions "
         "only. Off: transformers' layers.",
     )
-    threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice).")
-    system_prompt: str = Field(DEFAULT_SYSTEM_PROMPT, description="System instructions before the label list.")
-    max_ticket_tokens: int = Field(512, ge=8, description="Longer tickets are truncated and flagged.")
-    head: str | None = Field(None, description="A label head fitted by `ticketq fit` (a file): it scores the labels "
-                             "from the answer position's hidden state, not the LM head's label rows; refused at "
-                             "start-up when fitted for another model or prompt (docs/learning.md).")  # fmt: skip
-    truncation: Literal["head", "tail", "head+tail"] = Field(
-        "head", description="How a ticket over TICKETQ_MAX_TICKET_TOKENS is cut: keep its start, its end (where a "
-        "reply thread puts the newest message) or half of each; a schema may set its own.",
-    )
-    schemas: str | None = Field(
-        None, description="Triage schemas (TOML, see docs/schemas.md): one or more files, "
-        "comma-separated, or a directory of *.toml. A ticket names one by its `schema`; one naming none gets the "
-        "first. `default` always names the single field of TICKETQ_LABELS, which is what every ticket gets "
-        "when this is unset.",
-    )
-    schema_cache: int = Field(
-        8, ge=1, description="Schemas whose prefix KV cache a worker keeps (least recently used dropped first)."
-    )
+
+    @field_validator("recheck", mode="before")
+    @classmethod
+    def _recheck_words(cls, value: Any) -> Any:
+        """true/false (and 1/0, yes/no, on/off) as a switch is written: auto and never."""
+        words = {"true": "auto", "1": "auto", "yes": "auto", "on": "auto",
+                 "false": "never", "0": "never", "no": "never", "off": "never"}  # fmt: skip
+        if isinstance(value, bool):
+            return "auto" if value else "never"
+        return words.get(value.strip().lower(), value) if isinstance(value, str) else value
+
+
+class BatchingSettings(BaseModel):
+    """How tickets are planned into forward passes: the budgets, the cost model, duplicates."""
+
     max_batch_tokens: int = Field(1024, ge=16, description="Padded-token budget of one forward pass.")
     max_batch_size: int = Field(64, ge=1, description="Rows in one forward pass.")
     cost_fixed_ms: float = Field(25.0, ge=0, description="Planner: fixed cost of one forward pass.")
@@ -113,8 +132,16 @@ class Settings(ClientSettings):
         True, description="Refit the planner's cost model from the forwards the worker serves, and start from the "
         "fit cached for this machine (~/.cache/ticketq/cost) when there is one; off: the TICKETQ_COST_* values.",
     )
+    dedup: bool = Field(
+        True,
+        description="Tickets encoded alike (the same token ids, the same schema) in one run are computed once "
+        "and each gets the answer, under its own id.",
+    )
 
-    # --- queue service ---
+
+class ServiceSettings(BaseModel):
+    """The queue service around the engine: buffering, retries, the answer cache, the lease, metrics."""
+
     batch_window: int = Field(64, ge=1, description="Messages drained into one micro-batch at most.")
     max_wait_ms: int = Field(50, ge=1, description="Wait at most this long after the first buffered message.")
     prefetch_multiplier: int | None = Field(
@@ -128,6 +155,15 @@ class Settings(ClientSettings):
     max_retries: int = Field(3, ge=0, le=10, description="Retries of a ticket whose batch failed.")
     shadow_rate: float = Field(0.0, ge=0.0, le=1.0, description="Fraction re-checked on the reference path.")
     null_classifier: bool = Field(False, description="Zero-cost classifier, only to measure queue overhead.")
+    answer_cache_s: float = Field(
+        0.0, ge=0, description="Keep each computed answer in Redis this many seconds, keyed by a hash of the "
+        "ticket's canonical text, its schema and the model as run: a re-sent duplicate is answered from it, not "
+        "computed. 0: off.",
+    )
+    answer_cache_entries: int = Field(
+        100_000, ge=1, description="The answer cache's bound: past it the oldest entries are deleted (an entry is a "
+        "few hundred bytes, more for a schema's answer).",
+    )
     metrics_host: str = Field("127.0.0.1", description="Prometheus exporter bind address.")
     metrics_port: int = Field(9808, ge=0, le=65535, description="Prometheus exporter port (0 = disabled).")
     fetch: Literal["atomic", "kombu"] = Field(
@@ -143,21 +179,15 @@ class Settings(ClientSettings):
         "unacked messages and results without a word); the safe policy is noeviction."
     )
 
-    @field_validator("recheck", mode="before")
-    @classmethod
-    def _recheck_words(cls, value: Any) -> Any:
-        """true/false (and 1/0, yes/no, on/off) as a switch is written: auto and never."""
-        words = {"true": "auto", "1": "auto", "yes": "auto", "on": "auto",
-                 "false": "never", "0": "never", "no": "never", "off": "never"}  # fmt: skip
-        if isinstance(value, bool):
-            return "auto" if value else "never"
-        return words.get(value.strip().lower(), value) if isinstance(value, str) else value
+    @property
+    def effective_prefetch(self) -> int:
+        return self.prefetch_multiplier or 2 * self.batch_window
 
-    @field_validator("schemas")
-    @classmethod
-    def _check_schemas(cls, value: str | None) -> str | None:
-        _read_schemas(value)  # every problem of every schema file, one line each
-        return value
+
+class Settings(ServiceSettings, BatchingSettings, PrecisionSettings, ModelSettings, ClientSettings):
+    """ticketq worker configuration. Every field is `TICKETQ_<FIELD>` in the environment; the
+    broker, queue, labels and ticket size limit come from `ClientSettings`, the rest from one group
+    per area (bases listed last come first in `ticketq config`). A reader names `settings.<field>`."""
 
     @model_validator(mode="after")
     def _check_combinations(self) -> Settings:
@@ -178,14 +208,6 @@ class Settings(ClientSettings):
                 "that are still being classified"
             )
         return self
-
-    def load_schemas(self) -> tuple[Schema, ...]:
-        """The schemas TICKETQ_SCHEMAS names, in order (none when unset)."""
-        return _read_schemas(self.schemas)
-
-    @property
-    def effective_prefetch(self) -> int:
-        return self.prefetch_multiplier or 2 * self.batch_window
 
 
 def _read_schemas(value: str | None) -> tuple[Schema, ...]:

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 from workers import RedisServer
 
 from ticketq import names
+from worker.health import Health, Progress
 from worker.metrics import Metrics
 from worker.nullclassifier import NullClassifier
 from worker.redis.keys import DONE_KEY
@@ -62,8 +63,8 @@ def app(server) -> Iterator[Celery]:
 def service_on(server: RedisServer, client: redis.Redis) -> tuple[TicketService, CollectorRegistry]:
     registry = CollectorRegistry()
     settings, classifier = Settings(broker_url=server.url, metrics_port=0, max_retries=1), NullClassifier(LABELS)
-    hooks = standard_hooks(settings, classifier, Metrics(registry))
-    return TicketService(settings, classifier, Outbox.from_settings(client, settings), hooks), registry
+    hooks = standard_hooks(settings, classifier, Metrics(registry), Progress())
+    return TicketService(settings, classifier, Outbox.from_settings(client, settings, Health()), hooks), registry
 
 
 def request(task_id: str, payload: object) -> SimpleRequest:

@@ -28,6 +28,7 @@ from workers import ROOT, null_classifier_service
 from producer.cli import app as produce_app
 from ticketq.cli import command
 from ticketq.exits import EXIT_FAILED, EXIT_NOTHING, EXIT_USAGE
+from ticketq_bench.cli import command as bench_command
 from ticketq_cli.cli import cli as ticketq_app
 from worker.settings import Settings
 
@@ -92,7 +93,7 @@ def test_help_names_values_as_click_does(app):
             return stdout.getvalue().decode()
 
     for path in paths(built, []):
-        if path in (["bench"], ["loadtest"]):  # their own argparse help
+        if path in (["bench"], ["loadtest"]):  # programs of their own: bench's below, loadtest's argparse
             continue
         shown = help_of(path)
         usage = next(line for line in shown.splitlines() if "Usage:" in line)
@@ -100,6 +101,14 @@ def test_help_names_values_as_click_does(app):
         assert not re.search(r"<(bool|str|int|float|path|list\[\w+\])>", shown, re.I), (path, shown)
     classify = help_of(["classify"] if app is ticketq_app else ["file"])
     assert re.search(r"Usage: .* \[OPTIONS\] PATH\b", classify), classify
+
+
+def test_bench_help_names_values_as_click_does():
+    with CliRunner().isolation(env={"COLUMNS": "100"}) as (stdout, _, _):
+        assert bench_command().main(["--help"], prog_name="ticketq bench", standalone_mode=False) in (0, None)
+        shown = stdout.getvalue().decode()
+    assert not re.search(r"<(bool|str|int|float|path)>", shown, re.I), shown
+    assert re.search(r"--quick +a short run", shown) and "[auto|float32|bfloat16|float16|int8]" in shown, shown
 
 
 @pytest.mark.parametrize("app", [ticketq_app, produce_app], ids=["ticketq", "ticketq-produce"])
@@ -117,7 +126,7 @@ def test_help_texts_read_whole(app):
             assert all(line.startswith(("-", "*", " ")) for line in paragraph.splitlines()[1:]), group.name
     built = command(app, "x")
     for path in all_commands(app):
-        if path in (["bench"], ["loadtest"]):  # their own argparse help
+        if path in (["bench"], ["loadtest"]):  # programs of their own: bench's below, loadtest's argparse
             continue
         sub = built.commands[path[0]] if path else built
         shown = " ".join(click.testing.CliRunner().invoke(built, [*path, "-h"]).output.replace("│", " ").split())
@@ -382,9 +391,11 @@ def test_produce_file_writes_a_row_for_every_input_line(tmp_path, queue_service)
     with tickets.open("a") as extra:
         extra.write("T-101," + "x" * 70000 + "\n")  # over TICKETQ_MAX_TICKET_BYTES: refused before sending
     env = {"TICKETQ_BROKER_URL": url, "TICKETQ_QUEUE": queue}
-    args = ["ticketq-produce", "file", str(tickets), "--out", "r.jsonl", "--no-progress", "--timeout", "60"]
+    args = ["ticketq-produce", "file", str(tickets), "--out", "r.jsonl", "--timeout", "60"]
     result = run(args, env, cwd=tmp_path)
     assert result.returncode == EXIT_FAILED, result.stdout + result.stderr
+    # progress asked for (the default), stderr a pipe: no bar frames
+    assert "enqueue" not in result.stderr and "ticket/s" not in result.stderr, result.stderr
     rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert [row["source"] for row in rows] == [f"{tickets}:{line}" for line in range(2, 103)]
     assert {row["id"]: row["reason"] for row in rows if row["status"] != "ok"} == {

@@ -23,6 +23,7 @@ from producer.api import Producer
 from ticketq import epoch, names
 from ticketq.config import ClientSettings
 from ticketq_cli.ops import redis_data_line
+from worker.health import Health
 from worker.metrics import Metrics
 from worker.redis.outbox import Outbox
 
@@ -67,8 +68,9 @@ def test_the_marker_is_adopted_then_a_vanished_or_replaced_one_is_one_loss_each(
 
 def test_the_outbox_checks_with_each_job_and_logs_and_counts_a_loss_once(server, caplog):
     client = server.client()
-    outbox = Outbox(client, stream_maxlen=1000, result_expires_s=3600, worst_batch_s=5)
-    metrics = Metrics()
+    health = Health()  # the worker's: its outbox notices, its metrics count
+    outbox = Outbox(client, health, stream_maxlen=1000, result_expires_s=3600, worst_batch_s=5)
+    metrics = Metrics(health=health)
     before = metrics.registry.get_sample_value("ticketq_redis_data_lost_total")
     with caplog.at_level(logging.INFO, logger="worker.health.data_loss"):
         assert outbox.attempts(["t-1"]) == [None]

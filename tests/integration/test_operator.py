@@ -25,7 +25,8 @@ from workers import ROOT, RedisServer, Worker, wait_for, worker_env
 from ticketq import dead_letters, names
 from ticketq.contract import TicketRejected
 from ticketq.names import ALIVE_KEY, CONSUMERS_KEY
-from ticketq_cli.ops import Answered, NotRequeueable, Ops
+from ticketq_cli.dead_letters import Answered, NotRequeueable
+from ticketq_cli.ops import Ops
 from worker.redis import requeue
 from worker.redis.keys import DONE_KEY
 from worker.settings import Settings

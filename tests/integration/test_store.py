@@ -15,6 +15,7 @@ from workers import redis_or_skip
 from ticketq.dead_letters import DEAD_LETTER_MIN_BYTES, dead_letter_bound, raw_entry, ticket_entry
 from ticketq.names import ATTEMPTS_KEY, RESULTS_STREAM, REVIEW_STREAM
 from ticketq.publishing import payload_digest
+from worker.health import Health
 from worker.redis.keys import DIGEST_KEY, DONE_KEY
 from worker.redis.outbox import Outbox
 from worker.redis.requeue import keep_failure
@@ -47,7 +48,7 @@ def result(task_id: str, slot: int) -> tuple[str, int, bytes]:
 
 
 def test_each_result_is_streamed_once_and_repeats_are_named(client: redis.Redis) -> None:
-    outbox = Outbox(client, stream_maxlen=100_000, result_expires_s=600, worst_batch_s=5)
+    outbox = Outbox(client, Health(), stream_maxlen=100_000, result_expires_s=600, worst_batch_s=5)
     a, b = f"store-a-{uuid.uuid4()}", f"store-b-{uuid.uuid4()}"
     client.set(ATTEMPTS_KEY.format(task_id=a), 1)
     client.set(ATTEMPTS_KEY.format(task_id=b), 1)
@@ -70,7 +71,7 @@ def outcome(task_id: str, status: str, reason: str = "") -> tuple[str, int, byte
 
 
 def test_a_failure_kept_by_a_requeue_is_not_streamed_again_but_its_answer_is(client: redis.Redis) -> None:
-    outbox = Outbox(client, stream_maxlen=100_000, result_expires_s=600, worst_batch_s=5)
+    outbox = Outbox(client, Health(), stream_maxlen=100_000, result_expires_s=600, worst_batch_s=5)
     fixed, other, alone = (f"store-{name}-{uuid.uuid4()}" for name in ("fixed", "other", "alone"))
     for task_id in (fixed, other):
         assert outbox.publish([outcome(task_id, "failed", "oversize")], finished=[task_id]).repeats == []
@@ -93,7 +94,7 @@ def test_a_failure_kept_by_a_requeue_is_not_streamed_again_but_its_answer_is(cli
 
 
 def test_results_to_review_are_copied_once_with_their_first_publication(client: redis.Redis) -> None:
-    outbox = Outbox(client, stream_maxlen=100_000, result_expires_s=600, worst_batch_s=5)
+    outbox = Outbox(client, Health(), stream_maxlen=100_000, result_expires_s=600, worst_batch_s=5)
     a, b, c = (f"store-review-{n}-{uuid.uuid4()}" for n in "abc")
     review = {(a, 1): "text of a1", (b, 0): "text of b0"}
     assert outbox.publish([result(a, 0), result(a, 1), result(b, 0), result(c, 0)], [a, b, c], review) == ([], [])
@@ -110,7 +111,7 @@ def test_results_to_review_are_copied_once_with_their_first_publication(client: 
 
 
 def test_a_large_message_spans_several_bitfield_calls(client: redis.Redis) -> None:
-    outbox = Outbox(client, stream_maxlen=100_000, result_expires_s=600, worst_batch_s=5)
+    outbox = Outbox(client, Health(), stream_maxlen=100_000, result_expires_s=600, worst_batch_s=5)
     task = f"store-big-{uuid.uuid4()}"
     slots = [result(task, slot) for slot in range(2500)]  # the script sets 1,000 bits per BITFIELD call
     assert outbox.publish(slots[:1700], finished=[]) == ([], [])
@@ -121,7 +122,7 @@ def test_a_large_message_spans_several_bitfield_calls(client: redis.Redis) -> No
 
 
 def test_another_payload_under_a_used_task_id_is_a_conflict_not_a_repeat(client: redis.Redis) -> None:
-    outbox = Outbox(client, stream_maxlen=100_000, result_expires_s=600, worst_batch_s=5)
+    outbox = Outbox(client, Health(), stream_maxlen=100_000, result_expires_s=600, worst_batch_s=5)
     task, other = f"store-reused-{uuid.uuid4()}", f"store-other-{uuid.uuid4()}"
     first, second = payload_digest([{"text": "first"}]), payload_digest([{"text": "second"}])
     assert first != second and first == payload_digest(({"text": "first"},))  # tuple or list: the same JSON

@@ -24,6 +24,7 @@ from workers import celery_results_app, redis_or_skip
 from ticketq import names
 from ticketq.names import ATTEMPTS_KEY
 from worker.engine.batching import Batch, Plan
+from worker.health import Health, Progress
 from worker.metrics import Metrics
 from worker.nullclassifier import NullClassifier
 from worker.redis.outbox import Outbox
@@ -108,8 +109,8 @@ class ScriptedClassifier(NullClassifier):
 
 def _service(classifier, client: redis.Redis, metrics: Metrics | None = None) -> TicketService:
     settings = Settings(broker_url=REDIS_URL, metrics_port=0, max_retries=1)
-    hooks = standard_hooks(settings, classifier, metrics or Metrics())
-    return TicketService(settings, classifier, Outbox.from_settings(client, settings), hooks)
+    hooks = standard_hooks(settings, classifier, metrics or Metrics(), Progress())
+    return TicketService(settings, classifier, Outbox.from_settings(client, settings, Health()), hooks)
 
 
 def _request(payload, expires: datetime | None = None) -> SimpleRequest:

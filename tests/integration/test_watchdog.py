@@ -44,7 +44,7 @@ from workers import celery_results_app, redis_or_skip, wait_for
 from ticketq import names
 from ticketq.names import ALIVE_KEY, OWNED_KEY
 from worker.engine.batching import Batch, Plan
-from worker.health.progress import CLASSIFYING, Progress
+from worker.health import Health, Progress
 from worker.metrics import Metrics
 from worker.nullclassifier import NullClassifier
 from worker.redis.outbox import Outbox
@@ -105,8 +105,9 @@ class SlowSecondForward(NullClassifier, Hook):
     the progress record says stalled (the test's stand-in for a forward that takes too long). As a
     hook after the standard ones, it records the progress record once each forward is computed."""
 
-    def __init__(self) -> None:
+    def __init__(self, progress: Progress) -> None:
         super().__init__(LABELS)
+        self.progress = progress  # the service's classifying loop record
         self.before: list[tuple[float, float]] = []  # (bound in hand, stalled for) before each forward
         self.after: list[float] = []  # stalled for, once each forward's hooks ran
 
@@ -119,20 +120,21 @@ class SlowSecondForward(NullClassifier, Hook):
 
     def forward_batch(self, tickets, width=None):
         if len(self.before) == 1:
-            wait_for(CLASSIFYING.stalled_for, 60, "the loop seen stalled before its second forward")
-        self.before.append((CLASSIFYING.bound_s, CLASSIFYING.stalled_for()))
+            wait_for(self.progress.stalled_for, 60, "the loop seen stalled before its second forward")
+        self.before.append((self.progress.bound_s, self.progress.stalled_for()))
         return super().forward_batch(tickets, width)
 
     def on_forward(self, report: BatchReport) -> None:
-        self.after.append(CLASSIFYING.stalled_for())  # recorded, not asserted: the service retries errors
+        self.after.append(self.progress.stalled_for())  # recorded, not asserted: the service retries errors
 
 
 def test_the_service_holds_work_from_job_start_to_end_and_marks_each_forward(client, app):
     bound = 2.0
     settings = Settings(broker_url=REDIS_URL, metrics_port=0, worst_batch_s=bound)
-    classifier = SlowSecondForward()
-    hooks = [*standard_hooks(settings, classifier, Metrics()), classifier]
-    service = TicketService(settings, classifier, Outbox.from_settings(client, settings), hooks)
+    health = Health()
+    classifier = SlowSecondForward(health.classifying)
+    hooks = [*standard_hooks(settings, classifier, Metrics(health=health), health.classifying), classifier]
+    service = TicketService(settings, classifier, Outbox.from_settings(client, settings, health), hooks)
     requests = [_request({"id": f"wd-{n}", "text": f"watchdog ticket {n}: my invoice is wrong"}) for n in range(3)]
     service.process(requests, app.backend)
     (first_bound, first, _), (_, second, after_second), (_, third, _) = classifier.seen
@@ -140,7 +142,7 @@ def test_the_service_holds_work_from_job_start_to_end_and_marks_each_forward(cli
     assert second > bound, "no progress for longer than the bound: stalled"
     assert after_second == 0.0, "a forward computed is progress"
     assert third == 0.0, "the forward and its publish were progress"
-    assert CLASSIFYING.stalled_for() == 0.0 and CLASSIFYING.bound_s == math.inf, "the job ended: idle"
+    assert health.classifying.stalled_for() == 0.0 and health.classifying.bound_s == math.inf, "the job ended: idle"
     assert len(_stream_for(client, {r.id for r in requests})) == 3
 
 
@@ -159,7 +161,8 @@ def _stream_for(client: redis.Redis, task_ids: set[str]) -> list[dict]:
 def test_a_stalled_loop_holds_the_lease_and_the_fetch_back_until_it_moves(redis_server, caplog):
     caplog.set_level(logging.WARNING, logger="worker.transport.lease")
     queue, client, received = Queue("watchdog-lease"), redis_server.client(), []
-    options = {"ticketq_lease_s": 1}
+    health = Health()  # the worker's, handed to its channel in the transport options
+    options = {"ticketq_lease_s": 1, "ticketq_health": health}
     with Connection(redis_server.url, transport=fetch.Transport, transport_options=options) as conn:
         conn.Producer().publish({"n": 1}, routing_key=queue.name, declare=[queue], serializer="json")
         channel = conn.channel()
@@ -167,7 +170,7 @@ def test_a_stalled_loop_holds_the_lease_and_the_fetch_back_until_it_moves(redis_
         callback = lambda body, message: (received.append(body), message.ack())  # noqa: E731
         with Consumer(channel, [queue], callbacks=[callback]):
             assert client.exists(alive) and channel.may_fetch(), "registered by its first beat"
-            CLASSIFYING.begin(bound_s=1.0)
+            health.classifying.begin(bound_s=1.0)
             try:
                 wait_for(lambda: not client.exists(alive), 30, "the lease run out while the loop is stalled")
                 assert not channel.may_fetch(), "a stalled worker fetches nothing"
@@ -175,7 +178,7 @@ def test_a_stalled_loop_holds_the_lease_and_the_fetch_back_until_it_moves(redis_
                     conn.drain_events(timeout=1)
                 assert not received and client.llen(queue.name) == 1, "the message stays in the queue"
             finally:
-                CLASSIFYING.end()  # the job let its work go: renewal resumes at the next turn
+                health.classifying.end()  # the job let its work go: renewal resumes at the next turn
             wait_for(lambda: client.exists(alive), 30, "the lease renewed once the loop is idle")
             deadline = time.monotonic() + 30
             while not received and time.monotonic() < deadline:

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry
 from test_service_unit import NO_REDIS, Scripted, request, ticket
 
 from ticketq.schema import Field, FieldResult, TicketFields
+from worker.health import Progress
 from worker.metrics import Metrics
 from worker.results import Prediction
 from worker.service.answer_cache import decode, encode
@@ -34,7 +35,7 @@ class DictCache:
 def service(cache, **settings):
     settings = Settings(broker_url=NO_REDIS, metrics_port=0, **settings)
     classifier, metrics = Scripted(), Metrics(CollectorRegistry())
-    hooks = standard_hooks(settings, classifier, metrics)
+    hooks = standard_hooks(settings, classifier, metrics, Progress())
     return TicketService(settings, classifier, MemoryOutbox(), hooks, cache=cache), classifier, metrics
 
 

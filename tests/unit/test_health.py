@@ -9,7 +9,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from workers import free_port
 
-from worker.metrics import LATENCY_BUCKETS, ManyHistogram, Metrics
+from worker.collectors import ManyHistogram
+from worker.metrics import LATENCY_BUCKETS, Metrics
 
 
 def get(url: str) -> tuple[int, str]:

@@ -26,7 +26,7 @@ from worker.engine.precision import (
 )
 from worker.engine.prompt import EncodedTicket
 from worker.engine.scheduler import DEFER_FORWARDS, PlannedRun, Ticketed, Unsettled, drain
-from worker.results import RUNS, Prediction
+from worker.results import Prediction, RunTally
 
 
 def prediction(logprobs: dict[str, float], precision: str = "int8") -> Prediction:
@@ -217,9 +217,9 @@ class FakeRecheck(FakeEngine):
         return (exact[0], "settled")
 
 
-def run(engine, texts, dedup=True):
+def run(engine, texts, dedup=True, runs=None):
     answered: list[tuple[int, object]] = []
-    planned = PlannedRun(dedup=dedup)
+    planned = PlannedRun(dedup=dedup, runs=runs)
     planned.add([Ticketed(engine, e) for e in engine.encode(texts)])
     results, reports = drain(planned, on_answers=lambda idx, ans: answered.extend(zip(idx, ans, strict=True)))
     return planned, results, reports, answered
@@ -228,13 +228,13 @@ def run(engine, texts, dedup=True):
 def test_duplicates_are_computed_once_and_each_gets_its_answer():
     engine = FakeEngine("fast")
     texts = ["outage", "refund", "outage", "outage", "login"]
-    before = RUNS.deduplicated
-    planned, results, _, answered = run(engine, texts)
+    runs = RunTally()
+    planned, results, _, answered = run(engine, texts, runs=runs)
     computed = [t for forward in engine.forwards for t in forward]
     assert sorted(computed) == ["login", "outage", "refund"]
     assert results == [(t, "fast") for t in texts]
     assert sorted(i for i, _ in answered) == [0, 1, 2, 3, 4]  # every copy published once, under its own index
-    assert planned.duplicates == 2 and RUNS.deduplicated - before == 2
+    assert planned.duplicates == 2 and runs.deduplicated == 2
     engine.forwards.clear()
     run(engine, texts, dedup=False)
     assert sorted(t for forward in engine.forwards for t in forward) == sorted(texts)

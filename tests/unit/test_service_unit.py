@@ -23,6 +23,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from worker.engine.batching import Batch, Plan
+from worker.health import Progress
 from worker.metrics import Metrics
 from worker.nullclassifier import NullClassifier
 from worker.redis.outbox import Outbox as RedisOutbox
@@ -59,7 +60,7 @@ class Run:
                                  **settings)  # fmt: skip
         self.classifier = classifier or NullClassifier(LABELS)
         self.outbox, self.metrics = outbox or MemoryOutbox(), Metrics(CollectorRegistry())
-        attached = [*standard_hooks(self.settings, self.classifier, self.metrics), *hooks]
+        attached = [*standard_hooks(self.settings, self.classifier, self.metrics, Progress()), *hooks]
         self.service = TicketService(self.settings, self.classifier, self.outbox, attached)
 
     def process(self, *requests, feed=None) -> None:

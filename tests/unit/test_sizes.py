@@ -24,21 +24,6 @@ ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
                                                       "the prefix cache is the next to leave"),
     ("class", "worker/engine/fields.py:FieldsEngine"): (170, "the engine split of issue 40 is open"),
     ("file", "worker/engine/kernels.py"): (465, "device, dtype and GEMM probes: to split with the precision policy"),
-    ("class", "worker/metrics.py:Metrics"): (181, "one attribute per series"),
-    ("function", "worker/metrics.py:Metrics.__init__"): (94, "one statement per series"),
-    ("class", "worker/settings.py:Settings"): (157, "one field per TICKETQ_* setting"),
-    ("class", "ticketq/config.py:ClientSettings"): (165, "one field per client setting"),
-    ("class", "worker/redis/outbox.py:Outbox"): (163, "publish once: the stream, backend and acks of one script"),
-    ("function", "worker/app/__init__.py:create_app"): (59, "Celery's configuration, one key per line"),
-    ("class", "producer/client.py:Producer"): (198, "the public API's one class"),
-    ("function", "producer/run.py:send_and_collect"): (74, "not yet split"),
-    ("class", "ticketq_cli/ops.py:Ops"): (209, "one method per operator command"),
-    ("function", "ticketq_cli/classify_commands.py:classify"): (53, "typer options, one per line"),
-    ("function", "ticketq_cli/classify_commands.py:evaluate"): (54, "typer options, one per line"),
-    ("file", "ticketq_cli/evaluate.py"): (413, "not yet split: metrics and their table"),
-    ("function", "ticketq_bench/cli.py:bench"): (55, "typer options, one per line"),
-    ("function", "ticketq_bench/figures.py:summarise"): (56, "not yet split"),
-    ("file", "ticketq_bench/modes.py"): (413, "one function per bench mode"),
 }
 
 

@@ -25,6 +25,7 @@ from worker.app.refused import DeadLetterConsumer
 from worker.app.runtime import ClassifierFactory, Runtime, build_classifier, runtime_of
 from worker.app.signals import connect_signals
 from worker.errors import CannotStart, ModelNotReady
+from worker.health import Health
 from worker.settings import Settings, load_settings
 from worker.transport import TRANSPORT_OPTIONS, batches
 
@@ -43,16 +44,32 @@ def create_app(settings: Settings, classifier_factory: ClassifierFactory | None 
     # A failover to the next sentinel of the list must keep the atomic fetch (see PinnedConnection).
     amqp = "worker.transport:AMQP" if settings.fetch == "atomic" else None
     app = Celery("ticketq", broker=settings.broker_url, backend=settings.backend_url, amqp=amqp)
-    app.ticketq_runtime = Runtime(settings, classifier_factory)
+    app.ticketq_runtime = runtime = Runtime(settings, classifier_factory)
     if settings.fetch == "atomic":  # pop and record in one Redis step; see worker/transport/fetch.py
         app.conf.broker_transport = f"worker.transport:{'SentinelTransport' if sentinel else 'Transport'}"
-    transport = {"visibility_timeout": settings.visibility_timeout_s}
-    broker_transport = {
-        **transport,
+    app.conf.update(celery_config(settings, broker_transport_options(settings, runtime.health)))
+    app.task(
+        name=TASK_CLASSIFY,
+        base=batches.Batches,
+        bind=True,
+        flush_every=settings.batch_window,
+        flush_interval=settings.max_wait_ms / 1000,
+        acks_late=True,
+    )(classify_batch)
+    connect_signals(app)
+    return app
+
+
+def broker_transport_options(settings: Settings, health: Health) -> dict[str, Any]:
+    """kombu's options for the broker connection, the atomic fetch's own among them (`health`: the
+    process's, which the consuming channel marks and meets refusals in)."""
+    return {
+        "visibility_timeout": settings.visibility_timeout_s,
         **connections.transport_options(settings.broker_url, **settings.sentinel),  # the master's name
         **(TRANSPORT_OPTIONS if settings.fetch == "atomic" else {}),
         "ticketq_lease_s": settings.lease_s,
         "ticketq_stream_maxlen": settings.stream_maxlen,
+        "ticketq_health": health,
         # kombu sweeps the unacked set for messages past the visibility timeout only every
         # interval x throttle seconds (10 x 10 by default): a kill -9'd worker's messages came
         # back up to 100 s after the timeout. Sweep every quarter timeout (at most 10 s) instead;
@@ -60,7 +77,11 @@ def create_app(settings: Settings, classifier_factory: ClassifierFactory | None 
         "unacked_restore_interval": max(1, min(10, settings.visibility_timeout_s // 4)),
         "unacked_restore_throttle": 1,
     }
-    app.conf.update(
+
+
+def celery_config(settings: Settings, broker_transport: dict[str, Any]) -> dict[str, Any]:
+    """Celery's configuration of a ticketq worker: JSON only, late acks, one thread, the batch window."""
+    return dict(
         task_serializer="json",
         result_serializer="json",
         accept_content=["json"],  # pickle/yaml are refused (and dead-lettered by DeadLetterConsumer)
@@ -74,7 +95,8 @@ def create_app(settings: Settings, classifier_factory: ClassifierFactory | None 
         worker_consumer="worker.app:DeadLetterConsumer",
         broker_transport_options=broker_transport,
         result_backend_transport_options={
-            **transport, **connections.transport_options(settings.backend_url, **settings.sentinel)
+            "visibility_timeout": settings.visibility_timeout_s,
+            **connections.transport_options(settings.backend_url, **settings.sentinel),
         },
         result_expires=settings.result_expires_s,
         result_extended=False,
@@ -84,16 +106,6 @@ def create_app(settings: Settings, classifier_factory: ClassifierFactory | None 
         worker_cancel_long_running_tasks_on_connection_loss=False,
         worker_hijack_root_logger=False,
     )
-    app.task(
-        name=TASK_CLASSIFY,
-        base=batches.Batches,
-        bind=True,
-        flush_every=settings.batch_window,
-        flush_interval=settings.max_wait_ms / 1000,
-        acks_late=True,
-    )(classify_batch)
-    connect_signals(app)
-    return app
 
 
 def run_worker(

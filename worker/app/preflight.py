@@ -12,7 +12,7 @@ from ticketq import connections
 from ticketq.config import is_redis_url, mask_url
 from ticketq.connections import RedisUnavailable, connect
 from worker.errors import CannotStart
-from worker.health import refusals
+from worker.health.refusals import Refusals
 from worker.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -64,9 +64,10 @@ def _server_problem(client: redis.Redis, url: str, settings: Settings) -> str | 
             "to start anyway")
 
 
-def wait_for_writes(client: redis.Redis, poll_s: float = 1.0) -> None:
+def wait_for_writes(client: redis.Redis, refusals: Refusals, poll_s: float = 1.0) -> None:
     """Until Redis takes writes: a full Redis (noeviction) or one with too few replicas for
-    min-replicas-to-write refuses the writes Celery's consumer starts with. /readyz says why meanwhile."""
+    min-replicas-to-write refuses the writes Celery's consumer starts with. /readyz says why meanwhile
+    (`refusals`: the process's episodes)."""
     while (problem := connections.write_problem(client)) is not None:
         if not refusals.refusing(problem, "starting the consumer"):
             raise CannotStart(f"Redis refuses writes ({problem}): point TICKETQ_BROKER_URL at the master")

@@ -55,7 +55,7 @@ def dead_letter_raw(app: Celery, reason: Reason, exc: Exception | None, message)
         outbox = runtime.service.outbox
     else:  # refused before start-up finished: a client of its own, for this message
         client = redis_client(settings.broker_url, **settings.sentinel, socket_timeout_s=10)
-        outbox = Outbox.from_settings(client, settings)
+        outbox = Outbox.from_settings(client, settings, runtime.health)
     try:
         outbox.dead_letter(entry)
         if runtime.metrics:

@@ -1,4 +1,8 @@
-"""One worker process once started: its classifier, service, metrics and readiness."""
+"""One worker process once started: its classifier, service, metrics and readiness.
+
+The process's health (`worker.health.Health`) and its runs' tally are built here, once, and handed
+to each reader and writer: the transport (through the transport options), the outbox, the service
+and its progress hook, the metrics and /readyz."""
 
 from __future__ import annotations
 
@@ -13,11 +17,12 @@ from ticketq import connections
 from ticketq.contract import DEAD_LETTER_REASONS
 from worker.app.preflight import preflight, wait_for_writes
 from worker.errors import ModelNotReady
-from worker.health import progress, refusals
+from worker.health import Health
 from worker.metrics import Metrics
 from worker.nullclassifier import NullClassifier
 from worker.redis.answer_cache import AnswerCache
 from worker.redis.outbox import Outbox
+from worker.results import RunTally
 from worker.service.core import TicketService
 from worker.service.hooks.standard import live_cost, standard_hooks
 from worker.service.ports import Classifier
@@ -37,6 +42,8 @@ class Runtime:
     def __init__(self, settings: Settings, classifier_factory: ClassifierFactory | None = None) -> None:
         self.settings = settings
         self.classifier_factory = classifier_factory or build_classifier
+        self.health = Health()  # the loops' progress, Redis's refusals, data lost: this process's
+        self.runs = RunTally()  # what runs saved (duplicates) or spent (re-checks): the metrics read it
         self.service: TicketService | None = None
         self.metrics: Metrics | None = None
         self.consumer_running = False  # between worker_ready and worker_shutting_down: /readyz
@@ -47,7 +54,7 @@ class Runtime:
         settings = self.settings
         guards.check_versions()
         client = preflight(settings)
-        metrics = Metrics(queue=settings.queue)
+        metrics = Metrics(queue=settings.queue, health=self.health, runs=self.runs)
         classifier = self.classifier_factory(settings)
         info = classifier.info
         metrics.model.info(
@@ -69,21 +76,20 @@ class Runtime:
             log.info("metrics on http://%s:%d/metrics", settings.metrics_host, settings.metrics_port)
         self.metrics = metrics
         routing = Routing.of(classifier, settings)
-        hooks = standard_hooks(settings, classifier, metrics, routing, live_cost(settings, classifier, metrics))
+        hooks = standard_hooks(settings, classifier, metrics, self.health.classifying, routing,
+                               live_cost(settings, classifier, metrics))  # fmt: skip
         cache = AnswerCache(client, settings.answer_cache_s, settings.answer_cache_entries) \
             if settings.answer_cache_s else None
-        self.service = TicketService(settings, classifier, Outbox.from_settings(client, settings), hooks, routing,
-                                     cache)  # fmt: skip
+        outbox = Outbox.from_settings(client, settings, self.health)
+        self.service = TicketService(settings, classifier, outbox, hooks, routing, cache, self.runs)
         metrics.watch_hook_errors(lambda: self.service.hooks.errors if self.service else {})
-        wait_for_writes(client)
+        wait_for_writes(client, self.health.refusals)
         return self.service
 
     def ready_problem(self) -> str | None:
-        problems = refusals.write_problems()  # Redis refusing writes, results not on the replicas yet
-        if not self.consumer_running:
-            problems.insert(0, "consumer not running")
-        # Its lease is no longer renewed meanwhile (worker.transport.lease), unless Redis refuses writes.
-        problems.extend(str(stall) for stall in progress.stalls())
+        # Redis refusing writes, results not on the replicas yet, a stalled loop (its lease is no longer
+        # renewed meanwhile, worker.transport.lease, unless Redis refuses writes).
+        problems = [*([] if self.consumer_running else ["consumer not running"]), *self.health.problems()]
         return "; ".join(problems) or None
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 from worker.engine.batching import Batch, Plan
-from worker.results import RUNS, BatchReport
+from worker.results import BatchReport, RunTally
 
 Answer = TypeVar("Answer", covariant=True)
 
@@ -162,8 +162,9 @@ class PlannedRun:
     dict lookup; an unsettled answer replans its re-check engine's waiting tickets.
     """
 
-    def __init__(self, dedup: bool = True) -> None:
+    def __init__(self, dedup: bool = True, runs: RunTally | None = None) -> None:
         self.dedup = dedup  # duplicates computed once (TICKETQ_DEDUP)
+        self.runs = runs if runs is not None else RunTally()  # the worker's tally (its metrics read it)
         self.encoded: list[Any] = []
         self.keys: list[Hashable] = []  # index -> the key its answer goes out under
         self.results: list[Any] = []
@@ -206,7 +207,7 @@ class PlannedRun:
             self._plans.setdefault(id(engine), (engine, []))
         if copies:
             self.duplicates += len(copies)
-            RUNS.add(deduplicated=len(copies))
+            self.runs.add(deduplicated=len(copies))
             plan = None  # the given plan's indices counted the copies
         for key, indices in joining.items():
             self._replan(key, indices, plan if len(joining) == 1 else None)
@@ -265,7 +266,7 @@ class PlannedRun:
             if engine.deferred and index in self._fast:
                 answer = engine.settle(self._fast.pop(index), answer)
                 self.rechecked += 1
-                RUNS.add(rechecked=1)
+                self.runs.add(rechecked=1)
             self.results[index] = answer
             settled.append(index)
         for key, (recheck, indices) in unsettled.items():

@@ -31,5 +31,3 @@ class DataLoss:
             "again (ticketq-produce --resend-after, Producer.wait(resend_after=))", since,
         )  # fmt: skip
 
-
-DATA_LOST = DataLoss()

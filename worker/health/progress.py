@@ -1,6 +1,7 @@
 """Whether the worker's two loops move: the records its lease is a promise of.
 
-The service marks it through its progress hook (`worker.service.hooks.progress`): a job begins
+The worker's runtime builds one record per loop (`worker.health.Health`). The service marks the
+classifying one through its progress hook (`worker.service.hooks.progress`): a job begins
 (work in hand), a forward batch is computed, its results are out, the job ends (nothing in hand).
 The lease thread (`worker.transport.lease`) stops renewing while it is stalled, so live workers
 take over the messages this worker holds;
@@ -12,7 +13,7 @@ Stalled means work in hand and no progress for longer than the bound the job beg
 in hand is idle, never stalled. Cost: a tuple stored per mark, read by the lease thread every
 quarter lease and by each scrape.
 
-The fetching side is judged the same way (`FETCHING`, marked by the transport's consuming channel,
+The fetching side is judged the same way (`Health.fetching`, marked by the transport's consuming channel,
 `worker.transport.fetch`): from its first fetch to its close it is in hand, and every turn of the
 event loop that finds no fetch reply overdue is progress. A loop blocked in a Redis command, or a
 fetch whose reply never comes (a half-open connection), stalls it after FETCH_STALL_S.
@@ -23,8 +24,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-
-from worker.health import refusals
 
 # Seconds the consumer's event loop may go without a turn that finds its fetch healthy. The loop
 # turns at least once a second when idle, and a fetch blocks in Redis for 1 s (kombu's
@@ -66,14 +65,6 @@ class Progress:
         return self._state[2]
 
 
-# The worker's one classifying loop (concurrency 1: one model thread per process).
-CLASSIFYING = Progress()
-
-
-# The worker's one consuming channel's event loop (the transport's fetch).
-FETCHING = Progress()
-
-
 @dataclass(frozen=True)
 class Stall:
     """A loop that holds work without progress past its bound, for logs and /readyz."""
@@ -90,23 +81,3 @@ class Stall:
     def __str__(self) -> str:
         return (f"{self.name} stalled for {self.quiet_s:.0f} s (work in hand, no progress for longer than "
                 f"{self.setting}={self.bound_s:g}s)")
-
-
-def stalls() -> list[Stall]:
-    """Each of the two loops that is stalled now (what /readyz names)."""
-    found = []
-    for name, progress, setting in (("classifying", CLASSIFYING, "TICKETQ_WORST_BATCH_S"),
-                                    ("fetching", FETCHING, "FETCH_STALL_S")):
-        quiet = progress.stalled_for()
-        if quiet:
-            found.append(Stall(name, quiet, progress.bound_s, setting))
-    return found
-
-
-def stalled() -> Stall | None:
-    """The stall the lease is held back for, or None. Never while Redis refuses writes or the
-    replicas lag (`refusals.write_problems`): the loops then wait on Redis by design, with no
-    deadline, and any worker taking their messages over would wait the same way."""
-    if refusals.write_problems():
-        return None
-    return next(iter(stalls()), None)

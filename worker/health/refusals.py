@@ -1,6 +1,6 @@
-"""Redis refusing writes, as episodes: one per reason, shared by every thread of the process (the
-outbox, the transport's fetch and acks, the lease), logged once when it begins and once when it
-ends, and named by /readyz while it lasts (`write_problems`).
+"""Redis refusing writes, as episodes: one per reason (`Refusals`), shared by every thread of the
+process (the outbox, the transport's fetch and acks, the lease), logged once when it begins and
+once when it ends, and named by /readyz while it lasts (`Refusals.write_problems`).
 """
 
 from __future__ import annotations
@@ -61,50 +61,52 @@ class Episode:
         log.warning("%s, after %.1fs", self.over, lasted)
 
 
-REDIS_FULL = Episode(
-    "Redis is full (maxmemory)",
-    "fetching paused, results and acks retried until it takes writes again: free memory or raise maxmemory",
-    "Redis takes writes again",
-)
-TOO_FEW_REPLICAS = Episode(
-    "Redis refuses writes: not enough replicas (min-replicas-to-write)",
-    "fetching paused, results and acks retried until a replica is back",
-    "Redis takes writes again: enough replicas",
-)
-REPLICAS_BEHIND = Episode(
-    "Results not confirmed by the replicas (TICKETQ_REPLICA_ACKS)",
-    "their messages stay unacknowledged, the write and its WAIT retried until enough replicas hold them",
-    "The replicas confirm results again",
-    quiet_s=0.0,  # only result writes end it: an idle worker must not stay not-ready
-)
-_REFUSALS = {OUT_OF_MEMORY: REDIS_FULL, NOT_ENOUGH_REPLICAS: TOO_FEW_REPLICAS}
+class Refusals:
+    """This process's refusal episodes, one per reason, shared by every thread that writes (the
+    outbox, the transport's fetch and acks, the lease): built once by the worker's runtime and
+    handed to each of them."""
 
+    def __init__(self) -> None:
+        self.redis_full = Episode(
+            "Redis is full (maxmemory)",
+            "fetching paused, results and acks retried until it takes writes again: free memory or raise maxmemory",
+            "Redis takes writes again",
+        )
+        self.too_few_replicas = Episode(
+            "Redis refuses writes: not enough replicas (min-replicas-to-write)",
+            "fetching paused, results and acks retried until a replica is back",
+            "Redis takes writes again: enough replicas",
+        )
+        self.replicas_behind = Episode(
+            "Results not confirmed by the replicas (TICKETQ_REPLICA_ACKS)",
+            "their messages stay unacknowledged, the write and its WAIT retried until enough replicas hold them",
+            "The replicas confirm results again",
+            quiet_s=0.0,  # only result writes end it: an idle worker must not stay not-ready
+        )
+        self._by_reason = {OUT_OF_MEMORY: self.redis_full, NOT_ENOUGH_REPLICAS: self.too_few_replicas}
 
-def refused(exc: BaseException, what: str) -> bool:
-    """True when `exc` is Redis refusing a write (full, too few replicas): its episode begins (logged
-    once). False for any other error, which the caller handles as before."""
-    episode = _REFUSALS.get(write_refusal(exc))
-    if episode is None:
-        return False
-    episode.begin(f"{what} refused ({exc})")
-    return True
+    def refused(self, exc: BaseException, what: str) -> bool:
+        """True when `exc` is Redis refusing a write (full, too few replicas): its episode begins (logged
+        once). False for any other error, which the caller handles as before."""
+        episode = self._by_reason.get(write_refusal(exc))
+        if episode is None:
+            return False
+        episode.begin(f"{what} refused ({exc})")
+        return True
 
+    def refusing(self, reason: str, what: str) -> bool:
+        """`refused` for a reason `ticketq.connections.write_problem` found (no exception to hand)."""
+        episode = self._by_reason.get(reason)
+        if episode is None:
+            return False
+        episode.begin(f"{what} waits ({reason})")
+        return True
 
-def refusing(reason: str, what: str) -> bool:
-    """`refused` for a reason `ticketq.connections.write_problem` found (no exception to hand)."""
-    episode = _REFUSALS.get(reason)
-    if episode is None:
-        return False
-    episode.begin(f"{what} waits ({reason})")
-    return True
+    def accepted(self) -> None:
+        """A write that a full or replica-less Redis would refuse went through: refusal episodes end."""
+        for episode in self._by_reason.values():
+            episode.end()
 
-
-def accepted() -> None:
-    """A write that a full or replica-less Redis would refuse went through: refusal episodes end."""
-    for episode in _REFUSALS.values():
-        episode.end()
-
-
-def write_problems() -> list[str]:
-    """The episodes lasting now, for /readyz."""
-    return [episode.name for episode in (*_REFUSALS.values(), REPLICAS_BEHIND) if episode.active]
+    def write_problems(self) -> list[str]:
+        """The episodes lasting now, for /readyz."""
+        return [episode.name for episode in (*self._by_reason.values(), self.replicas_behind) if episode.active]

@@ -34,7 +34,7 @@ in its message, <consumer> one consuming channel, host:pid:random):
   `Outbox.publish`, `Outbox.landed`.
 - `ticketq:attempts:<task>` (counter, TTL = result expiry) — deliveries of an unfinished message;
   bounds crash loops on poison tickets, deleted when the message is finished.
-  `Outbox.count_deliveries`, `Outbox.publish`; `forget_message` (operator requeue).
+  `Attempts.count_deliveries`, `Outbox.publish`; `forget_message` (operator requeue).
 - `ticketq:answer:<digest>` (string, TTL TICKETQ_ANSWER_CACHE_S) and `ticketq:answers` (sorted set:
   entry key -> write time, ms) — the answer cache, off unless TICKETQ_ANSWER_CACHE_S is set: a
   ticket's answer by a digest of its canonical text, schema and model; at most

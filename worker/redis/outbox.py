@@ -1,5 +1,6 @@
-"""The outbox: the worker's writes of its answers and delivery counts (publish once, the results
-and review streams, dead letters, attempts counters, the epoch check), each through `Writes`.
+"""The outbox: the worker's writes of its answers (publish once, the results and review streams,
+dead letters), each through `Writes`, on top of the delivery counts and the epoch check of
+`worker.redis.attempts.Attempts`.
 
 Keys and their meaning: worker.redis.keys. Celery's backend results: worker.redis.celery_results.
 """
@@ -15,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from ticketq.epoch import Epoch, Loss, marker_id, whoami
+from ticketq.epoch import marker_id
 from ticketq.lua import script
 from ticketq.names import ATTEMPTS_KEY, DEAD_LETTER_STREAM, EPOCH_KEY, RESULTS_STREAM, REVIEW_STREAM
 from ticketq.publishing import Published, Unconfirmed
-from worker.health.data_loss import DATA_LOST
+from worker.health import Health
 from worker.redis import celery_results
+from worker.redis.attempts import Attempts
 from worker.redis.keys import CANCELLED, DIGEST_KEY, DONE_KEY, FAILED_KEY, PUBLISH_CALL_KEY, PUBLISH_CALL_TTL_S
-from worker.redis.writes import Writes
 
 if TYPE_CHECKING:
     from worker.settings import Settings
@@ -33,60 +34,29 @@ log = logging.getLogger(__name__)
 
 # The outbox's Redis scripts, beside this module (each file's header lists its keys and arguments).
 PUBLISH_ONCE = script(__package__, "publish_once")  # one forward batch's results, each (task, slot) streamed once
-COUNT_DELIVERIES = script(__package__, "count_deliveries")  # INCR + EXPIRE of each message's attempts key
 
 
-class Outbox(Writes):
+class Outbox(Attempts):
     """The worker's Redis writes: results stream, Celery backend results, attempts counters, dead letters."""
 
     def __init__(
         self,
         client: redis.Redis,
+        health: Health,
         stream_maxlen: int,
         result_expires_s: int,
         worst_batch_s: float,
         replica_acks: int = 0,
         replica_timeout_s: float = 1.0,
     ) -> None:
-        super().__init__(client, worst_batch_s, replica_acks, replica_timeout_s)
+        """`health`: the process's (its refusals ride writes out, its data loss counts a lost epoch)."""
+        super().__init__(client, health, result_expires_s, worst_batch_s, replica_acks, replica_timeout_s)
         self.stream_maxlen = stream_maxlen
-        self.result_expires_s = result_expires_s
-        self.epoch = Epoch(whoami("worker"))
 
     @classmethod
-    def from_settings(cls, client: redis.Redis, settings: Settings) -> Outbox:
-        return cls(client, settings.stream_maxlen, settings.result_expires_s, settings.worst_batch_s,
+    def from_settings(cls, client: redis.Redis, settings: Settings, health: Health) -> Outbox:
+        return cls(client, health, settings.stream_maxlen, settings.result_expires_s, settings.worst_batch_s,
                    settings.replica_acks, settings.replica_timeout_s)  # fmt: skip
-
-    # ----- attempts: how often a message was delivered while unfinished ----------------------
-
-    def attempts(self, task_ids: Sequence[str]) -> list[int | None]:
-        """The delivery count of each message, None for a first delivery (one MGET, which reads the
-        epoch marker too: every job checks that Redis still holds its data, at no extra round trip)."""
-        if not task_ids:
-            return []
-        keys = [ATTEMPTS_KEY.format(task_id=task_id) for task_id in task_ids]
-        *counts, marker = self.retrying(lambda: self.redis.mget([*keys, EPOCH_KEY]), write=False)
-        self.judge_epoch(marker)
-        return [None if count is None else int(count) for count in counts]
-
-    def judge_epoch(self, marker: bytes | None) -> Loss | None:
-        """Judge the epoch marker as just read (`ticketq.epoch.Epoch.seen`); a loss is logged and
-        counted once (`DATA_LOST`). A Redis that refuses the fresh marker (full) or is cut off is
-        judged again at the next check."""
-        try:
-            loss = self.epoch.seen(self.redis, marker)
-        except redis.RedisError as exc:
-            log.debug("epoch marker not checked (%s); checked again with the next job", exc)
-            return None
-        if loss is not None:
-            DATA_LOST.noticed(loss)
-        return loss
-
-    def count_deliveries(self, task_ids: Sequence[str]) -> int:
-        """INCR each message's attempts key (with its expiry) in one script call; the first one's new count."""
-        keys = [ATTEMPTS_KEY.format(task_id=task_id) for task_id in task_ids]
-        return int(self.retrying(lambda: self.redis.eval(COUNT_DELIVERIES, len(keys), *keys, self.result_expires_s))[0])
 
     # ----- results -------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The operator's writes (ticketq_cli.ops: `ticketq dead requeue` and its bookkeeping): what a
+"""The operator's writes (ticketq_cli.dead_letters: `ticketq dead requeue` and its bookkeeping): what a
 requeue clears and keeps of a message's publish-once marks, and the requeue records of dead letters.
 Keys: worker.redis.keys."""
 

@@ -18,7 +18,7 @@ from typing import Any
 import redis
 
 from ticketq.connections import confirm_replicas
-from worker.health.refusals import REPLICAS_BEHIND, accepted, refused
+from worker.health.refusals import Refusals
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +28,11 @@ _UNSET = object()
 class Writes:
     """Redis commands run through `retrying` (and `durable` for the writes an ack follows)."""
 
-    def __init__(self, client: redis.Redis, worst_batch_s: float, replica_acks: int = 0,
+    def __init__(self, client: redis.Redis, refusals: Refusals, worst_batch_s: float, replica_acks: int = 0,
                  replica_timeout_s: float = 1.0) -> None:  # fmt: skip
+        """`refusals`: the process's episodes of Redis refusing writes (`worker.health.Health.refusals`)."""
         self.redis = client
+        self.refusals = refusals
         self.worst_batch_s = worst_batch_s
         self.replica_acks = replica_acks
         self.replica_timeout_s = replica_timeout_s
@@ -42,7 +44,7 @@ class Writes:
         asks the sentinels again) are retried for up to worst_batch_s seconds. A refused write
         (full, too few replicas) is retried until Redis takes it, with no deadline: giving up would
         fail the batch and ack its messages, results unwritten; the refusal is logged once per
-        episode (`refused`). A loop here rather than redis-py's `Retry`: that one counts attempts,
+        episode (`Refusals.refused`). A loop here rather than redis-py's `Retry`: that one counts attempts,
         this bounds time (a batch's results must be out before TICKETQ_WORST_BATCH_S).
         """
         deadline = time.monotonic() + self.worst_batch_s
@@ -55,11 +57,11 @@ class Writes:
                     raise
                 log.warning("Redis unavailable (%s); retrying in %.1fs", exc, delay)
             except redis.ResponseError as exc:
-                if not refused(exc, "a result write"):
+                if not self.refusals.refused(exc, "a result write"):
                     raise
             else:
                 if write:
-                    accepted()
+                    self.refusals.accepted()
                 return result
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
@@ -81,9 +83,9 @@ class Writes:
             value, acked = self.retrying(lambda: self._with_wait(client, command))
             first = value if first is _UNSET else first
             if acked >= self.replica_acks:
-                REPLICAS_BEHIND.end()
+                self.refusals.replicas_behind.end()
                 return first
-            REPLICAS_BEHIND.begin(f"{acked} of {self.replica_acks} replica(s) confirmed within "
+            self.refusals.replicas_behind.begin(f"{acked} of {self.replica_acks} replica(s) confirmed within "
                                   f"{self.replica_timeout_s:g}s")  # fmt: skip
 
     def _with_wait(self, client: redis.Redis, command: Callable[[Any], Any]) -> tuple[Any, int]:

@@ -17,6 +17,7 @@ from typing import Any
 
 from ticketq.dead_letters import dead_letter_bound
 from worker.redis.answer_cache import AnswerCache
+from worker.results import RunTally
 from worker.service.admission import Admission
 from worker.service.answer_cache import CachedAnswers
 from worker.service.answers import Answers
@@ -35,10 +36,11 @@ class TicketService:
 
     def __init__(self, settings: Settings, classifier: Classifier, outbox: Outbox,
                  hooks: Iterable[Hook] = (), routing: Routing | None = None,
-                 cache: AnswerCache | None = None) -> None:  # fmt: skip
+                 cache: AnswerCache | None = None, runs: RunTally | None = None) -> None:  # fmt: skip
         """`hooks` observe the pipeline (`worker.service.hooks`); `routing` the schemas served
         (built from TICKETQ_SCHEMAS on `classifier` when not given); `cache` the answer cache
-        (TICKETQ_ANSWER_CACHE_S), None: every ticket computed."""
+        (TICKETQ_ANSWER_CACHE_S), None: every ticket computed; `runs` the worker's tally of
+        duplicates and re-checks (its metrics read it)."""
         self.settings, self.classifier, self.outbox = settings, classifier, outbox
         self.hooks = Hooks(hooks)
         self.routing = routing or Routing.of(classifier, settings)
@@ -46,7 +48,7 @@ class TicketService:
         self.publisher = Publisher(outbox, self.answers, self.hooks, dead_letter_bound(settings.max_ticket_bytes))
         self.admission = Admission(settings, outbox, self.routing, self.publisher)
         self.cached = CachedAnswers(cache, self.routing, classifier, settings) if cache is not None else None
-        self.loop = Loop(self.routing, self.publisher, self.hooks, settings.max_retries, self.cached)
+        self.loop = Loop(self.routing, self.publisher, self.hooks, settings.max_retries, self.cached, runs)
         self.defence = Defence(outbox, self.publisher, self.hooks, settings.worst_batch_s)
         self.job_limit = 4 * settings.effective_prefetch  # tickets one job takes in before it ends
 

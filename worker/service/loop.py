@@ -21,7 +21,7 @@ from ticketq.contract import Reason, TicketRejected
 from ticketq.errors import TicketqError
 from ticketq.schema import TicketFields
 from worker.engine.scheduler import Forward, PlannedRun
-from worker.results import Prediction
+from worker.results import Prediction, RunTally
 from worker.service.answer_cache import CachedAnswers
 from worker.service.answers import raw_ticket
 from worker.service.hooks import Hook
@@ -39,16 +39,17 @@ class PublishFailed(TicketqError, RuntimeError):
 
 class Loop:
     def __init__(self, routing: Routing, publisher: Publisher, hooks: Hook, max_retries: int,
-                 cached: CachedAnswers | None = None) -> None:  # fmt: skip
+                 cached: CachedAnswers | None = None, runs: RunTally | None = None) -> None:  # fmt: skip
         self.routing, self.publisher, self.hooks, self.max_retries = routing, publisher, hooks, max_retries
         self.cached = cached  # the answer cache, where TICKETQ_ANSWER_CACHE_S keeps computed answers
+        self.runs = runs  # the worker's tally of duplicates and re-checks (None: the run keeps its own)
 
     def run(self, work: Work, slots: list[Slot], arrivals: Arrivals | None = None) -> None:
         """Classify `slots`, and what `arrivals()` brings before each forward, publishing each
         forward's answers as it finishes."""
         if not slots:
             return
-        run = PlannedRun(dedup=self.routing.classifier.dedup)
+        run = PlannedRun(dedup=self.routing.classifier.dedup, runs=self.runs)
         self._add(work, run, slots)
         while True:
             if arrivals is not None:

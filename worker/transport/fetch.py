@@ -15,7 +15,7 @@ Nothing waits in a fetching list without an owner that is fetching: a fetch whos
 record Redis refused is delivered from the list before the next fetch; a record claims only what
 is still in the list (another worker may have recovered it). Every command has a socket timeout
 (COMMAND_TIMEOUT_S), and every turn of the event loop that finds no fetch reply overdue marks the
-fetching loop's progress (`worker.health.progress.FETCHING`): a loop stuck on Redis stops renewing
+fetching loop's progress (`ticketq_health.fetching`): a loop stuck on Redis stops renewing
 the lease and answers 503 on /readyz. Producers and plain Celery clients are unchanged: same queue list,
 same message format. Keys: ticketq.names (FETCHING_KEY, OWNED_KEY, ALIVE_KEY, CONSUMERS_KEY), each
 listed with its meaning in worker.redis.keys.
@@ -57,8 +57,7 @@ from ticketq.dead_letters import raw_entry
 from ticketq.errors import TicketqError
 from ticketq.lua import script
 from ticketq.names import DEAD_LETTER_STREAM, FETCHING_KEY, OWNED_KEY
-from worker.health import refusals
-from worker.health.progress import FETCH_STALL_S, FETCHING
+from worker.health import FETCH_STALL_S, Health
 from worker.transport.guards import REDIS_MIN, IncompatibleLibrary
 from worker.transport.lease import Lease, LeaseHolder
 from worker.transport.qos import QoS
@@ -78,6 +77,7 @@ COMMAND_TIMEOUT_S = 10.0
 HEALTH_CHECK_S = 5
 # A fetch reply this late past its block is overdue: the turn that finds it so is no progress.
 FETCH_REPLY_GRACE_S = 1.0
+CHANNEL_OPTIONS = ("ticketq_lease_s", "ticketq_stream_maxlen", "ticketq_health")  # from broker_transport_options
 
 
 class WritesRefused(TicketqError, redis.ConnectionError):
@@ -94,13 +94,14 @@ class Channel(kombu_redis.Channel):
     """kombu's Redis channel with BLMOVE into a per-consumer fetching list instead of BRPOP."""
 
     QoS = QoS
-    from_transport_options = (*kombu_redis.Channel.from_transport_options, "ticketq_lease_s", "ticketq_stream_maxlen")
+    from_transport_options = (*kombu_redis.Channel.from_transport_options, *CHANNEL_OPTIONS)
     # One list per queue: a restored or re-sent message always goes back where BLMOVE reads.
     # Messages a plain Celery client sent with a priority land in kombu's priority lists; the lease
     # thread moves them into the queue list (see Lease.collect_priority_lists).
     priority_steps = [0]  # noqa: RUF012  (kombu's own class attribute)
     ticketq_lease_s = 10.0
     ticketq_stream_maxlen = 100_000
+    ticketq_health: Health | None = None  # the worker's (runtime's); a channel built without one keeps its own
     ticketq_fetch_max = 64  # messages one fetch takes at most (and never more than the prefetch room)
     socket_timeout = COMMAND_TIMEOUT_S
     socket_connect_timeout = COMMAND_TIMEOUT_S
@@ -108,6 +109,7 @@ class Channel(kombu_redis.Channel):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.health = self.ticketq_health or Health()
         if not hasattr(self, "_queue_cycle") or self.handlers.get("BRPOP") != self._brpop_read:
             raise IncompatibleLibrary("kombu's Redis channel changed (_queue_cycle/handlers): see worker/transport/")
         if self.global_keyprefix:
@@ -150,7 +152,7 @@ class Channel(kombu_redis.Channel):
         state = self.qos.state
         return LeaseHolder(consumer=self.consumer, lease_s=float(self.ticketq_lease_s), state=state,
                            connect=self.own_client, queues=lambda: self.active_queues,
-                           recovery=Recovery(self.consumer, state, self.restore_owned))  # fmt: skip
+                           recovery=Recovery(self.consumer, state, self.restore_owned), health=self.health)  # fmt: skip
 
     def restore_owned(self, client: redis.Redis, consumer: str, tag: str) -> bool:
         """Put one unacked message of a dead consumer back in its queue, if that consumer still owns it.
@@ -198,13 +200,11 @@ class Channel(kombu_redis.Channel):
     def may_fetch(self) -> bool:
         """Not while Redis refuses writes (for REFUSED_PAUSE_S after a refusal), nor before this
         consuming channel's lease is registered."""
-        if self._lease is None:
-            return True
-        return self._lease.registered and time.monotonic() >= self._refused_until
+        return self._lease is None or (self._lease.registered and time.monotonic() >= self._refused_until)
 
     def refused(self, exc: BaseException, what: str) -> bool:
-        """True when `exc` is Redis refusing a write (worker.health.refusals.refused): fetching pauses."""
-        if not refusals.refused(exc, what):
+        """True when `exc` is Redis refusing a write (`Refusals.refused`): fetching pauses."""
+        if not self.health.refusals.refused(exc, what):
             return False
         self._refused_until = time.monotonic() + REFUSED_PAUSE_S
         return True
@@ -277,7 +277,7 @@ class Channel(kombu_redis.Channel):
                 if not self.refused(exc, "fetching"):
                     raise
                 raise Empty() from None
-            refusals.accepted()
+            self.health.refusals.accepted()
             self._queue_cycle.rotate(queue)
             if item is None:
                 raise Empty()
@@ -325,10 +325,10 @@ class Channel(kombu_redis.Channel):
         self._redeliver_held()
         sent_at = self._brpop_sent_at if self._awaiting else None
         if not self._judged:  # the first turn: from now on a loop that stops turning is stalled
-            FETCHING.begin(FETCH_STALL_S)
+            self.health.fetching.begin(FETCH_STALL_S)
             self._judged = True
         elif sent_at is None or time.monotonic() - sent_at <= self.brpop_timeout + FETCH_REPLY_GRACE_S:
-            FETCHING.advanced()
+            self.health.fetching.advanced()
 
     def _redeliver_held(self) -> bool:
         """Deliver what waits in this consumer's fetching lists (fetched, then its record refused or
@@ -429,7 +429,7 @@ class Channel(kombu_redis.Channel):
         self._shared_client = None
         if lease is not None:
             if self._judged:
-                FETCHING.end()
+                self.health.fetching.end()
             lease.stop()
             client = self._create_client()  # kombu's close drops the channel's connection and pools
         super().close()  # kombu puts this channel's unacked messages back in the queue

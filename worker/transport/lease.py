@@ -2,11 +2,11 @@
 
 A lease is a promise of progress: while the classifying loop holds work without progress for
 longer than its bound (TICKETQ_WORST_BATCH_S), or the consumer's event loop stops turning or waits
-on a fetch reply that never comes (FETCH_STALL_S) — both judged by `worker.health.progress` — the
-thread stops renewing and the channel stops fetching, so live workers take over what it holds once
-the lease runs out; it renews again at the first progress, and the late results are published once
-(the outbox's rules). Every quarter lease it also runs the recovery of consumers whose lease ran
-out (`worker.transport.recovery`).
+on a fetch reply that never comes (FETCH_STALL_S) — both judged by the process's
+`worker.health.Health`, handed in with the `LeaseHolder` — the thread stops renewing and the
+channel stops fetching, so live workers take over what it holds once the lease runs out; it renews
+again at the first progress, and the late results are published once (the outbox's rules). Every
+quarter lease it also runs the recovery of consumers whose lease ran out (`worker.transport.recovery`).
 
 The lease knows its channel only through a `LeaseHolder`, a plain record the channel builds: no
 import of the channel, no reach into kombu.
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import redis
 
 from ticketq import connections
-from worker.health import progress, refusals
+from worker.health import Health, Stall
 from worker.transport.recovery import Recovery
 from worker.transport.state import WorkerState
 
@@ -43,6 +43,7 @@ class LeaseHolder:
     connect: Callable[[float], redis.Redis]  # a client on a pool of its own, each command within that many seconds
     queues: Callable[[], Iterable[str]]  # the queues the channel consumes now
     recovery: Recovery
+    health: Health  # the process's: the loops' progress (held back while one stalls), Redis's refusals
 
 
 class Lease(threading.Thread):
@@ -63,7 +64,7 @@ class Lease(threading.Thread):
         self._registered = False  # the consumer is in CONSUMERS_KEY
         self.renewed_at: float | None = None  # monotonic time of the last renewal
         self.lapsed = False  # not renewed for a whole lease period: others may recover this consumer
-        self.stall: progress.Stall | None = None  # held back: a loop holds work without progress
+        self.stall: Stall | None = None  # held back: a loop holds work without progress
         self._queues: set[str] = set()
         self._stopped = threading.Event()
 
@@ -104,7 +105,7 @@ class Lease(threading.Thread):
                 self.holder.recovery.recover_expired(client, self.queues)
             return steady_since
         except redis.RedisError as exc:
-            if not refusals.refused(exc, "the lease") and steady_since is not None:
+            if not self.holder.health.refusals.refused(exc, "the lease") and steady_since is not None:
                 log.warning("lease not renewed, Redis unavailable (%s)", exc)
             self.check_lapse()
             return None
@@ -116,9 +117,9 @@ class Lease(threading.Thread):
         return sorted(self._queues)
 
     def held_back(self) -> bool:
-        """Whether a loop is stalled (`progress.stalled`), so that this lease must not be renewed;
+        """Whether a loop is stalled (`Health.stalled`), so that this lease must not be renewed;
         logs once when a stall begins and when it ends."""
-        stall = progress.stalled()
+        stall = self.holder.health.stalled()
         if stall and not self.stall:
             log.warning(
                 "lease of consumer %s no longer renewed: %s has held work for %.1fs without progress (bound %gs, "
@@ -150,7 +151,7 @@ class Lease(threading.Thread):
                             "recovered the messages it held meanwhile; its acks of those are skipped",
                             self.consumer, gap, self.lease_s)  # fmt: skip
         self._registered, self.renewed_at, self.lapsed = True, now, False
-        refusals.accepted()
+        self.holder.health.refusals.accepted()
 
     def check_lapse(self) -> None:
         """Log once when the lease has gone a whole period without renewal."""

@@ -1,16 +1,18 @@
-"""The progress record (`worker.health.progress`) marked from the pipeline: work in hand from a job's start
-to its end, progress at each forward computed and each publish done."""
+"""The classifying loop's progress record (`worker.health.Health.classifying`) marked from the
+pipeline: work in hand from a job's start to its end, progress at each forward computed and each
+publish done."""
 
 from __future__ import annotations
 
-from worker.health.progress import CLASSIFYING, Progress
+from worker.health.progress import Progress
 from worker.results import BatchReport
 from worker.service.hooks import Hook
 
 
 class ProgressHook(Hook):
-    def __init__(self, bound_s: float, progress: Progress = CLASSIFYING) -> None:
-        """`bound_s`: TICKETQ_WORST_BATCH_S, the longest a forward and its publish may go without progress."""
+    def __init__(self, bound_s: float, progress: Progress) -> None:
+        """`bound_s`: TICKETQ_WORST_BATCH_S, the longest a forward and its publish may go without progress;
+        `progress`: the process's classifying loop record (`Health.classifying`)."""
         self.bound_s, self.progress = bound_s, progress
 
     def on_job_start(self) -> None:

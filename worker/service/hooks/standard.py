@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from worker.health.progress import Progress
 from worker.metrics import Metrics
 from worker.service.hooks import Hook
 from worker.service.hooks.cost import live_cost
@@ -18,11 +19,13 @@ from worker.settings import Settings
 from worker.shadow import ShadowChecker
 
 
-def standard_hooks(settings: Settings, classifier: Any, metrics: Metrics, routing: Routing | None = None,
-                   cost: Hook | None = None) -> list[Hook]:  # fmt: skip
+def standard_hooks(settings: Settings, classifier: Any, metrics: Metrics, progress: Progress,
+                   routing: Routing | None = None, cost: Hook | None = None) -> list[Hook]:  # fmt: skip
     """Every hook of a worker serving `routing`'s schemas (the service's: pass the same one, else the
-    shadow check builds its own); `cost` the live cost model's (`hooks.cost.live_cost`)."""
-    hooks: list[Hook] = [ProgressHook(settings.worst_batch_s), MetricsHook(metrics), DeadLetterCount(metrics)]
+    shadow check builds its own); `progress` the classifying loop's record (`Health.classifying`);
+    `cost` the live cost model's (`hooks.cost.live_cost`)."""
+    progress_hook = ProgressHook(settings.worst_batch_s, progress)
+    hooks: list[Hook] = [progress_hook, MetricsHook(metrics), DeadLetterCount(metrics)]
     if settings.shadow_rate > 0:
         hooks.append(ShadowHook(ShadowChecker(classifier, metrics, settings.shadow_rate),
                                 routing or Routing.of(classifier, settings)))
