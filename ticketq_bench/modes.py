@@ -159,7 +159,7 @@ def _classify(engine, texts: list[str], bar: tqdm | None) -> tuple[list[Answer],
     """The engine as served: encode, DP plan under the (autotuned) cost model, cached label-only forwards
     (duplicates computed once, a fast precision's unsettled answers re-checked, as the engine is set)."""
     progress = (lambda indices, _: bar.update(len(indices))) if bar else None
-    predictions, reports = engine.classify(texts, on_predictions=progress)
+    predictions, reports = engine.classify(texts, on_answers=progress)
     return [Answer.of(p) for p in predictions], reports
 
 

@@ -7,16 +7,16 @@ No model is loaded: labels are a hash of the text, token counts bytes/4 (roughly
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from ticketq.schema import Schema
 from worker.engine.batching import Batch, Plan
-from worker.engine.scheduler import Exact, run_planned
-from worker.results import BatchReport, Prediction
+from worker.engine.scheduler import Exact, Offline
+from worker.results import Prediction
 
 
-class NullClassifier:
+class NullClassifier(Offline):
     """The whole classifier port (`worker.service.ports.Classifier`), answering in microseconds:
     every waiting ticket in one "forward", no model, no schemas, no cost model, no re-check."""
 
@@ -49,16 +49,6 @@ class NullClassifier:
 
     def compile(self, schema: Schema) -> Any:
         raise TypeError("the null classifier answers its own labels only")
-
-    def classify(
-        self,
-        texts: Sequence[str],
-        on_batch: Callable[[BatchReport], None] | None = None,
-        on_predictions: Callable[[Sequence[int], list[Prediction]], None] | None = None,
-        more: Callable[[], Sequence[str]] | None = None,
-    ) -> tuple[list[Prediction], list[BatchReport]]:
-        """Offline: every text, then whatever `more()` brings between forwards (`scheduler.run_planned`)."""
-        return run_planned(self, self.encode(texts), None, on_batch, on_predictions, more)
 
     def reference(self, text: str) -> Prediction:
         index = zlib.crc32(text.encode("utf-8", "surrogatepass")) % len(self.labels)

@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 
 from worker.engine.int8 import INT8_FLOAT_LINEARS, int8_full_range, quantize_linears_int8
-from worker.engine.kernels import PackedLinear, cpu_flags, full_range_dynamic_linear
+from worker.engine.kernels import PackedLinear, full_range_dynamic_linear
+from worker.engine.probes import cpu_flags
 
 HIDDEN, INTER, KV, LAYERS = 896, 4864, 128, 24  # Qwen2.5-0.5B
 NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

@@ -53,7 +53,7 @@ def test_engine_hands_each_forward_batch_to_on_predictions(tiny_engine):
         seen.append((tuple(indices), predictions))
 
     plan = tiny_engine.plan(tiny_engine.encode(texts))
-    predictions, _ = tiny_engine.classify(texts, plan=plan, on_batch=reports.append, on_predictions=on_predictions)
+    predictions, _ = tiny_engine.classify(texts, plan=plan, on_batch=reports.append, on_answers=on_predictions)
     assert [indices for indices, _ in seen] == [batch.indices for batch in plan.batches]
     for indices, batch_predictions in seen:
         assert batch_predictions == [predictions[i] for i in indices]

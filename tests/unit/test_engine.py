@@ -364,7 +364,7 @@ def test_tickets_arriving_between_forwards_join_the_plan(tiny_engine, corpus, re
         assert not streamed.keys() & set(indices), "each ticket is published once"
         streamed.update(zip(indices, predictions, strict=True))
 
-    predictions, reports = tiny_engine.classify(first, on_predictions=on_predictions, more=more)
+    predictions, reports = tiny_engine.classify(first, on_answers=on_predictions, more=more)
     assert not arrivals, "more() was asked after every forward"
     assert computed_at_first_call == [0], "what waits when the job starts joins the first forward's plan"
     assert len(predictions) == len(corpus) and sorted(streamed) == list(range(len(corpus)))

@@ -210,7 +210,7 @@ def test_tickets_arriving_between_forwards_join_and_stream(fields_engine, ticket
     def more() -> list[str]:
         return arrivals.pop(0) if arrivals else []
 
-    results, _ = fields_engine.classify(tickets[:10], on_results=on_results, more=more)
+    results, _ = fields_engine.classify(tickets[:10], on_answers=on_results, more=more)
     assert sorted(streamed) == list(range(len(tickets)))
     assert all(streamed[i] is r for i, r in enumerate(results))
     assert_fields_match(results, references)

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from worker.engine import kernels
+from worker.engine import kernels, probes
 from worker.engine.replicas import check_with, load_engine, with_precision
 
 CPU = torch.device("cpu")
@@ -68,7 +68,7 @@ def test_a_probe_settles_on_its_decision_and_the_next_start_reads_its_verdict(mo
                                                                               caplog):  # fmt: skip
     """Ratios that all say "bf16 is far faster" settle at once, however much their digits move."""
     answered = measuring(monkeypatch, "bf16_gemm_ratio", [2.95, 3.82, 3.28, 2.49, 3.13])
-    with caplog.at_level(logging.INFO, logger=kernels.__name__):
+    with caplog.at_level(logging.INFO, logger="worker.engine"):
         assert kernels.resolve_dtype("auto", CPU, "torch") is torch.bfloat16
     assert answered == [2.95, 3.82]
     (entry,) = entries(cache_dir).values()
@@ -78,7 +78,7 @@ def test_a_probe_settles_on_its_decision_and_the_next_start_reads_its_verdict(mo
 
     not_measuring(monkeypatch, "bf16_gemm_ratio")  # the next start on this machine
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger=kernels.__name__):
+    with caplog.at_level(logging.INFO, logger="worker.engine"):
         assert kernels.resolve_dtype("auto", CPU, "torch") is torch.bfloat16
     assert "bf16-matmul probe: 3.38x, cached" in caplog.text
 
@@ -87,7 +87,7 @@ def test_a_probe_settles_on_its_decision_and_the_next_start_reads_its_verdict(mo
     ([1.0, 0.9], 2, 0.95),  # both clearly below: float32, settled
     ([2.0, 1.3, 1.34, 3.0], 4, 2.0),  # 1.30 sits within the margin of 1.25: it takes no side
     ([2.0, 0.8, 1.6, 1.7], 4, 1.7),  # a burst crosses the line once: the run starts again
-    ([0.5, 2.0, 0.6, 2.1, 0.7], 5, kernels.NO_SPEEDUP),  # straddles to the end: the safe choice
+    ([0.5, 2.0, 0.6, 2.1, 0.7], 5, probes.NO_SPEEDUP),  # straddles to the end: the safe choice
 ])  # fmt: skip
 def test_the_decision_rule(monkeypatch, bf16_cpu, ratios, measured, ratio):
     answered = measuring(monkeypatch, "bf16_gemm_ratio", ratios)
@@ -96,10 +96,10 @@ def test_the_decision_rule(monkeypatch, bf16_cpu, ratios, measured, ratio):
 
 
 def test_decision_takes_a_side_only_clear_of_the_margin():
-    assert kernels.decision([1.4, 3.0], 1.25) is True
-    assert kernels.decision([1.0, 1.1], 1.25) is False
-    assert kernels.decision([1.2, 3.0], 1.25) is None  # 1.2 is within 5% of 1.25
-    assert kernels.decision([0.9, 3.0], 1.25) is None
+    assert probes.decision([1.4, 3.0], 1.25) is True
+    assert probes.decision([1.0, 1.1], 1.25) is False
+    assert probes.decision([1.2, 3.0], 1.25) is None  # 1.2 is within 5% of 1.25
+    assert probes.decision([0.9, 3.0], 1.25) is None
 
 
 def test_measurements_that_straddle_keep_float32_and_torchs_gemm(monkeypatch, cache_dir, bf16_cpu, onednn,
@@ -107,14 +107,14 @@ def test_measurements_that_straddle_keep_float32_and_torchs_gemm(monkeypatch, ca
     swinging = [2.0, 1.0] * 3  # above the thresholds every other time
     bf16 = measuring(monkeypatch, "bf16_gemm_ratio", swinging)
     gemm = measuring(monkeypatch, "onednn_gemm_ratio", swinging)
-    with caplog.at_level(logging.INFO, logger=kernels.__name__):
+    with caplog.at_level(logging.INFO, logger="worker.engine"):
         assert kernels.resolve_dtype("auto", CPU, "torch") is torch.float32
         assert kernels.resolve_matmul("auto", CPU, torch.float32) == "torch"
-    assert len(bf16) == len(gemm) == kernels.PROBE_TRIES
+    assert len(bf16) == len(gemm) == probes.PROBE_TRIES
     assert caplog.text.count("measurements straddled the") == 2
     assert {name: (e["agreed"], e["ratio"]) for name, e in entries(cache_dir).items()} == {
-        "bf16": (False, kernels.NO_SPEEDUP),
-        "onednn": (False, kernels.NO_SPEEDUP),
+        "bf16": (False, probes.NO_SPEEDUP),
+        "onednn": (False, probes.NO_SPEEDUP),
     }
     not_measuring(monkeypatch, "bf16_gemm_ratio", "onednn_gemm_ratio")  # cached too: a busy machine stays busy
     kernels.onednn_linear_speedup.cache_clear()
@@ -157,8 +157,8 @@ def test_the_verdict_is_this_machines_only(monkeypatch, cache_dir):
     measuring(monkeypatch, "bf16_gemm_ratio", [1.5, 1.5])
     kernels.bf16_matmul_speedup()
     changes = [
-        lambda: monkeypatch.setattr(kernels, "cpu_model", lambda: "Another CPU"),
-        lambda: monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2"}),
+        lambda: monkeypatch.setattr(probes, "cpu_model", lambda: "Another CPU"),
+        lambda: monkeypatch.setattr(probes, "cpu_flags", lambda: {"avx2"}),
         lambda: monkeypatch.setattr(torch, "__version__", "99.0.0"),
         lambda: monkeypatch.setattr(torch, "get_num_threads", lambda: 97),
     ]
@@ -195,7 +195,7 @@ def test_an_unwritable_cache_only_costs_the_measurement(monkeypatch, tmp_path):
 def test_the_real_probe_writes_the_verdict_the_next_start_reads(monkeypatch, cache_dir):
     first = kernels.bf16_matmul_speedup(rows=16, reps=1)
     (entry,) = entries(cache_dir).values()
-    assert entry["ratio"] == first > 0 and 2 <= len(entry["measured"]) <= kernels.PROBE_TRIES
+    assert entry["ratio"] == first > 0 and 2 <= len(entry["measured"]) <= probes.PROBE_TRIES
     assert entry["key"][1] == {"rows": 16, "in": 896, "out": 4864, "reps": 1, "threshold": kernels.BF16_MIN_SPEEDUP}
     not_measuring(monkeypatch, "bf16_gemm_ratio")
     assert kernels.bf16_matmul_speedup(rows=16, reps=1) == first

@@ -71,10 +71,10 @@ def test_each_prefix_is_computed_once_across_runs_and_forwards(schema_set):
 
 
 def test_a_forward_holds_one_schema_and_the_oldest_waiting_goes_first(schema_set):
-    """Which schema's tickets each forward computed, read from `on_results`."""
+    """Which schema's tickets each forward computed, read from `on_answers`."""
     items = [("support-topics", t) for t in texts(3, seed=5)] + [("support", t) for t in texts(3, seed=6)]
     seen: list[set[str]] = []
-    answers, _ = schema_set.classify(items, on_results=lambda indices, got: seen.append({items[i][0] for i in indices}))
+    answers, _ = schema_set.classify(items, on_answers=lambda indices, got: seen.append({items[i][0] for i in indices}))
     assert all(len(names) == 1 for names in seen)
     assert seen[0] == {"support-topics"}  # its tickets came first
     assert {answer.schema for answer in answers} == {"support", "support-topics"}

@@ -149,7 +149,7 @@ def cache_path(engine) -> Path:
     fused = ["fused"] if getattr(info, "fused", False) else []  # another speed: its own fit
     key = json.dumps([_cpu_name(), platform.machine(), info.name, info.device, info.dtype, info.matmul,
                       torch.get_num_threads(), torch.__version__, *fused])  # fmt: skip
-    from worker.engine.kernels import cache_dir
+    from worker.engine.probes import cache_dir
 
     return cache_dir("cost") / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 

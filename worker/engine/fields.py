@@ -38,12 +38,8 @@ from worker.engine.kernels import dtype_name
 from worker.engine.layout import packed_mask, padded_ids
 from worker.engine.loading import prefix_cache
 from worker.engine.prompt import YES, EncodedTicket, FieldsPrompt, PromptTemplate, Question
-from worker.engine.scheduler import BatchCallback, Exact, MoreCallback, Policy, run_planned
+from worker.engine.scheduler import Exact, Offline, Policy
 from worker.engine.scoring import HeadRows, branch_logprobs, choice_logprobs, label_logprobs
-from worker.results import BatchReport
-
-# on_results(indices into the caller's texts, their answers): one call per forward batch
-ResultsCallback = Callable[[Sequence[int], list[TicketFields]], None]
 
 Branch = tuple[int, tuple[int, ...]]  # (question index, trie branch path)
 
@@ -73,7 +69,7 @@ class FieldsHost(Protocol):
     def last_logits(self, ids: Sequence[int]) -> torch.Tensor: ...
 
 
-class FieldsEngine:
+class FieldsEngine(Offline):
     """A schema on an engine's model: `classify` (every field in one pass per batch) and `reference`."""
 
     deferred = False  # its tickets run when planned (`scheduler.BatchEngine`); a re-check's wait
@@ -143,31 +139,6 @@ class FieldsEngine:
         )
 
     # ----- the optimised path --------------------------------------------------------------
-
-    def classify(
-        self,
-        texts: Sequence[object],
-        plan: Plan | None = None,
-        on_batch: BatchCallback | None = None,
-        on_results: ResultsCallback | None = None,
-        more: MoreCallback | None = None,
-    ) -> tuple[list[TicketFields], list[BatchReport]]:
-        """Every field's answer for each of `texts`, in order; as `Engine.classify` (`more`, callbacks).
-
-        One report per forward pass (one row per ticket).
-        """
-        encoded = self.encode(texts)
-        return self.classify_encoded(encoded, plan, on_batch, on_results, more)
-
-    def classify_encoded(
-        self,
-        encoded: Sequence[EncodedTicket],
-        plan: Plan | None = None,
-        on_batch: BatchCallback | None = None,
-        on_results: ResultsCallback | None = None,
-        more: MoreCallback | None = None,
-    ) -> tuple[list[TicketFields], list[BatchReport]]:
-        return run_planned(self, encoded, plan, on_batch, on_results, more)
 
     @torch.inference_mode()
     def forward_batch(self, tickets: Sequence[EncodedTicket], width: int | None = None) -> list[TicketFields]:

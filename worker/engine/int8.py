@@ -11,7 +11,8 @@ import warnings
 
 import torch
 
-from worker.engine.kernels import PackedLinear, cpu_flags, full_range_dynamic_linear, replace_module
+from worker.engine.kernels import PackedLinear, full_range_dynamic_linear, replace_module
+from worker.engine.probes import cpu_flags
 
 log = logging.getLogger(__name__)
 

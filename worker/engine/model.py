@@ -43,9 +43,9 @@ from worker.engine.loading import ModelNotFound, cache_tensors, prefix_cache
 from worker.engine.policy import Checked, check
 from worker.engine.precision import ErrorBound, decision_error, fields_of
 from worker.engine.prompt import EncodedTicket, PromptTemplate
-from worker.engine.scheduler import AnswersCallback, BatchCallback, Exact, MoreCallback, Policy, run_planned
+from worker.engine.scheduler import Exact, Offline, Policy
 from worker.engine.scoring import HeadRows, branch_logprobs, choice_logprobs, label_logprobs, make_prediction
-from worker.results import BatchReport, Prediction
+from worker.results import Prediction
 
 __all__ = ["Engine", "EngineOptions", "ModelInfo", "NoChatTemplate"]
 
@@ -73,7 +73,7 @@ class EngineOptions:
     dedup: bool = True  # TICKETQ_DEDUP
 
 
-class Engine:
+class Engine(Offline):
     """A loaded model + prompt, ready to classify. Build a worker's with `replicas.load_engine`."""
 
     deferred = False  # its tickets run when planned (`scheduler.BatchEngine`); a re-check's wait
@@ -226,23 +226,6 @@ class Engine:
     def plan(self, encoded: Sequence[EncodedTicket]) -> Plan:
         return plan_optimal([len(e.ids) for e in encoded], max_batch_tokens=self.max_batch_tokens,
                                      max_batch_size=self.max_batch_size, cost=self.cost)  # fmt: skip
-
-    def classify(self, texts: Sequence[object], plan: Plan | None = None,
-                 on_batch: BatchCallback | None = None, on_predictions: AnswersCallback | None = None,
-                 more: MoreCallback | None = None) -> tuple[list[Prediction], list[BatchReport]]:  # fmt: skip
-        """Classify `texts` (in their order) with the planned, cached, label-only path.
-
-        `on_predictions(indices, predictions)` gets each forward batch's answers as soon as that batch is computed
-        (indices into `texts`), so a server can publish them without waiting for the rest of the plan. `more()`, asked
-        before the first forward and after every one, returns tickets that arrived meanwhile: they join the ones not yet
-        computed and the rest is planned again, so every forward is chosen from everything waiting at its start. Their
-        indices follow `texts` (the first returned is `len(texts)`), and so do their predictions."""
-        return self.classify_encoded(self.encode(texts), plan, on_batch, on_predictions, more)
-
-    def classify_encoded(self, encoded: Sequence[EncodedTicket], plan: Plan | None = None,
-                         on_batch: BatchCallback | None = None, on_predictions: AnswersCallback | None = None,
-                         more: MoreCallback | None = None) -> tuple[list[Prediction], list[BatchReport]]:  # fmt: skip
-        return run_planned(self, encoded, plan, on_batch, on_predictions, more)
 
     @torch.inference_mode()
     def forward_batch(self, rows: Sequence[EncodedTicket], width: int | None = None) -> list[Prediction]:

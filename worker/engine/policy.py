@@ -39,7 +39,6 @@ from typing import Any
 import torch
 
 from ticketq.schema import Field
-from worker.engine.kernels import cache_dir, cache_key_digest, cpu_flags, cpu_model
 from worker.engine.precision import (
     SAFETY,
     ErrorBound,
@@ -48,6 +47,7 @@ from worker.engine.precision import (
     load_calibration,
     save_bound,
 )
+from worker.engine.probes import cache_dir, cache_key_digest, cpu_flags, cpu_model
 from worker.engine.prompt import EncodedTicket
 from worker.engine.scheduler import Unsettled
 

@@ -337,3 +337,25 @@ def run_planned(engine: OwnEngine[Answer], encoded: Sequence[Any], plan: Plan | 
             texts = more()
             return [Ticketed(engine, e) for e in engine.encode(texts)] if texts else []
     return drain(run, on_batch, on_answers, arrivals)
+
+
+class Offline:
+    """`classify` for an engine that runs its own tickets (`run_planned`): the CLI, the bench, the tests."""
+
+    def classify(self: Any, texts: Sequence[object], plan: Plan | None = None, on_batch: BatchCallback | None = None,
+                 on_answers: AnswersCallback | None = None,
+                 more: MoreCallback | None = None) -> tuple[list[Any], list[BatchReport]]:  # fmt: skip
+        """`texts` answered in their order through the planned, cached path: one report per forward.
+
+        `on_answers(indices, answers)` gets each forward's answers as soon as it is computed (indices
+        into `texts`), so a caller can publish them without waiting for the rest of the plan. `more()`,
+        asked before the first forward and after every one, returns tickets that arrived meanwhile:
+        they join the ones not yet computed and the rest is planned again, so every forward is chosen
+        from everything waiting at its start. Their indices follow `texts` (the first returned is
+        `len(texts)`), and so do their answers."""
+        return self.classify_encoded(self.encode(texts), plan, on_batch, on_answers, more)
+
+    def classify_encoded(self: Any, encoded: Sequence[Any], plan: Plan | None = None,
+                         on_batch: BatchCallback | None = None, on_answers: AnswersCallback | None = None,
+                         more: MoreCallback | None = None) -> tuple[list[Any], list[BatchReport]]:  # fmt: skip
+        return run_planned(self, encoded, plan, on_batch, on_answers, more)

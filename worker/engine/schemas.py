@@ -92,17 +92,17 @@ class SchemaSet:
         self,
         items: Sequence[Item],
         on_batch: Callable[[BatchReport], None] | None = None,
-        on_results: Callable | None = None,
+        on_answers: Callable | None = None,
         more: Callable[[], Sequence[Item]] | None = None,
     ) -> tuple[list, list[BatchReport]]:
         """The answer for each (schema name, text) of `items` then of what `more()` returns between
         forwards (`TicketFields`, or `Prediction` for the engine's own field), in that order; as
-        `Engine.classify` (`on_results(indices, answers)` once per forward). `UnknownSchema` for a
+        `Engine.classify` (`on_answers(indices, answers)` once per forward). `UnknownSchema` for a
         name not served (the caller checks names first: `name in schema_set`)."""
         run = PlannedRun(dedup=self.engine.dedup)
         run.add(self._encode(items))
         arrivals = (lambda: self._encode(more())) if more is not None else None
-        return drain(run, on_batch, on_results, arrivals)
+        return drain(run, on_batch, on_answers, arrivals)
 
     def _encode(self, items: Sequence[Item]) -> list[Ticketed]:
         """(runner, encoded ticket) per item, each schema's texts encoded by its own prompt."""
