@@ -30,8 +30,8 @@ import torch
 
 from worker.engine.kernels import dtype_name
 from worker.engine.loading import ModelNotFound
-from worker.engine.policy import Exact
 from worker.engine.prompt import EncodedTicket, PromptTemplate
+from worker.engine.scheduler import Exact
 from worker.engine.scoring import make_prediction
 from worker.results import Prediction
 

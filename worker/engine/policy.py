@@ -8,7 +8,7 @@ only computes. Its `policy` is what the scheduler (`scheduler.PlannedRun`) consu
   `Unsettled`, for `recheck` (the float32 twin, a deferred engine) to compute again;
 - `reference(text)`: the unbatched answer its answers are held to (float32's).
 
-`Exact` is a float32 runner's policy, and an unchecked fast one's: itself, every answer settled.
+`scheduler.Exact` is a float32 runner's policy, and an unchecked fast one's: itself, every answer settled.
 `Checked` is a fast precision's (bfloat16, int8, TICKETQ_RECHECK): its float32 twin `exact` and an
 `ErrorBound` (`precision`). An answer whose decision gap is within the bound at its ticket's length
 is computed again by the twin, and the twin's answer is the ticket's, marked `rechecked`; the two
@@ -63,24 +63,6 @@ LIVE_WINDOW = 500
 # A length bucket is judged once it has this many fast answers; its counts are halved past
 # BUCKET_WINDOW so it follows the traffic; one in PROBE_EVERY of a straight bucket's tickets goes fast.
 MIN_SEEN, BUCKET_WINDOW, PROBE_EVERY = 16, 256, 16
-
-
-class Exact:
-    """The policy of a runner whose answers are final: float32's, or a fast one's served unchecked."""
-
-    checked = False
-
-    def __init__(self, runner: Any) -> None:
-        self.runner = runner
-
-    def route(self, encoded: EncodedTicket) -> Any:
-        return self.runner
-
-    def screen(self, runner: Any, answers: list) -> list:
-        return answers
-
-    def reference(self, text: object) -> Any:
-        return self.runner.reference(text)
 
 
 class LengthRoute:
