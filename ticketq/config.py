@@ -39,7 +39,7 @@ class SettingsError(TicketqError, ValueError):
 # tests/integration/test_exit_codes.py checks that this is exactly what the worker adds.
 WORKER_SETTINGS = frozenset({
     "allow_eviction", "answer_cache_entries", "answer_cache_s", "autotune", "autotune_s", "batch_window",
-    "cost_fixed_ms", "cost_quad_ms", "cost_token_ms", "dedup", "device", "dtype", "fetch", "fuse", "lease_s",
+    "cost_fixed_ms", "cost_quad_ms", "cost_token_ms", "dedup", "device", "dtype", "fetch", "fuse", "head", "lease_s",
     "live_cost", "matmul", "max_batch_size", "max_batch_tokens", "max_retries", "max_ticket_tokens", "max_wait_ms",
     "metrics_host", "metrics_port", "model", "null_classifier", "prefetch_multiplier", "recheck", "schema_cache",
     "schemas", "shadow_rate", "system_prompt", "threads", "truncation", "worst_batch_s",

@@ -54,3 +54,8 @@ class Health:
     def problems(self) -> list[str]:
         """Why this process is not ready, as far as its health knows: refused writes, stalled loops."""
         return [*self.refusals.write_problems(), *(str(stall) for stall in self.stalls())]
+
+    def __json__(self) -> dict[str, list[str]]:
+        """What Celery's `inspect stats` shows of it: it travels in the broker's transport options,
+        which the stats reply serialises with kombu's JSON (an object it cannot encode drops the reply)."""
+        return {"problems": self.problems()}
