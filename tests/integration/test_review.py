@@ -30,6 +30,7 @@ from workers import ROOT, RedisServer
 from gateway.auth import token_digest
 from gateway.review.store import Item, ReviewStore
 from ticketq.names import LABELLED_STREAM, RESULTS_STREAM, REVIEW_GROUP, REVIEW_STREAM
+from worker.health import Health
 from worker.redis.outbox import Outbox
 
 pytestmark = pytest.mark.integration
@@ -59,7 +60,8 @@ def seed(client: redis.Redis, tickets: dict[str, str]) -> None:
     task = f"review-{uuid.uuid4().hex}"
     slots = [(task, n, json.dumps(result(wire)).encode()) for n, wire in enumerate(tickets)]
     review = {(task, n): text for n, text in enumerate(tickets.values())}
-    Outbox(client, stream_maxlen=100_000, result_expires_s=600, worst_batch_s=5).publish(slots, [task], review)
+    outbox = Outbox(client, Health(), stream_maxlen=100_000, result_expires_s=600, worst_batch_s=5)
+    outbox.publish(slots, [task], review)
 
 
 @pytest.fixture
