@@ -83,7 +83,7 @@ def deliver_main(argv: list[str] | None = None, prog: str = "ticketq-deliver") -
             done = redeliver.redeliver_trimmed(dispatcher, args.margin_s)
     finally:
         dispatcher.close()
-    print(f"{done.delivered} delivered, {done.failed} failed" + (f" (last: {done.last_error})" if done.failed else ""))
+    print(done.line("delivered"))
     if done.failed:
         sys.exit(1)
 

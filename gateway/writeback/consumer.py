@@ -83,6 +83,11 @@ class WritebackMetrics:
                 "Results the write-back group has not read yet, plus those pending",
                 registry=registry,
             ),
+            Counter(
+                keys.WRITEBACK_REPEATS,
+                "Results not written back: their ticket was read before Redis lost its data",
+                registry=registry,
+            ),
         )
         skipped = Counter(keys.WRITEBACK_SKIPPED, "Results not written back, by reason (not_webhook, no_target, "
                           "not_ok, no_label, unmapped_label, unchanged)", ["reason"], registry=registry)  # fmt: skip
