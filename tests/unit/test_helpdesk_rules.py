@@ -269,7 +269,8 @@ def test_writeback_refuses_to_start_without_targets_or_secrets(tmp_path, monkeyp
     path = tmp_path / "writeback.toml"
     path.write_text(WRITEBACK)
     monkeypatch.setenv("TICKETQ_WRITEBACK_SECRETS", "zendesk=TOK")
-    with pytest.raises(SystemExit, match=r"no API secret for target\(s\) freshdesk, intercom in TICKETQ_WRITEBACK_SECRETS"):
+    missing = r"no API secret for target\(s\) freshdesk, intercom in TICKETQ_WRITEBACK_SECRETS"
+    with pytest.raises(SystemExit, match=missing):
         main(["--config", str(path)])
     with pytest.raises(SystemExit, match="No such file"):
         main(["--config", str(tmp_path / "missing.toml")])
