@@ -66,7 +66,11 @@ def _tags(send: Callable[..., dict[str, Any]], target: Target, url: str, convers
             continue
         if name.lower() not in tag_ids:
             tag_ids[name.lower()] = str(send("POST", f"{target.url}/tags", {"name": name})["id"])
-        send("POST", f"{url}/tags", {"id": tag_ids[name.lower()], "admin_id": target.admin_id})
+        try:
+            send("POST", f"{url}/tags", {"id": tag_ids[name.lower()], "admin_id": target.admin_id})
+        except Failed:
+            tag_ids.pop(name.lower(), None)  # a tag deleted since it was found: found again on the retry
+            raise
     for name in wanted.get("remove_tags", []):
         if name.lower() in have:
             send("DELETE", f"{url}/tags/{have[name.lower()]}", {"admin_id": target.admin_id})
