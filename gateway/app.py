@@ -10,7 +10,8 @@ a non-finite number, not a ticket or a list, a bad query parameter · 401 no or 
 TICKETQ_GATEWAY_BODY_TIMEOUT_S · 409 an Idempotency-Key whose first POST is still in flight ·
 413 body above TICKETQ_GATEWAY_MAX_BODY_BYTES, or too many
 tickets · 422 a ticket breaks the contract (each bad field named) · 429 rate limit, or the request's
-new tickets would take the queue past TICKETQ_GATEWAY_MAX_QUEUE_DEPTH · 503 Redis unreachable or refusing writes. Every
+new tickets would take the queue past TICKETQ_GATEWAY_MAX_QUEUE_DEPTH · 503 Redis unreachable or refusing writes,
+or more than TICKETQ_GATEWAY_MAX_CONNECTIONS at once (`gateway.server`). Every
 refusal is JSON `{"error": reason, "message": one line}` (`gateway.errors`: also 404/405/500 and
 h11's 400); 429 and 503 carry Retry-After. The OpenAPI document is `gateway.openapi`'s.
 """

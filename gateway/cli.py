@@ -45,8 +45,9 @@ def gateway_main(argv: list[str] | None = None, prog: str = "ticketq-gateway") -
         sys.exit(f"{prog}: no bearer tokens: set TICKETQ_GATEWAY_TOKENS=name:SHA256HEX "
                  "(printf %s TOKEN | sha256sum), or TICKETQ_GATEWAY_ANONYMOUS=1 behind an authenticating ingress")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=settings.gateway_host, port=settings.gateway_port,
-                log_level=args.log_level, access_log=False, **uvicorn_options(settings))  # fmt: skip
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.gateway_host, port=settings.gateway_port, log_level=args.log_level,
+                access_log=False, **uvicorn_options(settings, app.state.gateway.metrics))  # fmt: skip
 
 
 def deliver_main(argv: list[str] | None = None, prog: str = "ticketq-deliver") -> None:
@@ -83,7 +84,7 @@ def deliver_main(argv: list[str] | None = None, prog: str = "ticketq-deliver") -
             done = redeliver.redeliver_trimmed(dispatcher, args.margin_s)
     finally:
         dispatcher.close()
-    print(f"{done.delivered} delivered, {done.failed} failed" + (f" (last: {done.last_error})" if done.failed else ""))
+    print(done.line("delivered"))
     if done.failed:
         sys.exit(1)
 

@@ -31,6 +31,13 @@ TICKETQ_DELIVER_TIMEOUT_S + TICKETQ_DELIVER_BACKOFF_MAX_S (checked at start). A 
 TICKETQ_DELIVER_CONCURRENCY results, each POSTed by its own thread at once, and the next batch waits
 for the slowest: a receiver that is down holds the stream back, and gets the backlog once it is back.
 
+Across a Redis data loss: publish-once marks go with the data, so a ticket answered before the loss
+and re-sent after it is streamed again in the new epoch (each entry's `epoch` field). The reader
+remembers what it read per epoch, by the producer's own rule (`ticketq.epoch.AcrossEpochs`, the
+last TICKETQ_STREAM_MAXLEN results), and acks an entry that repeats an earlier epoch's ticket
+without POSTing it (`ticketq_deliver_repeats_total`, gateway.group). Its memory is the process's:
+a dispatcher started after the loss never saw the old epoch and delivers the new one whole.
+
 Reading the group (own pending entries, new ones, re-claims, ranges trimmed before they were read)
 is gateway.group's; the repair commands are gateway.redeliver's.
 """
@@ -94,6 +101,12 @@ def backoff_s(attempt: int, base_s: float, cap_s: float, rng: random.Random) -> 
     return pause / 2 + rng.uniform(0, pause / 2)
 
 
+def dead_letter(entry_id: str, fields: dict, url: str | None, error: str, attempts: int) -> dict:
+    """A dead-letter stream entry: the result's entry id, data and epoch, where it went, the last error."""
+    return {"entry_id": entry_id, "data": fields.get(b"data", b""), "epoch": fields.get(b"epoch", b""),
+            "url": url or "", "error": error, "attempts": attempts}  # fmt: skip
+
+
 class Dispatcher:
     """The consumer-group loop; `run_forever()` until `stop` is set (SIGTERM and SIGINT set it)."""
 
@@ -148,8 +161,8 @@ class Dispatcher:
         connections.close(self.redis)
 
     def deliver(self, entries: Sequence[Entry]) -> None:
-        """POST each entry (TICKETQ_DELIVER_CONCURRENCY at once); each is acked by its own thread."""
-        for future in [self.pool.submit(self.deliver_one, entry_id, fields) for entry_id, fields in entries]:
+        """POST each entry but an earlier epoch's repeats (TICKETQ_DELIVER_CONCURRENCY at once), acked by its thread."""
+        for future in [self.pool.submit(self.deliver_one, *entry) for entry in self.reader.unrepeated(entries)]:
             future.result()
 
     def deliver_one(self, entry_id: str, fields: dict) -> bool:
@@ -225,8 +238,7 @@ class Dispatcher:
 
     def _dead_letter(self, entry_id: str, fields: dict, url: str | None, error: str) -> None:
         pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(self.dead_stream, {"entry_id": entry_id, "data": fields.get(b"data", b""), "url": url or "",
-                                        "error": error, "attempts": self.settings.deliver_max_attempts},
+        pipe.xadd(self.dead_stream, dead_letter(entry_id, fields, url, error, self.settings.deliver_max_attempts),
                   maxlen=self.settings.stream_maxlen, approximate=True)  # fmt: skip
         pipe.xack(RESULTS_STREAM, self.group, entry_id)
         pipe.execute()

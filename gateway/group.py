@@ -9,6 +9,10 @@ entry trimmed before its ack (XREADGROUP returns it without fields, XAUTOCLAIM a
 counted and recorded the same way. The delivery lag (unread plus pending) is a gauge set on each read.
 Consumers that hold nothing and were idle past TICKETQ_DELIVER_CLAIM_IDLE_S (stopped dispatchers) are
 deleted from the group on each re-claim round that found nothing (forget_consumers.lua).
+
+Across a Redis data loss: an entry of a later epoch (its `epoch` field) repeating a ticket read in
+an earlier epoch is acked unsent and counted (`ticketq_deliver_repeats_total`): `unrepeated`, by the
+producer's own rule (`ticketq.epoch.AcrossEpochs`) over the last TICKETQ_STREAM_MAXLEN entries read.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import redis
 from gateway.keys import DELIVER_GAPS_STREAM
 from gateway.metrics import DeliverMetrics
 from gateway.settings import GatewaySettings
+from ticketq import codec
+from ticketq.epoch import AcrossEpochs
 from ticketq.lua import script
 from ticketq.names import RESULTS_STREAM
 
@@ -38,6 +44,7 @@ class GroupReader:
         self.redis, self.settings, self.metrics = client, settings, metrics
         self.group, self.consumer = settings.deliver_group, consumer
         self._own_done = False  # this consumer's own pending entries (a restart under the same name) re-read
+        self.epochs = AcrossEpochs(settings.stream_maxlen)  # the tickets read, per epoch (module docstring)
 
     def ensure_group(self) -> None:
         """Create the group at the stream's start (results already there are delivered too) if absent."""
@@ -77,6 +84,23 @@ class GroupReader:
         if not reply:
             self.redis.xread({RESULTS_STREAM: text(group["last-delivered-id"])}, count=1, block=READ_BLOCK_MS)
         return entries
+
+    def unrepeated(self, entries: Sequence[Entry]) -> list[Entry]:
+        """`entries` (in stream order) less those repeating a ticket read in an earlier epoch: acked, counted."""
+        repeats = [entry_id for entry_id, fields in entries if self._repeat(fields)]
+        if repeats:
+            self.redis.xack(RESULTS_STREAM, self.group, *repeats)
+            self.metrics.repeats.inc(len(repeats))
+            log.info("not delivering %d result(s) (%s...): their tickets were read before Redis lost its data",
+                     len(repeats), repeats[0])  # fmt: skip
+        return [entry for entry in entries if entry[0] not in repeats]
+
+    def _repeat(self, fields: dict) -> bool:
+        try:
+            result = codec.loads(fields[b"data"])
+        except (KeyError, ValueError):
+            return False  # not a result: the dispatcher's to handle
+        return isinstance(result, dict) and self.epochs.repeat(fields.get(b"epoch"), result)
 
     def _check_gap(self, stream: dict, group: dict) -> None:
         """Entries after the group's last-delivered id that the stream no longer holds: trimmed

@@ -44,6 +44,7 @@ class DeliverMetrics:
     latency: Histogram
     trimmed: Counter
     lag: Gauge
+    repeats: Counter
 
     @classmethod
     def build(cls, registry: CollectorRegistry | None = None) -> DeliverMetrics:
@@ -61,4 +62,6 @@ class DeliverMetrics:
                     "(re-POST them with `ticketq-deliver redeliver-trimmed`)", registry=registry),
             Gauge(keys.DELIVER_LAG, "Results in the stream this group has not read yet, plus those pending",
                   registry=registry),
+            Counter(keys.DELIVER_REPEATS, "Results not delivered: their ticket was read before Redis lost its data "
+                    "(answered again in the new epoch)", registry=registry),
         )

@@ -47,7 +47,7 @@ WHY = {
     413: "the body or the number of tickets is above its limit",
     422: "a ticket breaks the contract (`errors` names each), or an Idempotency-Key reused with another body",
     429: "the token's rate, or the queue-depth bound (counting this request's tickets)",
-    503: "Redis unreachable or refusing writes",
+    503: "Redis unreachable or refusing writes, or more than TICKETQ_GATEWAY_MAX_CONNECTIONS connections at once",
 }
 TICKETS = ["400", "401", "405", "408", "409", "413", "422", "429", "503"]
 # (path, method) -> {status: (description, schema name or None, headers)}; statuses in TICKETS-like

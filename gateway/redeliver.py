@@ -3,7 +3,9 @@
 - Dead letters (`keys.DELIVER_DEAD_STREAM`, or the dispatcher's `dead_stream`: the write-back's
   own): `ticketq-deliver dead` lists them, `ticketq-deliver
   dead --redeliver` POSTs each once more, under its first delivery id, and deletes the dead letter
-  when the receiver answered 2xx.
+  when the receiver answered 2xx. A dead letter carries its result's epoch: one whose ticket an
+  earlier dead letter of an earlier epoch holds too (answered before and after a Redis data loss)
+  is deleted unsent (`ticketq.epoch.AcrossEpochs`, the dispatcher's own rule), counted as a repeat.
 - Trimmed ranges (`keys.DELIVER_GAPS_STREAM`, recorded by the dispatcher when TICKETQ_STREAM_MAXLEN
   trimmed results its group had not read): `ticketq-deliver redeliver-trimmed` POSTs every result
   the Celery backend still holds (`celery-task-meta-<task>`, kept TICKETQ_RESULT_EXPIRES_S) stored in
@@ -38,6 +40,7 @@ class DeadLetter:
     url: str
     error: str
     result: Any
+    epoch: bytes | None = None  # the results-stream entry's `epoch` field (None: an older dead letter)
 
 
 @dataclass
@@ -47,6 +50,13 @@ class Repaired:
     delivered: int = 0
     failed: int = 0
     last_error: str = ""
+    repeats: int = 0  # dead letters of a ticket an earlier epoch's dead letter holds too: deleted unsent
+
+    def line(self, verb: str) -> str:
+        """What the command prints: `N delivered, M failed (last: ...)`, `verb` for "delivered"."""
+        repeats = f", {self.repeats} repeat(s) of an earlier epoch deleted" if self.repeats else ""
+        return f"{self.delivered} {verb}, {self.failed} failed{repeats}" + (
+            f" (last: {self.last_error})" if self.failed else "")
 
 
 def dead_letters(dispatcher: Dispatcher) -> list[DeadLetter]:
@@ -55,14 +65,20 @@ def dead_letters(dispatcher: Dispatcher) -> list[DeadLetter]:
     for dead_id, fields in dispatcher.redis.xrange(dispatcher.dead_stream):
         data = fields.get(b"data")
         out.append(DeadLetter(text(dead_id), text(fields.get(b"entry_id", b"")), text(fields.get(b"url", b"")),
-                              text(fields.get(b"error", b"")), codec.loads(data) if data else None))  # fmt: skip
+                              text(fields.get(b"error", b"")), codec.loads(data) if data else None,
+                              fields.get(b"epoch") or None))  # fmt: skip
     return out
 
 
 def redeliver_dead(dispatcher: Dispatcher) -> Repaired:
-    """POST each dead letter once more; each answered 2xx is deleted from the dead-letter stream."""
+    """POST each dead letter once more; each answered 2xx is deleted from the dead-letter stream, and so is
+    each that repeats an earlier epoch's ticket (module docstring), unsent."""
     done = Repaired()
     for letter in dead_letters(dispatcher):
+        if isinstance(letter.result, dict) and dispatcher.reader.epochs.repeat(letter.epoch, letter.result):
+            dispatcher.redis.xdel(dispatcher.dead_stream, letter.dead_id)
+            done.repeats += 1
+            continue
         error = dispatcher.post_once(letter.delivery_id, letter.result)
         _count(done, error)
         if not error:

@@ -8,12 +8,22 @@ of the connection opening or of the previous response; else the connection is cl
 size is bounded by h11 itself (TICKETQ_GATEWAY_MAX_HEADER_BYTES); the httptools protocol bounds
 neither, so the gateway always runs h11. The 400 h11 answers for a head it cannot take (too large,
 malformed) is given the gateway's error shape (`gateway.errors`).
+
+The connection limit (TICKETQ_GATEWAY_MAX_CONNECTIONS) is the gateway's own, not uvicorn's
+`limit_concurrency`: uvicorn's answer above its limit is a plain-text 503 without Retry-After, and
+it counts every open connection (idle keep-alive ones too), so a limit of ours set a little below
+it would still let its plain text answer first once that many clients are connected. Here the same
+counts uvicorn reads (its server's open connections and requests in flight) are read by the app's
+wrapper (`Limited`) before each request, and one above the limit is answered 503 `too_many_connections`
+in the error shape with Retry-After (TICKETQ_GATEWAY_RETRY_AFTER_S) and `Connection: close`, counted
+in `ticketq_gateway_rejects_total`. On a uvicorn outside TESTED_UVICORN, uvicorn's own limit is set.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import h11
@@ -21,25 +31,54 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gateway import errors
+from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 # Checked against uvicorn 0.29-0.55: H11Protocol.connection_made / on_response_complete /
-# send_400_response and its `conn` (h11.Connection), `loop` and `transport` attributes.
+# send_400_response and its `conn` (h11.Connection), `loop`, `transport`, `app`, `connections` (the
+# server's open connections) and `tasks` (its requests in flight) attributes.
 TESTED_UVICORN = ((0, 29), (0, 55))
 
 
-def header_timed_h11(timeout_s: float) -> type[asyncio.Protocol] | str:
-    """uvicorn's h11 protocol with a `timeout_s` deadline on each request's head; plain "h11" (with a
-    warning) on a uvicorn outside TESTED_UVICORN."""
+class Limited:
+    """The ASGI app behind the gateway's connection limit: a request that finds more than `limit`
+    connections open or requests in flight (each counting its own) is answered 503 in the error shape."""
+
+    def __init__(self, app: Any, connections: set, tasks: set, settings: GatewaySettings,
+                 refused: Callable[[], None]) -> None:  # fmt: skip
+        self.app, self.connections, self.tasks, self.refused = app, connections, tasks, refused
+        self.limit, self.retry_after_s = settings.gateway_max_connections, settings.gateway_retry_after_s
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if len(self.connections) <= self.limit and len(self.tasks) <= self.limit:
+            await self.app(scope, receive, send)
+            return
+        self.refused()
+        payload = errors.body("too_many_connections", f"the gateway serves more than TICKETQ_GATEWAY_MAX_CONNECTIONS="
+                              f"{self.limit} connections or requests at once; retry after {self.retry_after_s} s")
+        await send({"type": "http.response.start", "status": 503, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+            (b"retry-after", str(self.retry_after_s).encode()), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": payload})
+
+
+def gateway_h11(settings: GatewaySettings, refused: Callable[[], None]) -> type[asyncio.Protocol] | str:
+    """uvicorn's h11 protocol with a deadline on each request's head (TICKETQ_GATEWAY_HEADER_TIMEOUT_S) and
+    the gateway's connection limit (`Limited`); plain "h11" (with a warning) on a uvicorn outside TESTED_UVICORN."""
     version = tuple(int(part) for part in uvicorn.__version__.split(".")[:2])
     if not TESTED_UVICORN[0] <= version <= TESTED_UVICORN[1]:
-        log.warning("uvicorn %s is untested here: no header timeout (TICKETQ_GATEWAY_HEADER_TIMEOUT_S); the "
-                    "ingress's header timeout must bound slow clients", uvicorn.__version__)  # fmt: skip
+        log.warning("uvicorn %s is untested here: no header timeout, uvicorn's plain-text 503 above "
+                    "TICKETQ_GATEWAY_MAX_CONNECTIONS; the ingress must bound slow clients", uvicorn.__version__)
         return "h11"
 
-    class HeaderTimedH11(H11Protocol):
+    class GatewayH11(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            # uvicorn reads `self.app` for each request; the counts are its server's, shared by every connection
+            self.app = Limited(self.app, self.connections, self.tasks, settings, refused)
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -66,21 +105,23 @@ def header_timed_h11(timeout_s: float) -> type[asyncio.Protocol] | str:
         def _arm(self) -> None:
             if self._head_timer is not None:
                 self._head_timer.cancel()
-            self._head_timer = self.loop.call_later(timeout_s, self._head_overdue)
+            self._head_timer = self.loop.call_later(settings.gateway_header_timeout_s, self._head_overdue)
 
         def _head_overdue(self) -> None:
             # h11 leaves IDLE only once a whole request head is parsed.
             if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
                 self.transport.close()
 
-    return HeaderTimedH11
+    return GatewayH11
 
 
-def uvicorn_options(settings: GatewaySettings) -> dict[str, Any]:
-    """uvicorn.run's limits from the settings (docs/gateway.md, "Connection limits")."""
+def uvicorn_options(settings: GatewaySettings, metrics: GatewayMetrics) -> dict[str, Any]:
+    """uvicorn.run's limits from the settings (docs/gateway.md, "Connection limits"); refusals above the
+    connection limit are counted in `metrics` (the app's)."""
+    http = gateway_h11(settings, metrics.rejects.labels("too_many_connections").inc)
     return {
-        "http": header_timed_h11(settings.gateway_header_timeout_s),
+        "http": http,
         "h11_max_incomplete_event_size": settings.gateway_max_header_bytes,
         "timeout_keep_alive": settings.gateway_keep_alive_s,
-        "limit_concurrency": settings.gateway_max_connections,
+        "limit_concurrency": settings.gateway_max_connections if http == "h11" else None,  # else ours: `Limited`
     }

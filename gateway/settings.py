@@ -91,7 +91,8 @@ class GatewaySettings(ClientSettings, ReviewSettings):
         30.0, gt=0, description="A request body not fully received this long after its headers is answered 408."
     )
     gateway_max_connections: int = Field(
-        1000, ge=1, description="Connections and requests served at once; above it uvicorn answers 503."
+        1000, ge=1, description="Connections and requests served at once; above it a request is answered 503 "
+        "`too_many_connections` with Retry-After."
     )
     gateway_schemas: Annotated[tuple[str, ...], NoDecode] = Field(
         (), description="Schema names a ticket may name (the workers' TICKETQ_SCHEMAS); empty: any."

@@ -8,8 +8,13 @@
   value}}`; Basic auth `{api key}:X`. Freshdesk's update sets `tags` whole (it has no add/remove),
   so where a label maps tags the ticket is read first (`GET` the same URL) and `merge_tags` keeps
   its other tags.
+- Intercom: `{url}/conversations/{id}`, the state wanted `{"tags": [names], "remove_tags": [the
+  other labels' names], "team_assignee_id", "custom_attributes": {name: value}}`, written by the
+  few requests that change what differs (gateway.writeback.intercom); Bearer auth with the access
+  token, `Intercom-Version` and `Accept: application/json` headers.
 
-Both answer `429` with `Retry-After` (seconds) when the account's rate limit is reached.
+Zendesk and Freshdesk answer `429` with `Retry-After` (seconds), Intercom with `X-RateLimit-Reset`
+(the unix time its window resets), when the account's rate limit is reached.
 The same label written twice is the same request: re-running a write leaves the same state.
 """
 
@@ -45,6 +50,9 @@ def write_for(target: Target, ticket: str, label: str) -> Write | None:
     action = target.labels.get(label)
     if action is None:
         return None
+    if target.kind == "intercom":
+        url = f"{target.url}/conversations/{ticket}"
+        return Write(target.name, ticket, label, "POST", url, _intercom(target, label))
     if target.kind == "zendesk":
         body: dict[str, Any] = {"additional_tags": list(action.tags), "remove_tags": list(target.other_tags(label))}
         if action.custom_fields:
@@ -62,6 +70,17 @@ def write_for(target: Target, ticket: str, label: str) -> Write | None:
     return Write(target.name, ticket, label, "PUT", f"{target.url}/api/v2/tickets/{ticket}", body)
 
 
+def _intercom(target: Target, label: str) -> dict[str, Any]:
+    """The state an Intercom conversation is brought to (gateway.writeback.intercom reads it)."""
+    action = target.labels[label]
+    wanted: dict[str, Any] = {"tags": list(action.tags), "remove_tags": list(target.other_tags(label))}
+    if action.group_id is not None:
+        wanted["team_assignee_id"] = str(action.group_id)
+    if action.custom_fields:
+        wanted["custom_attributes"] = dict(action.custom_fields)
+    return wanted
+
+
 def merge_tags(target: Target, current: list[str], wanted: list[str]) -> list[str]:
     """A ticket's tags with every label's tags replaced by `wanted` (its other tags kept), sorted."""
     ours = {tag for action in target.labels.values() for tag in action.tags}
@@ -69,9 +88,21 @@ def merge_tags(target: Target, current: list[str], wanted: list[str]) -> list[st
 
 
 def auth_header(target: Target, secret: str) -> str:
-    """The Authorization header of `target`'s API with its secret (Zendesk's API token, Freshdesk's API key)."""
+    """The Authorization header of `target`'s API with its secret (Zendesk's API token, Freshdesk's API key,
+    Intercom's access token)."""
+    if target.kind == "intercom":
+        return f"Bearer {secret}"
     user = f"{target.email}/token:{secret}" if target.kind == "zendesk" else f"{secret}:X"
     return "Basic " + base64.b64encode(user.encode()).decode()
+
+
+def headers_for(target: Target, secret: str) -> dict[str, str]:
+    """Every request's headers: JSON, the auth, and Intercom's version header."""
+    auth = auth_header(target, secret)
+    headers = {"Content-Type": "application/json", "Accept": "application/json", "Authorization": auth}
+    if target.kind == "intercom":
+        headers["Intercom-Version"] = target.version
+    return headers
 
 
 def _field_id(key: str) -> int | str:

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         done = redeliver.redeliver_dead(writeback)
     finally:
         writeback.close()
-    print(f"{done.delivered} written, {done.failed} failed" + (f" (last: {done.last_error})" if done.failed else ""))
+    print(done.line("written"))
     if done.failed:
         sys.exit(1)
 

@@ -2,15 +2,18 @@
 becomes there (tags, a group, custom field values). A TOML file, TICKETQ_WRITEBACK_CONFIG:
 
     [targets.zendesk]                    # tickets that came in by the webhook source `zendesk`
-    kind = "zendesk"                     # zendesk or freshdesk
-    url = "https://acme.zendesk.com"
+    kind = "zendesk"                     # zendesk, freshdesk or intercom
+    url = "https://acme.zendesk.com"     # intercom: https://api.intercom.io (or api.eu. / api.au.)
     email = "triage-bot@acme.example"    # zendesk only: the API token's agent
     field = "label"                      # optional: the answer's field to map (a schema's field name)
 
     [targets.zendesk.labels.billing]
-    tags = ["billing"]                   # optional: tags the label adds
-    group_id = 360001                    # optional: the group the ticket goes to
-    custom_fields = { 360002 = "billing" }   # optional: field id (Freshdesk: name) -> value
+    tags = ["billing"]                   # optional: tags the label adds (intercom: tag names)
+    group_id = 360001                    # optional: the group the ticket goes to (intercom: the team assigned)
+    custom_fields = { 360002 = "billing" }   # optional: field id (Freshdesk: name; Intercom: attribute) -> value
+
+An intercom target also names `admin_id`, the admin its token acts as (Intercom requires one on
+each tag and assignment), and may name `version`, the `Intercom-Version` header (INTERCOM_VERSION).
 
 A target's name is the webhook source its tickets came in by (`gateway.webhooks`), or
 `<source>@<tenant>` for a tenant's own (`zendesk@acme`, as in TICKETQ_GATEWAY_WEBHOOK_SECRETS); its
@@ -31,8 +34,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-KINDS = ("zendesk", "freshdesk")
-TARGET_KEYS = {"kind", "url", "email", "field", "labels"}
+KINDS = ("zendesk", "freshdesk", "intercom")
+TARGET_KEYS = {"kind", "url", "email", "admin_id", "version", "field", "labels"}
+INTERCOM_VERSION = "2.11"  # the Intercom-Version whose request shapes gateway.writeback.intercom sends
 ACTION_KEYS = {"tags", "group_id", "custom_fields"}
 
 
@@ -53,8 +57,10 @@ class Target:
     kind: str
     url: str  # https://acme.zendesk.com, without a trailing slash
     labels: Mapping[str, Action]
-    email: str | None = None
+    email: str | None = None  # zendesk: the API token's agent
     field: str = "label"
+    admin_id: str | None = None  # intercom: the admin the token acts as
+    version: str = INTERCOM_VERSION  # intercom: the Intercom-Version header
 
     def other_tags(self, label: str) -> tuple[str, ...]:
         """The tags of every other label, less this one's: removed when `label` is written (a new answer
@@ -75,9 +81,6 @@ def load_targets(path: str | Path) -> dict[str, Target]:
             raise ValueError(f"{path}: write-back target {name!r}: {exc}") from None
     if not targets:
         raise ValueError(f"{path}: no [targets.<name>] table")
-    urls = [target.url for target in targets.values()]
-    if len(set(urls)) < len(urls):
-        raise ValueError(f"{path}: two targets name one url: one target per helpdesk account (its secret is the url's)")
     return targets
 
 
@@ -92,8 +95,12 @@ def _target(name: str, entry: Mapping[str, Any]) -> Target:
         raise ValueError(f"url must be the helpdesk's https:// address, got {url!r}")
     if kind == "zendesk" and not entry.get("email"):
         raise ValueError("a zendesk target needs `email`, the API token's agent (auth is email/token:TOKEN)")
+    admin = entry.get("admin_id")
+    if kind == "intercom" and (isinstance(admin, bool) or not isinstance(admin, str | int) or not str(admin).strip()):
+        raise ValueError("an intercom target needs `admin_id`, the admin its access token acts as")
     labels = {label: _action(label, action) for label, action in entry.get("labels", {}).items()}
-    return Target(name, kind, url.rstrip("/"), labels, entry.get("email"), entry.get("field", "label"))
+    return Target(name, kind, url.rstrip("/"), labels, entry.get("email"), entry.get("field", "label"),
+                  str(admin) if admin is not None else None, str(entry.get("version", INTERCOM_VERSION)))  # fmt: skip
 
 
 def _action(label: str, entry: Mapping[str, Any]) -> Action:

@@ -16,11 +16,13 @@ target maps. Others are acked at once and counted (`ticketq_writeback_skipped_to
 
 Idempotent: the same label is the same request (re-running writes the same state), and a write
 whose state was already written to that ticket (`keys.WRITEBACK_WRITTEN_KEY`) is not sent again.
-A `429` waits its `Retry-After` (at most TICKETQ_DELIVER_BACKOFF_MAX_S) before the schedule's pause.
+A `429` waits its `Retry-After` (or Intercom's `X-RateLimit-Reset`; at most TICKETQ_DELIVER_BACKOFF_MAX_S)
+before the schedule's pause.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -34,7 +36,8 @@ from gateway import keys
 from gateway.deliver import Dispatcher
 from gateway.keys import TICKET_KEY, WRITEBACK_DEAD_STREAM, WRITEBACK_WRITTEN_KEY
 from gateway.metrics import LATENCY_BUCKETS, DeliverMetrics
-from gateway.writeback.adapters import Write, auth_header, merge_tags, write_for
+from gateway.writeback import intercom
+from gateway.writeback.adapters import Write, headers_for, merge_tags, write_for
 from gateway.writeback.config import Target, load_targets
 from gateway.writeback.settings import WritebackSettings
 from ticketq import codec
@@ -83,6 +86,11 @@ class WritebackMetrics:
                 "Results the write-back group has not read yet, plus those pending",
                 registry=registry,
             ),
+            Counter(
+                keys.WRITEBACK_REPEATS,
+                "Results not written back: their ticket was read before Redis lost its data",
+                registry=registry,
+            ),
         )
         skipped = Counter(keys.WRITEBACK_SKIPPED, "Results not written back, by reason (not_webhook, no_target, "
                           "not_ok, no_label, unmapped_label, unchanged)", ["reason"], registry=registry)  # fmt: skip
@@ -100,6 +108,19 @@ def retry_after_s(value: str | None) -> float:
     try:
         return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
     except (TypeError, ValueError):
+        return 0.0
+
+
+def rate_limit_wait_s(headers: httpx.Headers) -> float:
+    """Seconds a `429` asks to wait: its `Retry-After`, else `X-RateLimit-Reset` (Intercom: the unix time
+    its window resets) less now; 0 when neither says."""
+    waited = retry_after_s(headers.get("retry-after"))
+    reset = headers.get("x-ratelimit-reset")
+    if waited or not reset:
+        return waited
+    try:
+        return max(0.0, float(reset) - time.time())
+    except ValueError:
         return 0.0
 
 
@@ -125,6 +146,7 @@ class Writeback(Dispatcher):
             raise ValueError(f"no API secret for target(s) {', '.join(missing)} in TICKETQ_WRITEBACK_SECRETS")
         self.secrets = {name: secret.get_secret_value() for name, secret in settings.writeback_secrets.items()}
         self.writeback_metrics = metrics or WritebackMetrics.build()
+        self.tag_ids: dict[str, dict[str, str]] = {name: {} for name in self.targets}  # Intercom's, by tag name
         super().__init__(settings.for_dispatcher(), self.writeback_metrics.deliver)
 
     def plan(self, result: Any) -> Write | str:
@@ -169,26 +191,31 @@ class Writeback(Dispatcher):
 
     def body(self, delivery_id: str, result: Any) -> bytes:
         write = self.plan(result)
-        return json.dumps(write.payload if isinstance(write, Write) else {}).encode()
+        return json.dumps({"target": write.target, "payload": write.payload} if isinstance(write, Write) else {}
+                          ).encode()  # fmt: skip
 
     def _post(self, url: str, entry_id: str, body: bytes) -> str:
         """One write to the helpdesk: "" when 2xx, else what went wrong. Freshdesk's tags are set whole,
-        so its ticket's tags are read first and only the labels' own are replaced (`adapters.merge_tags`)."""
-        target = self._target_of(url)
-        payload = json.loads(body)
+        so its ticket's tags are read first and only the labels' own are replaced (`adapters.merge_tags`);
+        Intercom's write is a few requests (gateway.writeback.intercom)."""
+        planned = json.loads(body)
+        target, payload = self.targets[planned["target"]], planned["payload"]
+        if target.kind == "intercom":
+            request = functools.partial(self._request, entry_id=entry_id, target=target)
+            return intercom.write(request, target, url, payload, self.tag_ids[target.name])
         if target.kind == "freshdesk" and "tags" in payload:
-            current = self._request("GET", url, entry_id, target)
+            current = self._request("GET", url, None, entry_id=entry_id, target=target)
             if isinstance(current, str):
                 return current
             payload["tags"] = merge_tags(target, current.json().get("tags") or [], payload["tags"])
-            body = json.dumps(payload).encode()
-        answered = self._request("PUT", url, entry_id, target, body)
+        answered = self._request("PUT", url, payload, entry_id=entry_id, target=target)
         return answered if isinstance(answered, str) else ""
 
-    def _request(self, method: str, url: str, entry_id: str, target: Target, body: bytes | None = None
+    def _request(self, method: str, url: str, payload: dict | None, *, entry_id: str, target: Target
                  ) -> httpx.Response | str:  # fmt: skip
-        """The 2xx response of one request, else what went wrong; a 429 first waits its Retry-After."""
-        headers = {"Content-Type": "application/json", "Authorization": auth_header(target, self.secrets[target.name])}
+        """The 2xx response of one request, else what went wrong; a 429 first waits (`rate_limit_wait_s`)."""
+        headers = headers_for(target, self.secrets[target.name])
+        body = None if payload is None else json.dumps(payload).encode()
         try:
             with self.metrics.latency.time():
                 response = self.http.request(method, url, content=body, headers=headers)
@@ -197,12 +224,9 @@ class Writeback(Dispatcher):
             return f"{method} {url} failed: {type(exc).__name__}: {exc}"
         self.metrics.attempts.labels("ok" if response.is_success else f"http_{response.status_code}").inc()
         if response.status_code == 429:
-            wait_s = min(retry_after_s(response.headers.get("retry-after")), self.settings.deliver_backoff_max_s)
+            wait_s = min(rate_limit_wait_s(response.headers), self.settings.deliver_backoff_max_s)
             if wait_s and not self.stop.wait(wait_s):
                 self._touch(entry_id)  # its idle time restarts: no other consumer takes a write that waits
         if response.is_success:
             return response
         return f"{method} {url} answered {response.status_code}: {' '.join(response.text[:200].split())}"
-
-    def _target_of(self, url: str) -> Target:
-        return next(target for target in self.targets.values() if url.startswith(target.url + "/api/"))

@@ -354,7 +354,9 @@ def test_the_docs_config_files_load(tmp_path):
     (tmp_path / "sources.toml").write_text(sources)
     assert set(load_sources(str(tmp_path / "sources.toml"))) == {"zendesk", "freshdesk"}
     (tmp_path / "writeback.toml").write_text(targets)
-    assert load_targets(tmp_path / "writeback.toml")["zendesk"].labels["billing"].group_id == 360001
+    loaded = load_targets(tmp_path / "writeback.toml")
+    assert loaded["zendesk"].labels["billing"].group_id == 360001
+    assert (loaded["intercom"].admin_id, loaded["intercom"].labels["billing"].tags) == ("991267618", ("ai-billing",))
 
 
 def test_the_docs_shell_examples_run_as_written(redis_server, idle_gateway, tmp_path):
@@ -363,7 +365,8 @@ def test_the_docs_shell_examples_run_as_written(redis_server, idle_gateway, tmp_
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")},
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", "GATEWAY": gateway.url,
            "HELPSCOUT_SECRET": SECRETS["helpscout"], "FRESHDESK_AUTH": SECRETS["freshdesk"],
-           "TICKETQ_BROKER_URL": redis_server.url, "ZENDESK_API_TOKEN": "zd", "FRESHDESK_API_KEY": "fd"}  # fmt: skip
+           "TICKETQ_BROKER_URL": redis_server.url, "ZENDESK_API_TOKEN": "zd", "FRESHDESK_API_KEY": "fd",
+           "INTERCOM_TOKEN": "ic"}  # fmt: skip
     sent = subprocess.run(["bash", "-ec", by_hand], env=env, capture_output=True, text=True, timeout=60)
     assert sent.returncode == 0 and sent.stdout.count('"accepted"') == 2, sent.stdout + sent.stderr
     assert sorted(t["id"] for t in queued(redis_server.url, queue)) == ["freshdesk:1042", "helpscout:2391938111"]

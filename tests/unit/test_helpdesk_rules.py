@@ -9,14 +9,16 @@ import hashlib
 import hmac
 import json
 import os
+import time
 
+import httpx
 import pytest
 
 from gateway import webhooks
 from gateway.signatures import BadSignature
-from gateway.writeback.adapters import auth_header, merge_tags, write_for
+from gateway.writeback.adapters import auth_header, headers_for, merge_tags, write_for
 from gateway.writeback.config import load_targets
-from gateway.writeback.consumer import label_of, retry_after_s
+from gateway.writeback.consumer import label_of, rate_limit_wait_s, retry_after_s
 from ticketq.schema import truncate
 
 SOURCES = webhooks.DEFAULT_SOURCES
@@ -168,6 +170,19 @@ field = "category"
 [targets.freshdesk.labels.account]
 custom_fields = { cf_category = "Account" }
 group_id = 7
+
+[targets.intercom]
+kind = "intercom"
+url = "https://api.intercom.io"
+admin_id = 991267618
+
+[targets.intercom.labels.billing]
+tags = ["ai-billing"]
+group_id = 5017691
+custom_fields = { ai_category = "billing" }
+
+[targets.intercom.labels.technical]
+tags = ["ai-technical"]
 """
 
 
@@ -199,14 +214,34 @@ def test_writeback_requests_have_the_apis_shapes(tmp_path):
     assert base64.b64decode(auth_header(targets["freshdesk"], "KEY").split()[1]).decode() == "KEY:X"
 
 
+def test_intercom_writes_name_the_state_wanted_with_bearer_auth_and_the_version(tmp_path):
+    path = tmp_path / "writeback.toml"
+    path.write_text(WRITEBACK)
+    target = load_targets(path)["intercom"]
+    assert (target.admin_id, target.version) == ("991267618", "2.11")  # an integer id read as Intercom's string
+    write = write_for(target, "64619700005694", "billing")
+    assert (write.method, write.url) == ("POST", "https://api.intercom.io/conversations/64619700005694")
+    assert write.payload == {"tags": ["ai-billing"], "remove_tags": ["ai-technical"], "team_assignee_id": "5017691",
+                             "custom_attributes": {"ai_category": "billing"}}  # fmt: skip
+    assert write_for(target, "1", "technical").payload == {"tags": ["ai-technical"], "remove_tags": ["ai-billing"]}
+    assert headers_for(target, "TOK") == {"Content-Type": "application/json", "Accept": "application/json",
+                                          "Authorization": "Bearer TOK", "Intercom-Version": "2.11"}  # fmt: skip
+
+
+def test_a_429_waits_its_retry_after_else_intercoms_reset_time():
+    assert rate_limit_wait_s(httpx.Headers({"Retry-After": "3", "X-RateLimit-Reset": "0"})) == 3.0
+    assert 29 < rate_limit_wait_s(httpx.Headers({"X-RateLimit-Reset": str(int(time.time()) + 30)})) <= 30
+    assert rate_limit_wait_s(httpx.Headers({"X-RateLimit-Reset": "1487332520"})) == 0.0  # past: no wait
+    assert rate_limit_wait_s(httpx.Headers({"X-RateLimit-Reset": "soon"})) == 0.0
+
+
 @pytest.mark.parametrize("text, message", [
     ('[targets.z]\nkind = "zendesk"\nurl = "https://z"\n', "needs `email`"),
     ('[targets.z]\nkind = "jira"\nurl = "https://z"\n', "kind must be one of"),
     ('[targets.z]\nkind = "freshdesk"\nurl = "z.example"\n', "url must be"),
     ('[targets.z]\nkind = "freshdesk"\nurl = "https://z"\n[targets.z.labels.billing]\n', "writes nothing"),
     ('[targets.z]\nkind = "freshdesk"\nurl = "https://z"\n[targets.z.labels.billing]\ntag = ["x"]\n', "unknown key"),
-    ('[targets.a]\nkind = "freshdesk"\nurl = "https://z"\n[targets.b]\nkind = "freshdesk"\nurl = "https://z"\n',
-     "one target per helpdesk account"),
+    ('[targets.i]\nkind = "intercom"\nurl = "https://api.intercom.io"\n', "needs `admin_id`"),
     ("", "no \\[targets"),
 ])  # fmt: skip
 def test_writeback_config_errors_name_the_problem(tmp_path, text, message):
@@ -234,7 +269,8 @@ def test_writeback_refuses_to_start_without_targets_or_secrets(tmp_path, monkeyp
     path = tmp_path / "writeback.toml"
     path.write_text(WRITEBACK)
     monkeypatch.setenv("TICKETQ_WRITEBACK_SECRETS", "zendesk=TOK")
-    with pytest.raises(SystemExit, match=r"no API secret for target\(s\) freshdesk in TICKETQ_WRITEBACK_SECRETS"):
+    missing = r"no API secret for target\(s\) freshdesk, intercom in TICKETQ_WRITEBACK_SECRETS"
+    with pytest.raises(SystemExit, match=missing):
         main(["--config", str(path)])
     with pytest.raises(SystemExit, match="No such file"):
         main(["--config", str(tmp_path / "missing.toml")])
