@@ -6,13 +6,20 @@ whose fields they answer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from ticketq.schema import Field
+from typing import Any, Protocol
 
 ZERO_SHOT = "zero-shot"  # the scorer that reads the LM head's label rows (a fitted head: "head:<digest>")
+
+
+class Field(Protocol):
+    """What an answer reads of its field (`ticketq.schema.Field`)."""
+
+    name: str
+    labels: Sequence[str]
+    threshold: float
+    select: float
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,20 @@ from producer.ticketrows import RowError, TicketFileError
 from ticketq.schema import Schema
 from ticketq_cli.common import fail
 
+MIN_ROWS = 20  # fewer labelled rows fit nothing worth serving
+
+
+@dataclass(frozen=True)
+class FitOptions:
+    """How the rows are split and what is written: one record for both kinds of fit."""
+
+    out: Path
+    shares: tuple[float, float, int]  # (holdout share, validation share, seed)
+    progress: bool
+    force: bool
+    json_out: Path | None
+
+
 Parse = Callable[[Any], Any]  # a row's `expected` -> what the fit trains on; ValueError says why not
 
 

@@ -68,13 +68,17 @@ def load_field_head(spec: Field, prompt: FieldsPrompt, model: Any) -> LabelHead:
     return head
 
 
-def check_schema_heads(schemas: Sequence[Schema], engine: Any) -> None:
+def check_schema_heads(schemas: Sequence[Schema], engine: Any) -> str:
     """At start-up: every head the `schemas` name is readable and fitted for `engine`'s model and that
-    schema's prompt (`HeadMismatch`, one line), before a ticket names the schema."""
+    schema's prompt (`HeadMismatch`, one line), before a ticket names the schema. What they are, for
+    the model-info metric: `schema.field=head:<digest>`, space-separated ("" for none)."""
+    found = []
     for schema in schemas:
         if any(spec.head for spec in schema.fields):
             prompt = FieldsPrompt(engine.tokenizer, schema, engine.prompt.max_ticket_tokens, engine.prompt.truncation)
-            load_field_heads(schema, prompt, engine.model)
+            heads = load_field_heads(schema, prompt, engine.model)
+            found += [f"{schema.name}.{name}={head.scorer}" for name, head in heads.items()]
+    return " ".join(found)
 
 
 class FieldHeads:
