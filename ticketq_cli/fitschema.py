@@ -174,7 +174,8 @@ def _report(schema: Schema, figures: dict, paths: dict[str, Path], standin: bool
     stdout.print("serve them: add to each field of the schema file (a path relative to the file, or absolute)",
                  highlight=False)  # fmt: skip
     for name in figures:
-        stdout.print(f'  under [fields.{name}]: head = "{paths[name].resolve()}"', highlight=False, markup=False)
+        stdout.print(f'  under [fields.{name}]: head = "{paths[name].resolve()}"', highlight=False, markup=False,
+                     soft_wrap=True)  # one line each, whatever the terminal's width: copied into the file
     if standin:
         console.print("[yellow]stand-in model: random weights, so zero-shot is chance; the heads learned from its "
                       "features what the tickets' words say[/]")  # fmt: skip
