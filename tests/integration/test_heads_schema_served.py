@@ -3,7 +3,8 @@ runs it (one head per field, head beside zero-shot per field), then a real worke
 schema with the heads named in its file (TICKETQ_SCHEMAS) through a private redis-server: every
 field equals the unbatched reference and `ticketq classify --schema`'s offline answer and names
 its head, the live shadow check agrees on every answer, `ticketq_model_info` names the heads; a
-worker whose schema prompt differs from the heads' refuses to start in one line, exit status 2."""
+worker whose schema prompt differs from the heads' refuses to start in one line, exit status 2.
+`ticketq eval --schema` prints each headed field's accuracy beside zero-shot's."""
 
 from __future__ import annotations
 
@@ -66,6 +67,15 @@ def test_fit_prints_each_fields_head_beside_zero_shot(fitted):
         assert found["scores"][found["head"]]["scored"] == found["scores"]["zero-shot"]["scored"] == 60
     assert "ECE" in done.stdout and f'under [fields.mentions]: head = "{work / "heads" / "mentions.safetensors"}"' \
         in done.stdout  # fmt: skip
+
+
+def test_eval_scores_the_field_heads_beside_zero_shot(fitted, tiny_model_dir):
+    work, _ = fitted
+    done = run(["ticketq", "eval", str(work / "held.jsonl"), "--schema", str(work / "schema.toml"), "--no-progress"],
+               engine_env(tiny_model_dir))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if "zero-shot on the same 60 rows" in line]
+    assert [line.split()[0] for line in lines] == ["team", "mentions"], done.stdout[-2000:]
 
 
 def test_a_worker_serves_the_field_heads_as_their_reference_and_offline(fitted, tiny_model_dir, tmp_path):
