@@ -7,6 +7,7 @@ reviews export` reads it: `--from-reviews`), or both.
 `single_label` reads either as one label: the label itself, or the object's one field's label.
 `field_labels` reads either for a schema (`evaluate.parse_expected`: a plain label is the one
 field's of a one-field schema). A row that gives neither is counted in `skipped`, with why.
+What both kinds of fit (`fit`, `fitschema`) share lives here too: `FitOptions`, `MIN_ROWS`.
 """
 
 from __future__ import annotations
