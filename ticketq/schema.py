@@ -34,12 +34,13 @@ import difflib
 import re
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 from ticketq.contract import SCHEMA_NAME
 from ticketq.errors import TicketqError
+from ticketq.fieldanswers import FieldResult, TicketFields  # the answers' shape, re-exported here
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -99,7 +100,7 @@ DEFAULT_SYSTEM = (
 
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
 _SCHEMA_KEYS = ("name", "system", "truncation", "layout", "fields")
-_FIELD_KEYS = ("instruction", "labels", "multi", "threshold", "select")
+_FIELD_KEYS = ("instruction", "labels", "multi", "threshold", "select", "head")
 
 
 class SchemaError(TicketqError, ValueError):
@@ -121,6 +122,7 @@ class Field:
     multi: bool = False  # every label its own yes/no probability, chosen when above `select`
     threshold: float = 0.0  # review when the confidence is below it (0: never)
     select: float = 0.5  # multi-label: a label is chosen when its probability is above it
+    head: str | None = None  # a label head fitted for this field (`ticketq fit --schema`): it scores the field
 
 
 @dataclass(frozen=True)
@@ -158,7 +160,10 @@ def load_schema(path: str | Path) -> Schema:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise SchemaError([f"{path}: cannot read the schema: {exc}"]) from None
-    return parse_schema(text, source=str(path))
+    schema = parse_schema(text, source=str(path))
+    # a field's head file is named relative to the schema file
+    fields = tuple(replace(spec, head=str(path.parent / spec.head)) if spec.head else spec for spec in schema.fields)
+    return replace(schema, fields=fields)
 
 
 def parse_schema(document: str | Mapping[str, Any], source: str = "schema") -> Schema:
@@ -261,9 +266,12 @@ def _field(name: str, spec: Mapping[str, Any], where: str, problems: _Problems) 
     if "select" in spec and not multi:
         problems.add(where, "select applies to multi-label fields only (multi = true)")
     select = _number(spec, "select", 0.5, where, problems, low=0.0, high=1.0, closed=False)
+    head = spec.get("head")
+    if head is not None and (not isinstance(head, str) or not head.strip()):
+        problems.add(where, f'head must be the path of a head file (head = "heads/{name}.safetensors"), got {head!r}')
     if labels is None or threshold is None or select is None or not isinstance(instruction, str):
         return None
-    return Field(name, labels, instruction.strip(), descriptions, multi, threshold, select)
+    return Field(name, labels, instruction.strip(), descriptions, multi, threshold, select, head)
 
 
 def _labels(
@@ -320,77 +328,3 @@ def _unknown_keys(table: Mapping[str, Any], known: Sequence[str], where: str, pr
             close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
             hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
             problems.add(where, f"unknown key {key!r}; {hint}")
-
-
-# ----- answers -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FieldResult:
-    """One field's answer for one ticket.
-
-    Single-label: `label` is the most probable label, `probs` sums to 1 over the labels, and
-    `confidence` is the top probability's margin over the runner-up. Multi-label: `labels` are the
-    labels whose yes-probability is above the field's `select`, `probs` holds each label's own
-    yes-probability, and `confidence` is the weakest of those yes/no decisions: the smallest distance
-    of a probability from `select`, over the farthest it could be (with `select` 0.5, |p(yes) - p(no)|).
-    `review` is `confidence < threshold`.
-    """
-
-    field: str
-    label: str | None  # single-label: the answer; multi-label: None
-    labels: tuple[str, ...]  # the chosen labels (single-label: just `label`)
-    probs: dict[str, float]
-    confidence: float
-    review: bool
-    multi: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        answer: dict[str, Any] = {"labels": list(self.labels)} if self.multi else {"label": self.label}
-        return {**answer, "probs": self.probs, "confidence": self.confidence, "review": self.review}
-
-    @classmethod
-    def single(cls, spec: Field, probs: dict[str, float]) -> FieldResult:
-        ranked = sorted(probs, key=probs.__getitem__, reverse=True)
-        confidence = probs[ranked[0]] - probs[ranked[1]]
-        return cls(spec.name, ranked[0], (ranked[0],), probs, confidence, confidence < spec.threshold)
-
-    @classmethod
-    def several(cls, spec: Field, probs: dict[str, float]) -> FieldResult:
-        chosen = tuple(name for name in spec.labels if probs[name] > spec.select)
-        reach = max(spec.select, 1.0 - spec.select)
-        confidence = min(abs(p - spec.select) for p in probs.values()) / reach
-        return cls(spec.name, None, chosen, probs, confidence, confidence < spec.threshold, multi=True)
-
-
-@dataclass(frozen=True)
-class TicketFields:
-    """Every field's answer for one ticket, and how much of the ticket the model read."""
-
-    schema: str
-    fields: dict[str, FieldResult]
-    tokens: int  # ticket tokens the model read (after truncation)
-    ticket_tokens: int  # ticket tokens before truncation
-    truncation: str | None  # None: read whole; else the mode that cut it (head, tail, head+tail)
-    precision: str = "float32"  # the arithmetic that answered: float32, bfloat16, float16 or int8
-    rechecked: bool = False  # answered in float32 after the fast precision's answer fell within its error bound
-    scorer: str = "zero-shot"  # who scored the labels (a fitted head: "head:<digest>", `worker.engine.head`)
-
-    @property
-    def truncated(self) -> bool:
-        return self.truncation is not None
-
-    @property
-    def review(self) -> bool:
-        return any(result.review for result in self.fields.values())
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "schema": self.schema,
-            "fields": {name: result.to_json() for name, result in self.fields.items()},
-            "review": self.review,
-            "truncated": self.truncated,
-            "truncation": self.truncation,
-            "tokens": self.tokens,
-            "ticket_tokens": self.ticket_tokens,
-        }

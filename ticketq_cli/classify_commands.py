@@ -109,8 +109,11 @@ def _classify(settings, reader: TicketReader, partial: PartialResults, summary, 
     """
     from ticketq_cli.offline import classify_rows
 
+    def load():
+        engine = _load_engine(settings, schema)
+        return engine if schema is None else engine.fields(schema)
+
     try:
-        load = (lambda: _load_engine(settings)) if schema is None else (lambda: _load_engine(settings).fields(schema))
         classify_rows(load, reader, partial, summary, progress)
     except OutputError as exc:  # --resume: the partial file is not this input's; it stays as it was
         partial.close()
@@ -131,7 +134,9 @@ def _classify(settings, reader: TicketReader, partial: PartialResults, summary, 
         raise
 
 
-def _load_engine(settings):
+def _load_engine(settings, schema=None):
+    """The engine `settings` ask for, and the heads `schema`'s fields name checked against it: one line
+    and exit 2 where either cannot serve."""
     from ticketq.process import paused_gc
     from worker.engine.loading import ModelNotFound
 
@@ -146,8 +151,11 @@ def _load_engine(settings):
         if not sys.stderr.isatty():  # no progress frames in a pipe or a log: not transformers' "Loading weights" either
             hf_logging.disable_progress_bar()
 
+        from worker.engine.fieldheads import check_schema_heads
+
         try:
             engine = load_engine(settings)
+            check_schema_heads([schema] if schema is not None else [], engine)
         except ModelNotFound as exc:
             fail(str(exc))
     if engine.info.standin:
@@ -198,7 +206,7 @@ def evaluate(
     with _open_tickets(path, fmt, settings) as reader:
         rows = _rows_to_score(reader)
         check_model(settings, hub=True)
-        engine = _load_engine(settings)
+        engine = _load_engine(settings, schema)
         from tqdm import tqdm
 
         from ticketq_cli.evaluate import evaluate as run_eval
@@ -212,6 +220,8 @@ def evaluate(
     _report_evaluation(evaluation, cuts, engine.info.standin, json_out)
     if schema is None and engine.head is not None:  # a fitted head (TICKETQ_HEAD): zero-shot on the same rows
         _compare_zero_shot(path, fmt, settings, engine, evaluation, progress)
+    if schema is not None and any(spec.head for spec in schema.fields):  # fields' heads: zero-shot beside them
+        _compare_fields_zero_shot(path, fmt, settings, engine, schema, evaluation, progress)
     if evaluation.scored == 0:
         raise typer.Exit(EXIT_NOTHING)
 
@@ -228,6 +238,24 @@ def _compare_zero_shot(path: Path, fmt: str, settings, engine, evaluation, progr
         base = run_eval(zero_shot(engine), _rows_to_score(reader), on_chunk=bar.update)
     Console().print(f"{engine.info.scorer}: accuracy {evaluation.scores.accuracy:.1%}; zero-shot on the same "
                     f"{base.scored} rows: {base.scores.accuracy:.1%}", highlight=False, markup=False)  # fmt: skip
+
+
+def _compare_fields_zero_shot(path: Path, fmt: str, settings, engine, schema, evaluation, progress: bool) -> None:
+    """The same rows scored by the schema without its heads: one line per headed field."""
+    from dataclasses import replace
+
+    from tqdm import tqdm
+
+    from ticketq_cli.evaluate import evaluate_fields
+
+    bare = engine.compile(replace(schema, fields=tuple(replace(spec, head=None) for spec in schema.fields)))
+    with _open_tickets(path, fmt, settings) as reader, tqdm(desc="zero-shot", unit="row",
+                                                              disable=None if progress else True) as bar:  # fmt: skip
+        base = evaluate_fields(bare, _rows_to_score(reader), on_chunk=bar.update)
+    for spec in (spec for spec in schema.fields if spec.head):
+        head, zero = evaluation.fields[spec.name], base.fields[spec.name]
+        Console().print(f"{spec.name} (head {spec.head}): accuracy {head.accuracy:.1%}; zero-shot on the same "
+                        f"{zero.scored} rows: {zero.accuracy:.1%}", highlight=False, markup=False, soft_wrap=True)
 
 
 def _check_format(fmt: str) -> None:

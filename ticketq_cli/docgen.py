@@ -44,7 +44,7 @@ def settings_markdown() -> str:
 
 SAMPLE_FIELDS = (("schema", "field", ("label",)),)  # one schema field, for ticketq_field_answers_total
 # ticketq_model_info's labels, as worker.app.runtime sets them
-MODEL_INFO_LABELS = ("model", "standin", "dtype", "device", "matmul", "recheck", "fused")
+MODEL_INFO_LABELS = ("model", "standin", "dtype", "device", "matmul", "recheck", "fused", "scorer", "heads")
 
 
 def metrics_rows() -> list[tuple[str, str, str, str]]:

@@ -1,7 +1,8 @@
 """`ticketq fit LABELLED --out HEAD`: a label head learned from a team's labelled tickets (issue 43).
 
-The labelled file is the one `ticketq eval` reads (JSONL or CSV rows with `text` and `expected`,
-`evaluate`'s docstring); `ticketq reviews export` writes it from the review stream. Every row runs
+The labelled rows (`fitrows`) are a file `ticketq eval` reads (JSONL or CSV rows with `text` and
+`expected`, `evaluate`'s docstring), the review page's decisions (`--from-reviews`: the labelled
+stream, as `ticketq reviews export` reads it), or both. Every row runs
 through the engine's batched path in float32 (the worker's prompt, the cached prefix), the hidden
 state at the answer position is kept (`worker.engine.headfit.collect`), and a regularised softmax
 regression is fitted on it (`fit_head`: a validation split for early stopping and the penalty).
@@ -9,12 +10,12 @@ The held-out tickets (`--holdout FILE`, else a share of the file) are then score
 head and by the zero-shot scorer, side by side: accuracy, per-label precision and recall, and the
 expected calibration error (ECE). The head file (`worker.engine.head`) records the model
 fingerprint, the prompt digest, the labels and this summary; `TICKETQ_HEAD=HEAD` serves it.
+With `--schema FILE`, one head per field of the schema (`fitschema`).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
@@ -22,45 +23,20 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from producer.ticketfile import TicketReader
-from producer.ticketrows import RowError, TicketFileError
 from ticketq.exits import EXIT_NOTHING
 from ticketq_cli.common import ENGINE_FLAGS, check_model, console, fail, read_settings
-
-MIN_ROWS = 20  # fewer labelled rows fit nothing worth serving
-
-
-@dataclass
-class Labelled:
-    """A labelled file's usable rows, and what was left out."""
-
-    texts: list[str] = field(default_factory=list)
-    expected: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)  # `source: why` of rows not used
-
-
-def read_labelled(path: Path, fmt: str, max_bytes: int) -> Labelled:
-    """Rows with a text and a single `expected` label; every other row counted in `skipped`."""
-    found = Labelled()
-    try:
-        reader = TicketReader(path, fmt, max_bytes)  # type: ignore[arg-type]
-    except TicketFileError as exc:
-        fail(str(exc))
-    with reader:
-        for row in reader:
-            if isinstance(row, RowError):
-                found.skipped.append(f"{row.source}: {row.reason}: {row.message}")
-            elif not isinstance(row.ticket.get("expected"), str):
-                found.skipped.append(f"{row.source}: no single `expected` label")
-            else:
-                found.texts.append(row.ticket["text"])
-                found.expected.append(row.ticket["expected"])
-    return found
+from ticketq_cli.fitrows import MIN_ROWS, FitOptions, Labelled, field_labels, read_file, single_label
+from ticketq_cli.fitrows import from_reviews as from_reviews_stream
 
 
 def fit(
-    path: Annotated[Path, typer.Argument(help="Labelled tickets: JSONL or CSV rows with text and expected.")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="The head file to write (safetensors).")],
+    path: Annotated[Path | None, typer.Argument(help="Labelled tickets: JSONL or CSV rows, text and expected.")] = None,
+    out: Annotated[Path, typer.Option("--out", "-o", help="The head file to write (with --schema: a folder).")] = ...,
+    from_reviews: Annotated[
+        bool, typer.Option("--from-reviews", help="Also train on the review page's decisions (ticketq:labelled).")
+    ] = False,
+    tenant: Annotated[str | None, typer.Option(help="With --from-reviews: only this tenant's decisions.")] = None,
+    schema: Annotated[Path | None, typer.Option(help="A schema file: one head per field, in the --out folder.")] = None,
     holdout: Annotated[
         Path | None,
         typer.Option(help="Held-out labelled tickets to score on (default: a share of PATH, never trained on)."),
@@ -82,30 +58,75 @@ def fit(
     """Fit a label head on labelled tickets: the hidden state at the answer position of the worker's
     prompt, a regularised logistic regression on it; head and zero-shot scored on held-out tickets.
 
-    Serve it with TICKETQ_HEAD=OUT (a worker refuses a head fitted for another model or prompt).
-    Exit status 3 when there is too little to fit (under 20 labelled rows, or one label)."""
+    Rows come from PATH, the review page's decisions (--from-reviews), or both; `expected` is a label
+    or {field: label}. Serve the head with TICKETQ_HEAD=OUT; with --schema FILE, one head per field
+    (OUT/<field>.safetensors), served by the field's `head =` (docs/schemas.md). A worker refuses a
+    head fitted for another model or prompt. Exit status 3: too little to fit (under 20 rows, one label)."""
     settings = read_settings(ENGINE_FLAGS, model=model, device=device, dtype="float32", recheck="never")
     settings = settings.model_copy(update={"head": None})  # fitted on the zero-shot engine, whatever is served
+    _check_options(path, from_reviews, fmt)
+    spec = _read_schema(schema) if schema is not None else None
+    parse, name = (field_labels(spec), spec.name) if spec is not None else (single_label, None)
+    data = _rows(settings, path, (from_reviews, tenant), name, parse, fmt)
+    held = read_file(holdout, fmt, settings.max_ticket_bytes, parse, name) if holdout is not None else None
+    options = FitOptions(out, (holdout_share, validation_share, seed), progress, force, json_out)
+    source = " + ".join([*([str(path)] if path else []), *(["the review decisions"] if from_reviews else [])])
+    if spec is not None:
+        from ticketq_cli.fitschema import fit_schema
+
+        return fit_schema(settings, spec, data, held, options, source)
+    return _fit_single(settings, data, held, options, source)
+
+
+def _check_options(path: Path | None, from_reviews: bool, fmt: str) -> None:
+    if path is None and not from_reviews:
+        fail("nothing to fit on: give a labelled file (PATH), --from-reviews, or both")
     if fmt not in ("auto", "jsonl", "csv"):
         fail(f"--format {fmt}: must be auto, jsonl or csv")
-    if out.exists() and not force:
-        fail(f"--out {out} exists: pass --force to replace it")
-    data = read_labelled(path, fmt, settings.max_ticket_bytes)
-    held = read_labelled(holdout, fmt, settings.max_ticket_bytes) if holdout is not None else None
+
+
+def _read_schema(path: Path):
+    from ticketq.schema import SchemaError, load_schema
+
+    try:
+        return load_schema(path)
+    except SchemaError as exc:
+        fail(str(exc))
+
+
+def _rows(settings, path: Path | None, reviews: tuple[bool, str | None], schema: str | None, parse,
+          fmt: str) -> Labelled:  # fmt: skip
+    """The training rows: PATH's, then the review decisions' (of `schema`'s results, where given)."""
+    data = read_file(path, fmt, settings.max_ticket_bytes, parse, schema) if path is not None else Labelled()
+    from_reviews, tenant = reviews
+    if from_reviews:
+        data.extend(from_reviews_stream(settings, tenant, schema, parse))
+    return data
+
+
+def _fit_single(settings, data: Labelled, held: Labelled | None, options: FitOptions, source: str) -> None:
+    """TICKETQ_HEAD's head: the single field's labels, from a label or an object's one field."""
+    if options.out.exists() and not options.force:
+        fail(f"--out {options.out} exists: pass --force to replace it")
     labels = tuple(sorted(set(data.expected)))
     if len(data.texts) < MIN_ROWS or len(labels) < 2:
         fail(
-            f"{path}: {len(data.texts)} labelled rows over {len(labels)} labels; a head needs at least {MIN_ROWS} "
-            "rows and two labels",
+            f"{source}: {len(data.texts)} labelled rows over {len(labels)} labels; a head needs at least {MIN_ROWS} "
+            f"rows and two labels{_skipped(data)}",
             EXIT_NOTHING,
         )
     check_model(settings, hub=True)
     from ticketq_cli.classify_commands import _load_engine
 
     engine = _load_engine(settings)
-    figures = _fit_and_score(engine, data, held, labels, (holdout_share, validation_share, seed), progress)
-    figures["head"].save(out)
-    _report(figures, path, out, engine.info.standin, json_out)
+    figures = _fit_and_score(engine, data, held, labels, options.shares, options.progress)
+    figures["head"].save(options.out)
+    _report(figures, source, options.out, engine.info.standin, options.json_out)
+
+
+def _skipped(data: Labelled) -> str:
+    """Why rows were left out, the first of them, for a refusal's line."""
+    return f" ({len(data.skipped)} rows left out, e.g. {data.skipped[0]})" if data.skipped else ""
 
 
 def _fit_and_score(engine, data: Labelled, held: Labelled | None, labels, shares, progress: bool) -> dict:
@@ -164,7 +185,7 @@ def _scores(labels, truth: list[str], answers) -> dict:
     }
 
 
-def _report(figures: dict, path: Path, out: Path, standin: bool, json_out: Path | None) -> None:
+def _report(figures: dict, path: str, out: Path, standin: bool, json_out: Path | None) -> None:
     stdout, head, scores = Console(), figures["head"], figures["scores"]
     summary = head.summary
     table = Table(title=f"held-out: {summary['holdout']} tickets (never trained on)")
@@ -196,7 +217,7 @@ def _report(figures: dict, path: Path, out: Path, standin: bool, json_out: Path 
             "features what the synthetic tickets' words say[/]"
         )
     if json_out is not None:
-        data = {"head": head.scorer, "summary": summary, "scores": scores, "standin": standin, "input": str(path)}
+        data = {"head": head.scorer, "summary": summary, "scores": scores, "standin": standin, "input": path}
         json_out.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 

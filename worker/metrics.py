@@ -203,7 +203,9 @@ class Metrics(TicketSeries, ForwardSeries, ShadowSeries, HealthSeries):
         self._bounds: Callable[[], Mapping[str, tuple[str, float]]] = dict
         r.register(BoundsCollector(lambda: self._bounds()))
         self.model = Info(
-            c.M_MODEL_INFO, "The model this worker serves: model, standin, dtype, device, matmul, recheck, fused.",
+            c.M_MODEL_INFO, "The model this worker serves: model, standin, dtype, device, matmul, recheck, fused; "
+            "scorer (zero-shot, or TICKETQ_HEAD's head:<digest>) and heads (each schema field's, "
+            "schema.field=head:<digest>, space-separated; - for none).",
             registry=r,
         )  # fmt: skip
 

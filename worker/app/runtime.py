@@ -60,9 +60,10 @@ class Runtime:
         metrics.model.info(
             {"model": info.name, "standin": str(info.standin).lower(), "dtype": info.dtype, "device": info.device,
              "matmul": info.matmul, "recheck": str(info.recheck).lower(),
-             "fused": str(info.fused).lower()}  # after the self-check: the path that serves
+             "fused": str(info.fused).lower(),  # after the self-check: the path that serves
+             "scorer": info.scorer, "heads": info.heads or "-"}  # issue 43: the heads served and their digests
             if info else {"model": "null-classifier", "standin": "false", "dtype": "-", "device": "-", "matmul": "-",
-                          "recheck": "false", "fused": "false"}
+                          "recheck": "false", "fused": "false", "scorer": "-", "heads": "-"}
         )  # fmt: skip
         fields = [(schema.name, spec.name, (*spec.labels, *(("none",) if spec.multi else ())))
                   for schema in settings.load_schemas() for spec in schema.fields]  # fmt: skip

@@ -21,6 +21,8 @@
   which answers a fast runner's float32 twin computes again.
 - `loading` — `from_pretrained` (the garbage collector paused) and the transformers cache API.
 - `autotune` — the planner's cost model fitted to the device: measured at start-up, refitted while serving.
+- `head`, `headfit`, `fieldheads` — label heads (TICKETQ_HEAD, a schema field's `head =`): the head
+  file and its checks, `ticketq fit`'s hidden states and fits, a schema's field heads.
 
 Importing the package imports no torch; `Engine`, `EngineOptions`, `ModelInfo` and `ModelNotFound` load it on
 first use, so `from worker.engine import batching` stays light.

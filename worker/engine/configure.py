@@ -40,6 +40,7 @@ class ModelInfo:
     # the reference, and whether the fused decoder had to give way to transformers' layers
     self_check: str = ""
     scorer: str = "zero-shot"  # who scores the labels: the LM head's label rows, or a fitted head (TICKETQ_HEAD)
+    heads: str = ""  # the schemas' field heads (TICKETQ_SCHEMAS): `schema.field=head:<digest>`, space-separated
 
 
 def load_configured(settings: Settings):

@@ -21,6 +21,9 @@ cost model under the token budget); every row carries the same segments, so they
 
 `reference` is the obvious path the answers must equal (float32 tolerance): one ticket, one
 question, its full prompt, no cache, full-vocabulary logits, trie-constrained, a forward per branch.
+
+A field whose schema names a `head` (issue 43, `fieldheads`) is scored by that head from its
+questions' answer-position hidden states, in both paths; its result names the head (`scorer`).
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ from typing import Any, Protocol
 
 import torch
 
-from ticketq.schema import FieldResult, Schema, TicketFields
+from ticketq.schema import Field, FieldResult, Schema, TicketFields
 from worker.engine.batching import Plan, plan_optimal
 from worker.engine.cost import CostModel
+from worker.engine.fieldheads import FieldHeads, Scored, load_field_heads
 from worker.engine.kernels import dtype_name
 from worker.engine.layout import packed_mask, padded_ids
 from worker.engine.loading import prefix_cache
@@ -90,8 +94,10 @@ class FieldsEngine(Offline):
         }
         # one segment per (question, trie branch): the question's suffix and the branch path; an
         # empty one (the "system" layout's question, scored at the shared part's last token) first
+        # (and every question's answer position, where its trie's labels share their first token: a head reads it)
+        roots = [(q, ()) for q in range(len(self.questions)) if (q, ()) not in self._rows]
         segments = sorted(
-            ((branch, (*self.questions[branch[0]].suffix_ids, *branch[1])) for branch in self._rows),
+            ((branch, (*self.questions[branch[0]].suffix_ids, *branch[1])) for branch in [*self._rows, *roots]),
             key=lambda item: len(item[1]) > 0,
         )
         self._segments = [branch for branch, _ in segments]
@@ -102,6 +108,8 @@ class FieldsEngine(Offline):
             self._starts.append(len(self._segment_of))
             self._segment_of += [k] * len(ids)
         self._ends = [start + len(ids) for start, (_, ids) in zip(self._starts, segments, strict=True)]
+        self._root = {q: self._segments.index((q, ())) for q in range(len(self.questions))}  # its answer position
+        self.heads = FieldHeads(load_field_heads(schema, self.prompt, engine.model), self.questions)
         self.prefix_reuses = 0
         self.policy: Policy = Exact(self)  # how its answers are held to float32's (`Engine.compile`)
 
@@ -166,13 +174,11 @@ class FieldsEngine(Offline):
         hidden = self.engine.decode(ids, mask, positions, cache, keep=shared[:, None] + ends - 1)  # (B, S, H)
         scores = {  # branch -> per row, the log-probs over its children at its segment's last token
             branch: branch_logprobs(hidden[:, index], self._rows[branch]).tolist()  # (B, C)
-            for index, branch in enumerate(self._segments)
+            for index, branch in enumerate(self._segments) if branch in self._rows
         }
-        answers = [self._answer(i, e, scores) for i, e in enumerate(tickets)]
-        return answers
-
-    def _answer(self, row: int, encoded: EncodedTicket, scores: dict[Branch, list[list[float]]]) -> TicketFields:
-        return self._assemble(encoded, lambda branch, child: scores[branch][row][child])
+        headed = self.heads.score(lambda q: hidden[:, self._root[q]], tickets)  # issue 43: the fields' heads
+        return [self._assemble(e, lambda branch, child, i=i: scores[branch][i][child], headed=headed[i])
+                for i, e in enumerate(tickets)]  # fmt: skip
 
     # ----- reference path ------------------------------------------------------------------
 
@@ -181,31 +187,31 @@ class FieldsEngine(Offline):
         """One ticket, each question's full prompt, no cache, full-vocabulary logits: the answers to match
         in this runner's model (a fast runner's answers are held to its twin's: `policy.reference`)."""
         encoded = self.prompt.encode(text)
+        headed = self.heads.score(lambda q: self._reference_state(encoded, q), [encoded])[0]
         logprobs: dict[Branch, torch.Tensor] = {}
         for q, question in enumerate(self.questions):
             full = self.prompt.full_ids(encoded, question)
-            for path, kids in question.trie.branches.items():
+            for path, kids in question.trie.branches.items() if q not in headed else ():
                 logprobs[(q, path)] = choice_logprobs(self.engine.last_logits([*full, *path]), kids)  # (C,)
         return self._assemble(encoded, lambda branch, child: float(logprobs[branch][child]),
-                              dtype_name(self.engine.dtype))  # the whole model's precision
+                              dtype_name(self.engine.dtype), headed)  # the whole model's precision
+
+    def _reference_state(self, encoded: EncodedTicket, q: int) -> torch.Tensor:
+        """Question `q`'s answer-position hidden state (1, H) from its full prompt, no cache (a head reads it)."""
+        ids = torch.tensor([self.prompt.full_ids(encoded, self.questions[q])], device=self.device)  # (1, T)
+        return self.engine.model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[:, -1]  # (1, H)
 
     def _assemble(self, encoded: EncodedTicket, choice: Callable[[Branch, int], float],
-                  precision: str | None = None) -> TicketFields:  # fmt: skip
-        """Each question's answers' log-probs from its trie's choices, then each field's result."""
+                  precision: str | None = None, headed: Scored | None = None) -> TicketFields:  # fmt: skip
+        """Each question's answers' log-probs (its head's in `headed`, else from its trie's choices),
+        then each field's result."""
         per_question = []
         for q, question in enumerate(self.questions):
-            logprobs = label_logprobs(question.trie, question.answers,
-                                      lambda path, child, q=q: choice((q, path), child))  # fmt: skip
+            logprobs = (headed or {}).get(q) or label_logprobs(
+                question.trie, question.answers, lambda path, child, q=q: choice((q, path), child))  # fmt: skip
             per_question.append({name: math.exp(lp) for name, lp in logprobs.items()})
-        fields = {}
-        for spec in self.schema.fields:
-            asked = [(question, probs) for question, probs in zip(self.questions, per_question, strict=True)
-                     if question.field == spec.name]  # fmt: skip
-            if spec.multi:
-                fields[spec.name] = FieldResult.several(spec, {q.label: probs[YES] for q, probs in asked})
-            else:
-                ((_, probs),) = asked
-                fields[spec.name] = FieldResult.single(spec, probs)
+        fields = {spec.name: field_result(spec, self.questions, per_question, self.heads.scorer_of(spec.name))
+                  for spec in self.schema.fields}  # fmt: skip
         return TicketFields(
             schema=self.schema.name,
             fields=fields,
@@ -213,5 +219,17 @@ class FieldsEngine(Offline):
             ticket_tokens=encoded.total_tokens,
             truncation=encoded.truncation if encoded.truncated else None,
             precision=precision or self.engine.precision,
+            scorer=self.heads.scorer,
         )
+
+
+def field_result(spec: Field, questions: Sequence[Question], per_question: Sequence[dict[str, float]],
+                 scorer: str) -> FieldResult:  # fmt: skip
+    """`spec`'s result from its questions' answer probabilities."""
+    asked = [(question, probs) for question, probs in zip(questions, per_question, strict=True)
+             if question.field == spec.name]  # fmt: skip
+    if spec.multi:
+        return FieldResult.several(spec, {q.label: probs[YES] for q, probs in asked}, scorer)
+    ((_, probs),) = asked
+    return FieldResult.single(spec, probs, scorer)
 

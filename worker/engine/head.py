@@ -13,6 +13,8 @@ A head file is safetensors (tensors `weight` (L, H) and `bias` (L,), float32) wi
 entry, `ticketq_head`: JSON with the labels, the model fingerprint (`model_fingerprint`), the
 prompt digest (`prompt_digest`) and the training summary. No pickle. A worker refuses a head
 whose fingerprint or prompt digest is not its own (`HeadMismatch`, one line, exit status 2).
+A schema field's head (`head = "path"`, `fieldheads`) is the same file with `field` and `multi`
+in its metadata; a multi-label field's rows are one logistic per label (`yes_logits`).
 """
 
 from __future__ import annotations
@@ -85,11 +87,14 @@ class LabelHead:
     model: str  # `model_fingerprint` of the model it was fitted on
     prompt: str  # `prompt_digest` of the prompt it was fitted with
     summary: dict = field(default_factory=dict)  # how it was fitted and what it scored
+    field: str | None = None  # the schema field it scores (`fieldheads`); None: TICKETQ_HEAD's single field
+    multi: bool = False  # a multi-label field's: row l is label l's own logistic (p(yes) = sigmoid)
 
     @property
     def digest(self) -> str:
         """12 hex digits naming these weights, labels, model and prompt (results carry it)."""
-        sha = hashlib.sha256(json.dumps([self.labels, self.model, self.prompt]).encode())
+        key = [self.labels, self.model, self.prompt, *([self.field, self.multi] if self.field else [])]
+        sha = hashlib.sha256(json.dumps(key).encode())
         sha.update(self.weight.contiguous().numpy().tobytes())
         sha.update(self.bias.contiguous().numpy().tobytes())
         return sha.hexdigest()[:12]
@@ -102,6 +107,13 @@ class LabelHead:
         """(B, H) final hidden states -> (B, L) float32 log-probabilities over the head's labels."""
         weight, bias = self.weight.to(hidden.device), self.bias.to(hidden.device)
         return torch.log_softmax(hidden.float() @ weight.T + bias, dim=-1)  # (B, L)
+
+    def yes_logits(self, hidden: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+        """A multi-label head's log-odds of yes: (B, K, H) hidden states, state k at label `rows[k]`'s own
+        answer position -> (B, K), each label's logistic on its own state."""
+        index = torch.tensor(list(rows))
+        weight, bias = self.weight[index].to(hidden.device), self.bias[index].to(hidden.device)  # (K, H), (K,)
+        return (hidden.float() * weight).sum(-1) + bias  # (B, K)
 
     def answers(self, hidden: torch.Tensor, rows: Sequence[EncodedTicket], precision: str,
                 zero_shot: Sequence[Prediction] = ()) -> list[Prediction]:  # fmt: skip
@@ -128,6 +140,7 @@ class LabelHead:
             "model": self.model,
             "prompt": self.prompt,
             "summary": self.summary,
+            **({"field": self.field, "multi": self.multi} if self.field else {}),
         }
         tensors = {"weight": self.weight.float().contiguous(), "bias": self.bias.float().contiguous()}
         save_file(tensors, str(path), metadata={META_KEY: json.dumps(meta)})
@@ -148,22 +161,31 @@ class LabelHead:
         labels = tuple(meta["labels"])
         if weight.shape[0] != len(labels) or bias.shape != (len(labels),):
             raise HeadMismatch(f"head {path}: {weight.shape[0]} weight rows for {len(labels)} labels")
-        return cls(labels, weight.float(), bias.float(), meta["model"], meta["prompt"], meta.get("summary", {}))
+        return cls(labels, weight.float(), bias.float(), meta["model"], meta["prompt"], meta.get("summary", {}),
+                   meta.get("field"), bool(meta.get("multi", False)))  # fmt: skip
 
 
 def check_head(head: LabelHead, path: str | Path, model: Any, prompt: PromptTemplate) -> None:
     """`HeadMismatch`, one line naming what differs, unless `head` was fitted for `model` and `prompt`."""
-    fingerprint, digest = model_fingerprint(model), prompt_digest(prompt)
-    hidden = model.config.hidden_size
-    if head.model != fingerprint or head.weight.shape[1] != hidden:
-        raise HeadMismatch(
-            f"head {path} was fitted for another model (fingerprint {head.model}, this model's is "
-            f"{fingerprint}): fit a head for this model with `ticketq fit`"
-        )
+    check_model(head, f"head {path}", model)
+    digest = prompt_digest(prompt)
+    if head.field is not None:
+        raise HeadMismatch(f"head {path} was fitted for schema field {head.field!r}: name it in that field's "
+                           "`head =` (docs/schemas.md), or fit TICKETQ_HEAD's with `ticketq fit`")  # fmt: skip
     if head.prompt != digest:
         raise HeadMismatch(
             f"head {path} was fitted with another prompt (digest {head.prompt}, this worker's is "
             f"{digest}: system prompt, labels or template changed): fit it again with `ticketq fit`"
+        )
+
+
+def check_model(head: LabelHead, what: str, model: Any) -> None:
+    """`HeadMismatch` (one line; `what` names the head) unless `head` was fitted for `model`."""
+    fingerprint = model_fingerprint(model)
+    if head.model != fingerprint or head.weight.shape[1] != model.config.hidden_size:
+        raise HeadMismatch(
+            f"{what} was fitted for another model (fingerprint {head.model}, this model's is "
+            f"{fingerprint}): fit a head for this model with `ticketq fit`"
         )
 
 

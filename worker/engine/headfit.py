@@ -5,13 +5,17 @@ regularised multinomial logistic regression on them, early stopping on a validat
 planner, duplicates computed once) with a `StateTap` in the head's place: every forward hands it
 the final hidden state at each row's answer position (B, H), the same vector the zero-shot scorer
 reads, and the zero-shot answers (the engine computes them beside any head) come back as usual
-(the comparison `ticketq fit` prints). Only
-those vectors are kept (N x H floats: 3.5 MB for 1,000 tickets on a 896-wide model); no logits.
+(the comparison `ticketq fit` prints). Only those vectors are kept (N x H floats: 3.5 MB for 1,000
+tickets on a 896-wide model); no logits. `collect_fields` does the same for a schema (a
+`FieldStateTap` in a `FieldsEngine`'s heads' slot): the state at every question's answer
+position, (N, Q, H).
 
 `fit_head` standardises the features, fits softmax regression with an L2 penalty by full-batch
 Adam for each penalty of `PENALTIES`, stops when the validation loss has not improved for
 `PATIENCE` checks, keeps the penalty with the best validation loss, and folds the
-standardisation back into the weights, so serving is one (H x L) product.
+standardisation back into the weights, so serving is one (H x L) product. `fit_field_head` fits a
+schema field's: multinomial for a single-label field, one logistic per label (one-vs-rest, each a
+two-class softmax whose logit difference is kept) for a multi-label one.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ticketq.fieldanswers import ZERO_SHOT
+from ticketq.schema import Field
+from worker.engine.fieldheads import field_prompt_digest
 from worker.engine.head import LabelHead, model_fingerprint, prompt_digest
 from worker.engine.prompt import EncodedTicket
 from worker.results import Prediction
@@ -49,13 +56,46 @@ class StateTap:
         return list(zero_shot)
 
 
+class FieldStateTap:
+    """Stands in a `FieldsEngine`'s heads (`fieldheads.FieldHeads`): records each row's hidden states at
+    every question's answer position, (Q, H), scores nothing (the label tries answer)."""
+
+    scorer = ZERO_SHOT
+
+    def __init__(self, questions: int) -> None:
+        self.questions = questions
+        self.states: dict[tuple[int, ...], torch.Tensor] = {}  # a ticket's token ids -> its (Q, H) float32 states
+
+    def scorer_of(self, field: str) -> str:
+        return ZERO_SHOT
+
+    def score(self, hidden_at: Callable[[int], torch.Tensor], rows: Sequence[EncodedTicket]) -> list[dict]:
+        states = torch.stack([hidden_at(q) for q in range(self.questions)], 1).float().cpu()  # (B, Q, H)
+        for state, row in zip(states, rows, strict=True):
+            self.states[tuple(row.ids)] = state.clone()
+        return [{} for _ in rows]
+
+
 def collect(
     engine, texts: Sequence[str], chunk: int = 256, on_chunk: Callable[[int], None] | None = None
 ) -> tuple[torch.Tensor, list[Prediction]]:
     """(N, H) answer-position hidden states of `texts` and their zero-shot answers, through the
     engine's batched path a chunk at a time (the tap emptied after each chunk: memory is the states)."""
-    tap, states, answers = StateTap(), [], []
-    engine.head = tap
+    return _collect(engine, "head", StateTap(), texts, chunk, on_chunk)
+
+
+def collect_fields(
+    runner, texts: Sequence[str], chunk: int = 256, on_chunk: Callable[[int], None] | None = None
+) -> tuple[torch.Tensor, list]:
+    """(N, Q, H) hidden states at each question's answer position of a `FieldsEngine` (Q questions: a
+    single-label field's one, a multi-label field's one per label) and its zero-shot answers."""
+    return _collect(runner, "heads", FieldStateTap(len(runner.questions)), texts, chunk, on_chunk)
+
+
+def _collect(engine, slot: str, tap, texts: Sequence[str], chunk: int, on_chunk) -> tuple[torch.Tensor, list]:
+    """`tap` in `engine`'s head slot `slot` while `texts` run through its batched path, then put back."""
+    states, answers, kept = [], [], getattr(engine, slot)
+    setattr(engine, slot, tap)
     try:
         for start in range(0, len(texts), chunk):
             part = texts[start : start + chunk]
@@ -67,8 +107,8 @@ def collect(
             if on_chunk is not None:
                 on_chunk(len(part))
     finally:
-        engine.head = None
-    return torch.stack(states) if states else torch.empty(0), answers  # (N, H)
+        setattr(engine, slot, kept)
+    return torch.stack(states) if states else torch.empty(0), answers  # (N, H) or (N, Q, H)
 
 
 @dataclass(frozen=True)
@@ -88,6 +128,44 @@ def split(count: int, share: float, seed: int = 0) -> Split:
 def fit_head(states: torch.Tensor, targets: torch.Tensor, labels: tuple[str, ...], parts: Split, engine) -> LabelHead:
     """The head fitted on `states[parts.train]` (N, H) -> `targets` (N,) label indices, stopped and its
     penalty chosen on `parts.validation`, for `engine`'s model and prompt."""
+    weight, bias, summary = fit_softmax(states, targets, len(labels), parts)
+    return LabelHead(labels, weight, bias, model_fingerprint(_float_model(engine)), prompt_digest(engine.prompt),
+                     summary)  # fmt: skip
+
+
+def fit_field_head(states: torch.Tensor, targets: torch.Tensor, spec: Field, parts: Split, runner) -> LabelHead:
+    """A schema field's head on a `FieldsEngine`'s states: single-label, `states` (N, H) and `targets` (N,)
+    label indices (multinomial); multi-label, `states` (N, L, H) at each label's question and `targets`
+    (N, L) 1 for yes, one logistic per label (one-vs-rest)."""
+    fit = fit_one_vs_rest if spec.multi else lambda s, t, p: fit_softmax(s, t, len(spec.labels), p)
+    weight, bias, summary = fit(states, targets, parts)
+    model = model_fingerprint(_float_model(runner.engine))
+    return LabelHead(spec.labels, weight, bias, model, field_prompt_digest(runner.prompt, spec.name), summary,
+                     spec.name, spec.multi)  # fmt: skip
+
+
+def _float_model(engine):
+    return (engine.policy.exact if engine.policy.checked else engine).model
+
+
+def fit_one_vs_rest(states: torch.Tensor, targets: torch.Tensor, parts: Split):
+    """One logistic per label: label l's (N, H) states -> yes (1) / no (0), each as a two-class softmax
+    whose logit difference is the row: (weight (L, H), bias (L,), summary)."""
+    rows, biases, fitted = [], [], []
+    for label in range(states.shape[1]):
+        weight, bias, summary = fit_softmax(states[:, label], targets[:, label].long(), 2, parts)  # (2, H), (2,)
+        rows.append(weight[1] - weight[0])  # log-odds of yes: (w_yes - w_no) . h + (b_yes - b_no)
+        biases.append(bias[1] - bias[0])
+        fitted.append(summary)
+    summary = {**fitted[0], "penalty": [f["penalty"] for f in fitted], "steps": [f["steps"] for f in fitted],
+               "validation_loss": round(sum(f["validation_loss"] for f in fitted) / len(fitted), 5),
+               "fit_s": round(sum(f["fit_s"] for f in fitted), 2)}  # fmt: skip
+    return torch.stack(rows).contiguous(), torch.stack(biases).contiguous(), summary
+
+
+def fit_softmax(states: torch.Tensor, targets: torch.Tensor, classes: int, parts: Split):
+    """Softmax regression on `states` (N, H) standardised, each penalty of PENALTIES tried, early-stopped on
+    the validation split, the standardisation folded back: (weight (L, H), bias (L,), summary)."""
     started = time.perf_counter()
     train, valid = states[parts.train], states[parts.validation]  # (n, H), (m, H)
     mean, scale = train.mean(0), train.std(0).clamp_min(1e-6)  # (H,), (H,)
@@ -95,7 +173,7 @@ def fit_head(states: torch.Tensor, targets: torch.Tensor, labels: tuple[str, ...
     y, yv = targets[parts.train], targets[parts.validation]
     best = None
     for penalty in PENALTIES:
-        weight, bias, loss, steps = _fit_one(x, y, xv, yv, len(labels), penalty)
+        weight, bias, loss, steps = _fit_one(x, y, xv, yv, classes, penalty)
         if best is None or loss < best[2]:
             best = (weight, bias, loss, steps, penalty)
     weight, bias, loss, steps, penalty = best
@@ -110,10 +188,7 @@ def fit_head(states: torch.Tensor, targets: torch.Tensor, labels: tuple[str, ...
         "fit_s": round(time.perf_counter() - started, 2),
         "hidden": states.shape[1],
     }
-    fp = model_fingerprint((engine.policy.exact if engine.policy.checked else engine).model)
-    return LabelHead(
-        labels, folded.contiguous(), (bias - mean @ folded.T).contiguous(), fp, prompt_digest(engine.prompt), summary
-    )
+    return folded.contiguous(), (bias - mean @ folded.T).contiguous(), summary
 
 
 def _fit_one(x, y, xv, yv, classes: int, penalty: float):

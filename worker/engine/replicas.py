@@ -17,6 +17,7 @@ import torch
 from ticketq.schema import default_schema
 from worker.engine.configure import ModelInfo, cast_copy, load_configured
 from worker.engine.cost import CostModel
+from worker.engine.fieldheads import check_schema_heads
 from worker.engine.head import attach_head
 from worker.engine.int8 import INT8
 from worker.engine.model import Engine, EngineOptions
@@ -42,12 +43,22 @@ def load_engine(settings: Settings) -> Engine:
     if exact_model is not None:
         exact = Engine(exact_model, tokenizer, options, info=replace(info, dtype="float32", recheck=False), cost=cost())
         attach_head(settings.head, exact, engine)  # issue 43: TICKETQ_HEAD, checked against the float32 model
+        _schema_heads(settings, exact, engine)  # and the schemas' field heads
         verify(exact, also=(engine,))  # the float32 twin held to the reference; the fast copy unfused with it
         # float32 where the check would not pay (TICKETQ_RECHECK=auto)
         return engine if check_with(engine, exact, force=settings.recheck == "always") else exact
     attach_head(settings.head, engine)  # issue 43: TICKETQ_HEAD, checked against this model and prompt
+    _schema_heads(settings, engine)  # and the schemas' field heads
     verify(engine)  # float32: held to the reference, unfused where the fused decoder differs
     return engine
+
+
+def _schema_heads(settings: Settings, engine: Engine, *others: Engine) -> None:
+    """The field heads of TICKETQ_SCHEMAS checked against `engine` (the float32 one) at start-up, named
+    in its info and `others'` (the model-info metric)."""
+    heads = check_schema_heads(settings.load_schemas(), engine)
+    for runner in (engine, *others):
+        runner.info = replace(runner.info, heads=heads)
 
 
 def check_with(fast: Engine, exact: Engine, force: bool = False) -> bool:

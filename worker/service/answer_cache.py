@@ -32,8 +32,9 @@ class CachedAnswers:
     def __init__(self, cache: AnswerCache, routing: Routing, classifier: Classifier, settings: Settings) -> None:
         self.cache, self.routing = cache, routing
         info = classifier.info
-        model = ([info.name, info.dtype, info.recheck, info.scorer] if info is not None
-                 else [type(classifier).__name__, "-", False])  # fmt: skip
+        # the schemas' field heads by digest (a refitted head in the same file: new keys)
+        model = ([info.name, info.dtype, info.recheck, info.scorer, *([info.heads] if info.heads else [])]
+                 if info is not None else [type(classifier).__name__, "-", False])  # fmt: skip
         self._model = [*model, settings.max_ticket_tokens, settings.truncation,
                        settings.label_names, settings.system_prompt, settings.label_descriptions]  # fmt: skip
         self._schemas: dict[str | None, str] = {}  # schema name (None: the classifier's own) -> its fingerprint
