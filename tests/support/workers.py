@@ -26,8 +26,8 @@ from ticketq_bench.procs import WorkerProcess as Worker
 
 # What the tests import from here; ROOT, free_port, wait_for and Worker come from ticketq_bench.procs.
 __all__ = [
-    "ROOT", "RedisServer", "Worker", "free_port", "null_classifier_service", "on_ci", "redis_or_skip", "running_worker",
-    "skip_or_fail", "wait_for", "worker_env",
+    "ROOT", "RedisServer", "Worker", "end_process", "free_port", "null_classifier_service", "on_ci", "redis_or_skip",
+    "running_worker", "skip_or_fail", "wait_for", "worker_env",
 ]  # fmt: skip
 
 
@@ -94,14 +94,17 @@ class RedisServer:
             return False
 
     def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
+        end_process(self.proc, signal.SIGKILL)
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10)
+        end_process(self.proc, timeout=10)
+
+
+def end_process(proc: subprocess.Popen | None, sig: int = signal.SIGTERM, timeout: float | None = None) -> None:
+    """Send `sig` to `proc` if it is still running, and reap it (waiting at most `timeout` seconds)."""
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(sig)
+        proc.wait(timeout=timeout)
 
 
 @contextmanager
