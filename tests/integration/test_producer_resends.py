@@ -13,24 +13,21 @@ import json
 import logging
 import random
 import re
-import sys
 import threading
 import time
 from collections import Counter
 
 import pytest
 import redis
-from faults import COMMAND as FAULTY_WORKER
 from faults import DELAY_ENV
 from test_producer_outages import QUEUE, Produce, rows, statuses, ticket_file
-from workers import Worker, free_port, wait_for, worker_env
+from workers import Worker, free_port, wait_for, worker_command, worker_env
 
 from producer import resends
 from producer.api import Producer
 from producer.resends import RESEND_FLOOR, RESEND_GROWTH, Resends, Whereabouts, task_id_of
 from ticketq import names
 from ticketq.config import ClientSettings
-from ticketq_bench.procs import WORKER_COMMAND
 
 pytestmark = pytest.mark.integration
 
@@ -105,8 +102,7 @@ def start_worker(server, tmp_path, name: str, delay_s: float | None = None, **en
                           **env)  # fmt: skip
     if delay_s is not None:
         settings[DELAY_ENV] = str(delay_s)
-    command = [sys.executable, *FAULTY_WORKER] if delay_s is not None else WORKER_COMMAND
-    worker = Worker(settings, tmp_path / f"{name}.log", command=command)
+    worker = Worker(settings, tmp_path / f"{name}.log", command=worker_command(faulty=delay_s is not None))
     worker.wait_ready(timeout=120)
     return worker
 
