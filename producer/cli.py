@@ -74,6 +74,7 @@ Timeout = Annotated[
     float,
     typer.Option("--timeout", min=0.1, help="Seconds to wait for all results, overall; late ones count as timeout."),
 ]
+DEFAULT_TIMEOUT_S = 600.0
 ResendAfter = Annotated[
     float,
     typer.Option("--resend-after", min=0.1, help="While waiting, re-send a message that has no result after this "
@@ -120,7 +121,7 @@ def file_command(
     wait: Wait = False,
     out: Out = None,
     force: Force = False,
-    timeout: Timeout = 600.0,
+    timeout: Timeout = DEFAULT_TIMEOUT_S,
     resend_after: ResendAfter = DEFAULT_RESEND_AFTER_S,
     retry_for: RetryFor = RETRY_FOR_S,
     resume: Resume = False,
@@ -185,7 +186,7 @@ def synthetic_command(
     wait: Wait = False,
     out: Out = None,
     force: Force = False,
-    timeout: Timeout = 600.0,
+    timeout: Timeout = DEFAULT_TIMEOUT_S,
     resend_after: ResendAfter = DEFAULT_RESEND_AFTER_S,
     retry_for: RetryFor = RETRY_FOR_S,
     broker_url: BrokerUrl = None,

@@ -21,6 +21,7 @@ import statistics
 import time
 
 import torch
+from profile_forward import batch_shape  # the same --batch ROWSxWIDTH (docs/bench is on sys.path)
 
 from producer.synthetic import generate_tickets
 from worker.engine import Engine
@@ -73,16 +74,11 @@ def last_hidden(engine: Engine, rows: list[EncodedTicket]) -> torch.Tensor:
     return engine.decode(ids, mask, positions, engine.batch_cache(len(rows)))
 
 
-def _shape(text: str) -> tuple[int, int]:
-    rows, _, width = text.lower().partition("x")
-    return int(rows), int(width)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
     parser.add_argument("threads", nargs="?", type=int, default=1)
-    parser.add_argument("--batch", type=_shape, action="append", metavar="ROWSxWIDTH", help="repeatable")
+    parser.add_argument("--batch", type=batch_shape, action="append", metavar="ROWSxWIDTH", help="repeatable")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     shapes = args.batch or [(5, 119), (16, 64)]

@@ -126,20 +126,7 @@ class HostSentinel(SentinelServer):
 
     def __init__(self, workdir: Path, master_port: int, port: int, host: str) -> None:
         super().__init__(workdir, master_port, port)
-        self.host = host
-
-    def start(self) -> HostSentinel:
-        config = self.workdir / "sentinel.conf"
-        config.write_text(
-            f"port {self.port}\nbind {binds(self.host)}\nprotected-mode no\ndir {self.workdir}\n"
-            f"sentinel monitor {self.master_name} {self.host} {self.master_port} 2\n"
-            f"sentinel down-after-milliseconds {self.master_name} 2000\n"
-            f"sentinel failover-timeout {self.master_name} 10000\n"
-        )
-        self.proc = subprocess.Popen(["redis-server", str(config), "--sentinel"], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)  # fmt: skip
-        wait_for(self._pings, 10, f"sentinel on port {self.port}")
-        return self
+        self.master_host, self.listen = host, f"bind {binds(host)}\nprotected-mode no\n"
 
 
 def binds(host: str) -> str:

@@ -263,7 +263,8 @@ def llama_cpp_rate(engine: Engine, width: int, model: str) -> float | None:
     return width / best
 
 
-def _shape(text: str) -> tuple[int, int]:
+def batch_shape(text: str) -> tuple[int, int]:
+    """`--batch ROWSxWIDTH` as (rows, width); bf16_packed_ab.py takes the same option."""
     rows, _, width = text.lower().partition("x")
     return int(rows), int(width)
 
@@ -275,7 +276,7 @@ def main() -> None:
     parser.add_argument("threads", nargs="?", type=int, default=1)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="float32: float32 and int8; bfloat16: the bfloat16 engine")  # fmt: skip
-    parser.add_argument("--batch", type=_shape, action="append", default=[], metavar="ROWSxWIDTH",
+    parser.add_argument("--batch", type=batch_shape, action="append", default=[], metavar="ROWSxWIDTH",
                         help="a batch shape to profile besides the typical one (repeatable)")  # fmt: skip
     parser.add_argument("--reps", type=int, default=3, help="forwards timed, and profiled, per batch (medians)")
     parser.add_argument("--ceiling", action="store_true",

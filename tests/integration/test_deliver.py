@@ -27,7 +27,7 @@ import httpx
 import pytest
 import redis
 from test_gateway import running_gateway
-from workers import ROOT, RedisServer, free_port, null_classifier_service, skip_or_fail, wait_for
+from workers import ROOT, RedisServer, end_process, free_port, null_classifier_service, skip_or_fail, wait_for
 
 from gateway.deliver import backoff_s, sign
 from gateway.keys import DELIVER_DEAD_STREAM, DELIVER_GAPS_STREAM
@@ -143,14 +143,10 @@ class Dispatcher:
         return self
 
     def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
+        end_process(self.proc, signal.SIGKILL)
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=30)
+        end_process(self.proc, timeout=30)
 
     def command(self, *args: str) -> subprocess.CompletedProcess:
         """`python -m gateway deliver ARGS` (a repair command) with this dispatcher's settings."""

@@ -20,9 +20,8 @@ from functools import partial
 
 import pytest
 from celery import Celery
-from faults import COMMAND as FAULTY_WORKER
 from faults import DELAY_ENV
-from workers import Worker, free_port, redis_or_skip, wait_for, worker_env
+from workers import Worker, free_port, redis_or_skip, wait_for, worker_command, worker_env
 
 from ticketq.names import TASK_CLASSIFY
 
@@ -63,7 +62,7 @@ def monitored(tmp_path) -> Iterator[tuple[Worker, Celery, Recorder, str]]:
     recorder.start()
     assert recorder.ready.wait(10)
     env = worker_env(None, REDIS_URL, queue, TICKETQ_NULL_CLASSIFIER="1", **{DELAY_ENV: "0.5"})
-    worker = Worker(env, tmp_path / "worker.log", command=[sys.executable, *FAULTY_WORKER])
+    worker = Worker(env, tmp_path / "worker.log", command=worker_command(faulty=True))
     worker.wait_ready(timeout=120)
     try:
         yield worker, app, recorder, queue

@@ -28,11 +28,10 @@ from pathlib import Path
 import kombu.exceptions
 import pytest
 import redis
-from faults import COMMAND as FAULTY_WORKER
 from faults import DELAY_ENV
 from kombu import Connection, Consumer, Queue
 from servers import require_redis_server
-from workers import ROOT, RedisServer, Worker, free_port, running_worker, wait_for, worker_env
+from workers import ROOT, RedisServer, Worker, free_port, running_worker, wait_for, worker_command, worker_env
 
 from producer.api import Producer
 from producer.errors import BrokerUnavailable
@@ -211,7 +210,7 @@ def test_a_full_redis_stops_nothing_and_everything_resumes(tmp_path):
     # Each batch takes 0.1 s, so Redis fills while one is open; lease 2 s: the dead worker's
     # messages come back soon after memory does.
     env = {**worker_env(None, server.url, QUEUE, TICKETQ_LEASE_S="2"), DELAY_ENV: "0.1"}
-    command = [sys.executable, *FAULTY_WORKER]
+    command = worker_command(faulty=True)
     first = Worker({**env, "TICKETQ_METRICS_PORT": str(free_port())}, tmp_path / "first.log", command=command)
     second = None
     producer = Producer(ClientSettings(broker_url=server.url, queue=QUEUE))

@@ -23,14 +23,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from collections import Counter
 
 import pytest
-from faults import COMMAND as FAULTY_WORKER
 from faults import DELAY_ENV
-from workers import RedisServer, Worker, free_port, skip_or_fail, wait_for, worker_env
+from workers import RedisServer, Worker, free_port, skip_or_fail, wait_for, worker_command, worker_env
 
 from producer.api import Producer
 from ticketq import names
@@ -104,7 +102,7 @@ def test_a_partitioned_worker_leaves_what_was_taken_over(tmp_path):
     cut = near = None
     producer = Producer(ClientSettings(broker_url=server.url, queue=QUEUE))
     try:
-        cut = Worker(cut_env, tmp_path / "cut.log", command=ns.inside(sys.executable, *FAULTY_WORKER))
+        cut = Worker(cut_env, tmp_path / "cut.log", command=ns.inside(*worker_command(faulty=True)))
         cut.metrics_url = f"http://{ns.ns_ip}:{cut_port}/metrics"
         cut.wait_ready(timeout=120)
         sent = producer.submit_many([f"ticket {n}: my invoice is wrong" for n in range(TICKETS)])
@@ -114,7 +112,7 @@ def test_a_partitioned_worker_leaves_what_was_taken_over(tmp_path):
         held = _owned(client)
         ns.link(up=False)
         cut_at = time.monotonic()
-        near = Worker(near_env, tmp_path / "near.log", command=[sys.executable, *FAULTY_WORKER])
+        near = Worker(near_env, tmp_path / "near.log", command=worker_command(faulty=True))
         near.wait_ready(timeout=120)
         near.wait_log("(lease expired)", PARTITION_S, "the second worker recovering the cut-off one's messages")
         taken_s = time.monotonic() - cut_at

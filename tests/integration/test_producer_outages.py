@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from commands import sigint_as_in_a_terminal
-from workers import ROOT, RedisServer, Worker, free_port, wait_for, worker_env
+from workers import ROOT, RedisServer, StartedWorkers, Worker, free_port, wait_for, worker_env
 
 from producer.api import Producer
 from producer.messages import idempotent_task_id
@@ -36,18 +36,14 @@ QUEUE = "outages"
 @pytest.fixture
 def workers(tmp_path) -> Iterator[Callable[[RedisServer], Worker]]:
     """`start(server)` -> a ready null-classifier worker on QUEUE; every one is stopped at the end."""
-    started: list[Worker] = []
+    workers = StartedWorkers(tmp_path)
 
     def start(server: RedisServer) -> Worker:
         env = worker_env(None, server.url, QUEUE, TICKETQ_NULL_CLASSIFIER="1", TICKETQ_METRICS_PORT=str(free_port()))
-        worker = Worker(env, tmp_path / f"worker-{len(started)}.log")
-        started.append(worker)
-        worker.wait_ready(timeout=120)
-        return worker
+        return workers.start(env, f"worker-{len(workers.started)}")
 
     yield start
-    for worker in started:
-        worker.stop(timeout=30)
+    workers.stop()
 
 
 class Produce:

@@ -13,24 +13,21 @@ import json
 import logging
 import random
 import re
-import sys
 import threading
 import time
 from collections import Counter
 
 import pytest
 import redis
-from faults import COMMAND as FAULTY_WORKER
 from faults import DELAY_ENV
 from test_producer_outages import QUEUE, Produce, rows, statuses, ticket_file
-from workers import Worker, free_port, wait_for, worker_env
+from workers import Worker, free_port, wait_for, worker_command, worker_env
 
 from producer import resends
 from producer.api import Producer
 from producer.resends import RESEND_FLOOR, RESEND_GROWTH, Resends, Whereabouts, task_id_of
 from ticketq import names
 from ticketq.config import ClientSettings
-from ticketq_bench.procs import WORKER_COMMAND
 
 pytestmark = pytest.mark.integration
 
@@ -105,8 +102,7 @@ def start_worker(server, tmp_path, name: str, delay_s: float | None = None, **en
                           **env)  # fmt: skip
     if delay_s is not None:
         settings[DELAY_ENV] = str(delay_s)
-    command = [sys.executable, *FAULTY_WORKER] if delay_s is not None else WORKER_COMMAND
-    worker = Worker(settings, tmp_path / f"{name}.log", command=command)
+    worker = Worker(settings, tmp_path / f"{name}.log", command=worker_command(faulty=delay_s is not None))
     worker.wait_ready(timeout=120)
     return worker
 
@@ -125,6 +121,16 @@ def resent_counts(caplog) -> list[int]:
 def stream_counts(client: redis.Redis) -> Counter:
     return Counter((json.loads(f[b"data"])["task_id"], json.loads(f[b"data"])["id"])
                    for _, f in client.xrange(names.RESULTS_STREAM))  # fmt: skip
+
+
+def assert_loss_said_once_and_answered_once(caplog, client: redis.Redis, results: list[dict], n: int) -> None:
+    """After Redis lost its data under a waiting producer: one warning naming the `n` messages still
+    waited for, every ticket answered `ok`, and each published once in the results stream."""
+    said = [r.getMessage() for r in caplog.records if "Redis lost its data" in r.getMessage()]
+    assert len(said) == 1 and f"the {n} message(s) still waited for" in said[0], said
+    assert [r["status"] for r in results] == ["ok"] * n
+    counts = stream_counts(client)
+    assert len(counts) == n and set(counts.values()) == {1}
 
 
 def test_a_backlog_is_resent_nothing_and_redis_never_holds_much_more_than_what_is_outstanding(
@@ -287,8 +293,4 @@ def test_a_producer_waiting_when_redis_loses_its_data_says_so_once_and_resends_e
         producer.close()
         if worker is not None:
             worker.stop(timeout=30)
-    said = [r.getMessage() for r in caplog.records if "Redis lost its data" in r.getMessage()]
-    assert len(said) == 1 and f"the {n} message(s) still waited for" in said[0], said
-    assert [r["status"] for r in box["results"]] == ["ok"] * n
-    counts = stream_counts(client)
-    assert len(counts) == n and set(counts.values()) == {1}
+    assert_loss_said_once_and_answered_once(caplog, client, box["results"], n)

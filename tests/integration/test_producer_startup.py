@@ -21,7 +21,7 @@ import pytest
 import redis
 from servers import MASTER_NAME, require_redis_server, sentinel_set
 from test_producer_outages import QUEUE, Produce, rows, statuses, ticket_file
-from test_producer_resends import start_worker, stream_counts
+from test_producer_resends import assert_loss_said_once_and_answered_once, start_worker
 from workers import RedisServer, running_worker, wait_for, worker_env
 
 from producer.api import Producer
@@ -153,11 +153,7 @@ def test_a_data_loss_before_the_first_wait_is_seen_and_its_messages_are_resent_a
         finally:
             if worker is not None:
                 worker.stop(timeout=30)
-    said = [r.getMessage() for r in caplog.records if "Redis lost its data" in r.getMessage()]
-    assert len(said) == 1 and f"the {n} message(s) still waited for" in said[0], said
-    assert [r["status"] for r in box["results"]] == ["ok"] * n
-    counts = stream_counts(client)
-    assert len(counts) == n and set(counts.values()) == {1}
+    assert_loss_said_once_and_answered_once(caplog, client, box["results"], n)
 
 
 def test_a_producer_started_while_the_sentinel_primary_is_down_is_answered_after_the_promotion(tmp_path):

@@ -35,16 +35,14 @@ from pathlib import Path
 import psutil
 import pytest
 import redis
-from faults import COMMAND as FAULTY_WORKER
 from faults import POISON_MARKER_ENV
 from kombu import Connection
-from workers import ROOT, RedisServer, Worker, free_port, wait_for, worker_env
+from workers import ROOT, RedisServer, StartedWorkers, Worker, free_port, wait_for, worker_env
 
 from producer.api import Producer
 from producer.synthetic import generate_tickets
 from ticketq import names
 from ticketq.names import ATTEMPTS_KEY, CONSUMERS_KEY, FETCHING_KEY, OWNED_KEY
-from ticketq_bench.procs import WORKER_COMMAND
 from worker.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -62,20 +60,14 @@ FINAL_STATES = {"SUCCESS", "FAILURE"}
 @pytest.fixture
 def workers(tmp_path) -> Iterator[Callable[..., Worker]]:
     """`start(env, name)` -> a ready Worker; every worker started is stopped (or reaped) at the end."""
-    started: list[Worker] = []
+    workers = StartedWorkers(tmp_path, ready_timeout=180)
 
     def start(env: dict[str, str], name: str, ready: bool = True, faulty: bool = False) -> Worker:
         env = {**env, "TICKETQ_METRICS_PORT": str(free_port())}  # a restarted worker gets a fresh port
-        command = [sys.executable, *FAULTY_WORKER] if faulty else WORKER_COMMAND  # faulty: tests/support/faults.py
-        worker = Worker(env, tmp_path / f"{name}.log", command=command)  # its own log: wait_ready looks for " ready."
-        started.append(worker)
-        if ready:
-            worker.wait_ready(timeout=180)
-        return worker
+        return workers.start(env, name, faulty=faulty, ready=ready)
 
     yield start
-    for worker in started:
-        worker.stop(timeout=30)
+    workers.stop()
 
 
 def null_env(server: RedisServer, **extra: str) -> dict[str, str]:

@@ -26,6 +26,7 @@ import httpx
 import pytest
 import redis
 from gateways import running_gateway
+from schemas import write_review_all
 from servers import require_redis_server
 from workers import ROOT, RedisServer, running_worker, skip_or_fail, wait_for, worker_env
 
@@ -37,13 +38,6 @@ pytestmark = pytest.mark.integration
 CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
 ALICE, CAROL, BOB = (f"{who}-{uuid.uuid4().hex}" for who in ("alice", "carol", "bob"))
 TOKENS = f"alice@acme:{token_digest(ALICE)},carol@acme:{token_digest(CAROL)},bob@beta:{token_digest(BOB)}"
-REVIEW_ALL = """
-name = "review-all"
-[fields.team]
-instruction = "Which team should handle the ticket?"
-labels = ["billing", "technical", "account"]
-threshold = 1.0
-"""
 ACME = {f"A{n}": f"acme ticket {n}: my invoice {n} was charged twice" for n in range(5)}
 BETA = {f"B{n}": f"beta ticket {n}: the app crashes on start" for n in range(2)}
 
@@ -56,10 +50,10 @@ def stack(tiny_model_dir, tmp_path_factory) -> Iterator[dict]:
         skip_or_fail("no chromium binary: apt-get install -y chromium chromium-driver (make test-deps does)")
     require_redis_server()
     workdir = tmp_path_factory.mktemp("review-browser")
-    (workdir / "review-all.toml").write_text(REVIEW_ALL)
+    schema = write_review_all(workdir)
     server = RedisServer(workdir, aof=False).start()
     queue = f"review-{uuid.uuid4().hex[:8]}"
-    env = worker_env(tiny_model_dir, server.url, queue, TICKETQ_SCHEMAS=str(workdir / "review-all.toml"))
+    env = worker_env(tiny_model_dir, server.url, queue, TICKETQ_SCHEMAS=str(schema))
     gateway_env = {
         "TICKETQ_GATEWAY_TOKENS": TOKENS,
         "TICKETQ_GATEWAY_SCHEMAS": "review-all",

@@ -9,17 +9,16 @@ synchronisation is the classifier's own call, not a sleep.
 
 from __future__ import annotations
 
-import json
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timedelta, timezone
 
 import pytest
 import redis
-from celery import Celery, states
+from celery import states
 from celery.result import AsyncResult
 from celery_batches import SimpleRequest
-from workers import celery_results_app, redis_or_skip
+from inprocess import REDIS_URL, results_of, service_fixtures, task_request
 
 from ticketq import names
 from ticketq.names import ATTEMPTS_KEY
@@ -35,7 +34,6 @@ from worker.settings import Settings
 
 pytestmark = pytest.mark.integration
 
-REDIS_URL = "redis://127.0.0.1:6379/3"
 LABELS = ("billing", "technical", "account")
 
 
@@ -63,18 +61,7 @@ def test_engine_hands_each_forward_batch_to_on_predictions(tiny_engine):
 # the service, in process, on the real Redis and Celery's Redis backend
 
 
-@pytest.fixture(scope="module")
-def client() -> Iterator[redis.Redis]:
-    client = redis_or_skip(REDIS_URL)
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
-def app(client) -> Iterator[Celery]:
-    app = celery_results_app("ticketq-streaming-test", REDIS_URL)
-    yield app
-    app.close()
+client, app = service_fixtures("ticketq-streaming-test")
 
 
 class ScriptedClassifier(NullClassifier):
@@ -113,34 +100,24 @@ def _service(classifier, client: redis.Redis, metrics: Metrics | None = None) ->
     return TicketService(settings, classifier, Outbox.from_settings(client, settings, Health()), hooks)
 
 
-def _request(payload, expires: datetime | None = None) -> SimpleRequest:
-    headers = {"expires": expires.isoformat()} if expires else {}
-    return SimpleRequest(str(uuid.uuid4()), names.TASK_CLASSIFY, (payload,), {}, {}, "test", False, None, None, headers)
-
-
 def _ticket(i: int, tag: str) -> dict:
     return {"id": f"{tag}-{i}", "text": f"{tag} ticket {i}: my invoice is wrong", "submitted_at": 1.0}
 
 
-def _stream_for(client: redis.Redis, task_ids: set[str]) -> list[dict]:
-    entries = (json.loads(fields[b"data"]) for _, fields in client.xrange(names.RESULTS_STREAM))
-    return [entry for entry in entries if entry["task_id"] in task_ids]
-
-
 def test_each_forward_batch_is_published_before_the_next_is_computed(client, app):
-    requests = [_request(_ticket(i, "stream")) for i in range(6)]
+    requests = [task_request(_ticket(i, "stream")) for i in range(6)]
     ids = {r.id for r in requests}
     published_before: list[int] = []
 
     def before(k: int, texts) -> None:
-        published_before.append(len(_stream_for(client, ids)))
+        published_before.append(len(results_of(client, ids)))
         done = [AsyncResult(r.id, app=app).state == states.SUCCESS for r in requests]
         assert sum(done) == published_before[-1], "the backend is written with the stream, per forward batch"
 
     metrics = Metrics()
     _service(ScriptedClassifier(batch=2, before=before), client, metrics).process(requests, app.backend)
     assert published_before == [0, 2, 4]
-    stream = _stream_for(client, ids)
+    stream = results_of(client, ids)
     assert sorted(entry["id"] for entry in stream) == sorted(f"stream-{i}" for i in range(6))
     for request in requests:
         stored = AsyncResult(request.id, app=app)
@@ -152,27 +129,27 @@ def test_each_forward_batch_is_published_before_the_next_is_computed(client, app
 
 
 def test_packed_message_is_done_once_its_last_ticket_is(client, app):
-    pack = _request([_ticket(i, "pack") for i in range(4)])
+    pack = task_request([_ticket(i, "pack") for i in range(4)])
     states_seen: list[tuple[int, str]] = []
 
     def before(k: int, texts) -> None:
-        states_seen.append((len(_stream_for(client, {pack.id})), AsyncResult(pack.id, app=app).state))
+        states_seen.append((len(results_of(client, {pack.id})), AsyncResult(pack.id, app=app).state))
 
     _service(ScriptedClassifier(batch=3, before=before), client).process([pack], app.backend)
     assert states_seen == [(0, states.PENDING), (3, states.PENDING)], "stream entries first, backend at the end"
     rows = AsyncResult(pack.id, app=app).get(timeout=5)
     assert [row["id"] for row in rows] == [f"pack-{i}" for i in range(4)]
-    assert len(_stream_for(client, {pack.id})) == 4
+    assert len(results_of(client, {pack.id})) == 4
 
 
 def test_engine_error_after_a_published_batch_retries_only_the_rest(client, app):
-    requests = [_request(_ticket(i, "retry")) for i in range(6)]
+    requests = [task_request(_ticket(i, "retry")) for i in range(6)]
     classifier = ScriptedClassifier(batch=2, fail_once_at=1)
     _service(classifier, client).process(requests, app.backend)
     texts = [r.args[0]["text"] for r in requests]
     assert classifier.computed.count(texts[0]) == 1, "a published batch is not computed again"
     assert sorted(classifier.computed) == sorted(texts)
-    stream = _stream_for(client, {r.id for r in requests})
+    stream = results_of(client, {r.id for r in requests})
     assert sorted(e["id"] for e in stream) == sorted(f"retry-{i}" for i in range(6))
     assert {e["status"] for e in stream} == {"ok"}
     assert all(AsyncResult(r.id, app=app).state == states.SUCCESS for r in requests)
@@ -195,7 +172,7 @@ def test_a_failed_publish_leaves_no_message_unanswered_or_acked_early(client, ap
     """The second forward batch's publish fails (Redis refusing, past its retries): the first batch
     stays published and acked; every other message gets a FAILURE result (none is left PENDING)
     and is acked as answered only if its results are out; a publish error is not retried."""
-    requests = [_request(_ticket(i, "pubfail")) for i in range(6)]
+    requests = [task_request(_ticket(i, "pubfail")) for i in range(6)]
     classifier = ScriptedClassifier(batch=2)
     service = _service(classifier, client)
     publish, calls = service.outbox.publish, []
@@ -217,33 +194,33 @@ def test_a_failed_publish_leaves_no_message_unanswered_or_acked_early(client, ap
         AsyncResult(failed[0], app=app).result)  # fmt: skip
     assert set(state.values()) <= {states.SUCCESS, states.FAILURE}, f"a message left unanswered: {state}"
     assert sorted(feed.acked) == sorted(answered), "acked as answered exactly when its results are out"
-    assert {e["task_id"] for e in _stream_for(client, set(state))} == answered
+    assert {e["task_id"] for e in results_of(client, set(state))} == answered
     assert calls == [2, 2] and len(classifier.computed) == 4, "a publish error stops the job, is not retried"
 
 
 def test_re_execution_publishes_nothing_twice(client, app):
-    requests = [_request(_ticket(i, "twice")) for i in range(3)] + [_request([_ticket(9, "twice-pack")])]
+    requests = [task_request(_ticket(i, "twice")) for i in range(3)] + [task_request([_ticket(9, "twice-pack")])]
     first = _service(ScriptedClassifier(batch=2), client)
     first.process(requests, app.backend)
     stored = {r.id: AsyncResult(r.id, app=app).result for r in requests}
     metrics = Metrics()
     again = _service(ScriptedClassifier(batch=2), client, metrics)
     again.process(requests, app.backend)  # a crash-redelivery: attempts keys are gone, results are not
-    assert len(_stream_for(client, {r.id for r in requests})) == 4
+    assert len(results_of(client, {r.id for r in requests})) == 4
     assert {r.id: AsyncResult(r.id, app=app).result for r in requests} == stored, "a stored result is kept"
     assert metrics.registry.get_sample_value("ticketq_duplicate_results_total") == 4
 
 
 def test_expired_message_is_answered_without_being_computed(client, app):
     now = datetime.now(timezone.utc)
-    late = _request(_ticket(0, "late"), expires=now - timedelta(seconds=5))
-    late_pack = _request([_ticket(1, "late"), _ticket(2, "late")], expires=now - timedelta(seconds=1))
-    timely = _request(_ticket(3, "timely"), expires=now + timedelta(hours=1))
+    late = task_request(_ticket(0, "late"), expires=now - timedelta(seconds=5))
+    late_pack = task_request([_ticket(1, "late"), _ticket(2, "late")], expires=now - timedelta(seconds=1))
+    timely = task_request(_ticket(3, "timely"), expires=now + timedelta(hours=1))
     classifier = ScriptedClassifier(batch=8)
     metrics = Metrics()
     _service(classifier, client, metrics).process([late, late_pack, timely], app.backend)
     assert classifier.computed == [timely.args[0]["text"]]
-    stream = {e["id"]: e for e in _stream_for(client, {late.id, late_pack.id, timely.id})}
+    stream = {e["id"]: e for e in results_of(client, {late.id, late_pack.id, timely.id})}
     assert {i: e["status"] for i, e in stream.items()} == {"late-0": "failed", "late-1": "failed",
                                                           "late-2": "failed", "timely-3": "ok"}  # fmt: skip
     assert {stream[i]["reason"] for i in ("late-0", "late-1", "late-2")} == {"expired"}
@@ -276,7 +253,7 @@ def test_worker_answers_an_expired_message_as_expired(client, tmp_path):
         with pytest.raises(Exception, match="expired"):
             late.get(timeout=60)
         assert late.state == states.REVOKED, "a message past its expires ends as Celery ends it"
-    (entry,) = _stream_for(client, {late.id})
+    (entry,) = results_of(client, {late.id})
     assert entry["status"] == "failed" and entry["reason"] == "expired" and entry["id"] == "real-late-0"
 
 
@@ -292,7 +269,7 @@ class EndlessFeed:
         self.acked: list[str] = []
 
     def more(self) -> list[SimpleRequest]:
-        arrived = [_request(_ticket(len(self.given) + i, "endless")) for i in range(2)]
+        arrived = [task_request(_ticket(len(self.given) + i, "endless")) for i in range(2)]
         self.given += arrived
         return arrived
 
@@ -305,12 +282,12 @@ def test_requests_arriving_between_forwards_join_the_job_and_are_acked_as_answer
     and ends under steady traffic once it has taken `job_limit` tickets."""
     service = _service(NullClassifier(("billing", "other")), client)
     service.job_limit = 20
-    feed, first = EndlessFeed(), [_request(_ticket(i, "first")) for i in range(3)]
+    feed, first = EndlessFeed(), [task_request(_ticket(i, "first")) for i in range(3)]
     service.process(first, app.backend, feed)
     ids = {r.id for r in first} | {r.id for r in feed.given}
     assert 20 <= len(ids) <= 22, "the job stopped taking requests at its limit"
     assert sorted(feed.acked) == sorted(ids), "every request taken in was acked once, as it was answered"
-    entries = _stream_for(client, ids)
+    entries = results_of(client, ids)
     assert sorted(e["task_id"] for e in entries) == sorted(ids) and all(e["status"] == "ok" for e in entries)
 
 

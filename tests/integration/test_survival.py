@@ -30,19 +30,17 @@ from functools import partial
 
 import pytest
 import redis
-from faults import COMMAND as FAULTY_WORKER
 from faults import DELAY_ENV
 from kombu import Connection, Consumer, Queue
 from proxy import RedisProxy, command_is
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from test_memory import readyz
-from workers import ROOT, RedisServer, Worker, free_port, wait_for, worker_env
+from workers import ROOT, RedisServer, StartedWorkers, Worker, free_port, wait_for, worker_env
 
 from producer.api import Producer
 from ticketq import names
 from ticketq.names import ATTEMPTS_KEY, FETCHING_KEY
-from ticketq_bench.procs import WORKER_COMMAND
 from worker.settings import Settings
 from worker.transport import fetch as internals
 
@@ -57,20 +55,15 @@ SLACK_S = 30  # a loaded 2-core machine: scheduling, never the mechanism itself
 
 @pytest.fixture
 def workers(tmp_path) -> Iterator[Callable[..., Worker]]:
-    started: list[Worker] = []
+    workers = StartedWorkers(tmp_path)
 
     def start(url: str, queue: str, name: str, faulty: bool = False, **extra: str) -> Worker:
         env = worker_env(None, url, queue, TICKETQ_NULL_CLASSIFIER="1", TICKETQ_LEASE_S=str(LEASE_S),
                          TICKETQ_WORST_BATCH_S=str(WORST_BATCH_S), **extra)  # fmt: skip
-        command = [sys.executable, *FAULTY_WORKER] if faulty else WORKER_COMMAND  # faulty: tests/support/faults.py
-        worker = Worker(env, tmp_path / f"{name}.log", command=command)
-        started.append(worker)
-        worker.wait_ready(timeout=120)
-        return worker
+        return workers.start(env, name, faulty=faulty)
 
     yield start
-    for worker in started:
-        worker.stop(timeout=30)
+    workers.stop()
 
 
 @pytest.fixture

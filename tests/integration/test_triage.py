@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from schemas import REVIEW_ALL, write_review_all
 from servers import require_redis_server
 from workers import ROOT, RedisServer, running_worker, wait_for, worker_env
 
@@ -34,22 +35,13 @@ pytestmark = pytest.mark.integration
 
 PROB_TOL = 1e-4
 EXAMPLES = ROOT / "examples"
-# every answer of this schema goes to review: no confidence reaches a threshold of 1
-REVIEW_ALL = """
-name = "review-all"
-[fields.team]
-instruction = "Which team should handle the ticket?"
-labels = ["billing", "technical", "account"]
-threshold = 1.0
-"""
 
 
 @pytest.fixture(scope="module")
 def triage(tiny_model_dir, tmp_path_factory) -> Iterator[dict]:
     require_redis_server()  # under CI a missing redis-server fails the test instead of skipping it
     workdir = tmp_path_factory.mktemp("triage")
-    (workdir / "review-all.toml").write_text(REVIEW_ALL)
-    schemas = f"{EXAMPLES / 'schema.toml'},{EXAMPLES / 'schema-topics.toml'},{workdir / 'review-all.toml'}"
+    schemas = f"{EXAMPLES / 'schema.toml'},{EXAMPLES / 'schema-topics.toml'},{write_review_all(workdir)}"
     server = RedisServer(workdir, aof=False).start()
     queue = f"triage-{uuid.uuid4().hex[:8]}"
     env = worker_env(tiny_model_dir, server.url, queue, TICKETQ_SCHEMAS=schemas, TICKETQ_MATMUL="torch",

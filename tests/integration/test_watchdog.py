@@ -19,13 +19,10 @@ import socket
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 
 import pytest
-import redis
-from celery import Celery
-from celery_batches import SimpleRequest
 from faults import HANG_MARKER_ENV, RELEASE_FILE_ENV
+from inprocess import REDIS_URL, results_of, service_fixtures, task_request
 from kombu import Connection, Consumer, Queue
 from test_memory import readyz
 from test_reliability import (  # noqa: F401 -- `workers` is the fixture that starts (and stops) worker processes
@@ -39,9 +36,8 @@ from test_reliability import (  # noqa: F401 -- `workers` is the fixture that st
     wait_all_final,
     workers,
 )
-from workers import celery_results_app, redis_or_skip, wait_for
+from workers import wait_for
 
-from ticketq import names
 from ticketq.names import ALIVE_KEY, OWNED_KEY
 from worker.engine.batching import Batch, Plan
 from worker.health import Health, Progress
@@ -57,7 +53,6 @@ from worker.transport import fetch
 
 pytestmark = pytest.mark.integration
 
-REDIS_URL = "redis://127.0.0.1:6379/3"
 LABELS = ("billing", "technical", "account")
 
 
@@ -86,18 +81,7 @@ def test_progress_is_stalled_only_with_work_in_hand_past_its_bound():
 # the service marks the record: work in hand from the job's start to its end, progress per forward
 
 
-@pytest.fixture(scope="module")
-def client() -> Iterator[redis.Redis]:
-    client = redis_or_skip(REDIS_URL)
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
-def app(client) -> Iterator[Celery]:
-    app = celery_results_app("ticketq-watchdog-test", REDIS_URL)
-    yield app
-    app.close()
+client, app = service_fixtures("ticketq-watchdog-test")
 
 
 class SlowSecondForward(NullClassifier, Hook):
@@ -135,7 +119,7 @@ def test_the_service_holds_work_from_job_start_to_end_and_marks_each_forward(cli
     classifier = SlowSecondForward(health.classifying)
     hooks = [*standard_hooks(settings, classifier, Metrics(health=health), health.classifying), classifier]
     service = TicketService(settings, classifier, Outbox.from_settings(client, settings, health), hooks)
-    requests = [_request({"id": f"wd-{n}", "text": f"watchdog ticket {n}: my invoice is wrong"}) for n in range(3)]
+    requests = [task_request({"id": f"wd-{n}", "text": f"watchdog ticket {n}: my invoice is wrong"}) for n in range(3)]
     service.process(requests, app.backend)
     (first_bound, first, _), (_, second, after_second), (_, third, _) = classifier.seen
     assert first_bound == bound and first == 0.0, "the job's work is in hand under TICKETQ_WORST_BATCH_S"
@@ -143,15 +127,7 @@ def test_the_service_holds_work_from_job_start_to_end_and_marks_each_forward(cli
     assert after_second == 0.0, "a forward computed is progress"
     assert third == 0.0, "the forward and its publish were progress"
     assert health.classifying.stalled_for() == 0.0 and health.classifying.bound_s == math.inf, "the job ended: idle"
-    assert len(_stream_for(client, {r.id for r in requests})) == 3
-
-
-def _request(payload) -> SimpleRequest:
-    return SimpleRequest(str(uuid.uuid4()), names.TASK_CLASSIFY, (payload,), {}, {}, "test", False, None, None, {})
-
-
-def _stream_for(client: redis.Redis, task_ids: set[str]) -> list[dict]:
-    return [result for _, result in results_stream(client) if result["task_id"] in task_ids]
+    assert len(results_of(client, {r.id for r in requests})) == 3
 
 
 # --------------------------------------------------------------------------------------------

@@ -38,12 +38,14 @@ class SentinelServer(RedisServer):
     def __init__(self, workdir: Path, master_port: int, port: int, master_name: str = MASTER_NAME) -> None:
         super().__init__(workdir, port=port, aof=False)
         self.master_port, self.master_name = master_port, master_name
+        self.master_host = "127.0.0.1"  # where it finds the master
+        self.listen = "bind 127.0.0.1\n"  # configuration lines: where it listens, who may connect
 
     def start(self) -> SentinelServer:
         config = self.workdir / "sentinel.conf"
         config.write_text(
-            f"port {self.port}\nbind 127.0.0.1\ndir {self.workdir}\n"
-            f"sentinel monitor {self.master_name} 127.0.0.1 {self.master_port} 2\n"
+            f"port {self.port}\n{self.listen}dir {self.workdir}\n"
+            f"sentinel monitor {self.master_name} {self.master_host} {self.master_port} 2\n"
             f"sentinel down-after-milliseconds {self.master_name} {DOWN_AFTER_MS}\n"
             f"sentinel failover-timeout {self.master_name} 10000\n"
         )

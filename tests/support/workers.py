@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -26,8 +27,8 @@ from ticketq_bench.procs import WorkerProcess as Worker
 
 # What the tests import from here; ROOT, free_port, wait_for and Worker come from ticketq_bench.procs.
 __all__ = [
-    "ROOT", "RedisServer", "Worker", "free_port", "null_classifier_service", "on_ci", "redis_or_skip", "running_worker",
-    "skip_or_fail", "wait_for", "worker_env",
+    "ROOT", "RedisServer", "StartedWorkers", "Worker", "end_process", "free_port", "null_classifier_service", "on_ci",
+    "redis_or_skip", "running_worker", "skip_or_fail", "wait_for", "worker_command", "worker_env",
 ]  # fmt: skip
 
 
@@ -51,6 +52,36 @@ def worker_env(model_dir: Path | None, broker_url: str, queue: str, **extra: str
 def running_worker(env: dict[str, str], log_path: Path, ready_timeout: float = 120) -> AbstractContextManager[Worker]:
     """`procs.running_worker` with a test's patience: the tiny stand-in is ready in seconds."""
     return procs.running_worker(env, log_path, ready_timeout)
+
+
+def worker_command(faulty: bool = False) -> list[str]:
+    """How a worker is run: `ticketq worker`, or with `faulty` the fault-injecting one (tests/support/faults.py)."""
+    if not faulty:
+        return list(procs.WORKER_COMMAND)
+    from faults import COMMAND  # imports the worker package: only where a test asks for it
+
+    return [sys.executable, *COMMAND]
+
+
+class StartedWorkers:
+    """The worker processes one test starts, each logging to `workdir/NAME.log`; a fixture calls
+    `stop()` at its end, which stops (or reaps) every one."""
+
+    def __init__(self, workdir: Path, ready_timeout: float = 120) -> None:
+        self.workdir, self.ready_timeout = workdir, ready_timeout
+        self.started: list[Worker] = []
+
+    def start(self, env: dict[str, str], name: str, faulty: bool = False, ready: bool = True) -> Worker:
+        """A worker from `env` (`worker_command(faulty)`), ready unless `ready` is False."""
+        worker = Worker(env, self.workdir / f"{name}.log", command=worker_command(faulty))  # its own log: " ready."
+        self.started.append(worker)
+        if ready:
+            worker.wait_ready(timeout=self.ready_timeout)
+        return worker
+
+    def stop(self) -> None:
+        for worker in self.started:
+            worker.stop(timeout=30)
 
 
 class RedisServer:
@@ -94,14 +125,17 @@ class RedisServer:
             return False
 
     def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
+        end_process(self.proc, signal.SIGKILL)
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10)
+        end_process(self.proc, timeout=10)
+
+
+def end_process(proc: subprocess.Popen | None, sig: int = signal.SIGTERM, timeout: float | None = None) -> None:
+    """Send `sig` to `proc` if it is still running, and reap it (waiting at most `timeout` seconds)."""
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(sig)
+        proc.wait(timeout=timeout)
 
 
 @contextmanager
