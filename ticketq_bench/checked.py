@@ -3,6 +3,7 @@ forwards, re-check forwards, tickets sent straight to float32), and the line tha
 
 from __future__ import annotations
 
+from ticketq_bench.memory import weights_mb
 from ticketq_bench.records import Answer
 from worker.results import BatchReport
 
@@ -23,6 +24,13 @@ def recheck_figures(figures: dict, engine, answers: list[Answer], reports: list[
              "recheck_s": [r for r in reports if r.recheck]}  # fmt: skip
     for part, chosen in parts.items():
         entry.setdefault(part, []).append(sum(r.seconds for r in chosen))
+    entry["weights_mb"] = {"fast": weights_mb(*_models(engine)), "twin": weights_mb(*_models(engine.policy.exact)),
+                           "both": weights_mb(*_models(engine), *_models(engine.policy.exact))}  # fmt: skip
+
+
+def _models(engine) -> list:
+    """The modules whose tensors `engine` computes with: its model, and its int8 decoder where it has one."""
+    return [engine.model] + ([engine.decoder] if engine.decoder is not engine.float_decoder else [])
 
 
 def describe_fast(mode: str, engine) -> str:

@@ -34,3 +34,23 @@ def peak_rss_mb(pid: int | str) -> float | None:
         return psutil.Process(int(pid)).memory_info().rss / 2**20
     except psutil.Error:
         return None
+
+
+def weights_mb(*models) -> float:
+    """MiB of the tensors `models` hold (parameters, buffers and oneDNN-packed weights), each storage
+    counted once: what a mode keeps resident whatever else the bench process has loaded (its peak RSS
+    cannot tell two engines in one process apart)."""
+    import torch
+
+    seen: dict[int, int] = {}
+    for model in models:
+        for module in model.modules():
+            tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+            tensors += [value for value in vars(module).values() if isinstance(value, torch.Tensor)]
+            for tensor in tensors:
+                if tensor.is_mkldnn:  # an opaque packed weight: no storage to share, its own bytes
+                    seen[id(tensor)] = tensor.numel() * tensor.element_size()
+                else:
+                    storage = tensor.untyped_storage()
+                    seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values()) / 2**20

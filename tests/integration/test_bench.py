@@ -331,3 +331,7 @@ def test_quick_bench_runs_the_checked_mode_in_bfloat16_to_its_row(tiny_model_dir
     assert main(argv) == 0
     rows = {row["mode"]: row for row in json.loads(out.read_text())[1:]}
     assert rows["ticketq-checked"]["agreement"] == 1.0 and rows["ticketq"]["agreement"] == 1.0
+    header, weights = json.loads(out.read_text())[0], rows["ticketq-checked"]["recheck"]["weights_mb"]
+    assert weights["fast"] < weights["twin"] <= weights["both"] <= weights["fast"] + weights["twin"] + 0.01
+    (line,) = [note for note in header["notes"] if note.startswith("ticketq-checked memory:")]
+    assert f"{weights['both']:.0f} MiB of weights resident" in line

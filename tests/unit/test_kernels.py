@@ -263,3 +263,34 @@ def test_the_bf16_calibration_hands_onednn_one_dtype_and_the_layer_width_per_cal
         assert x_dtype == weight == bias and dims in (2, 3) and width == in_features
     if kernels.cpu_has_native_bf16():  # the bf16 copy is packed there: its calls were seen too
         assert any(call[0] == torch.bfloat16 for call in calls)
+
+
+def test_a_cast_copy_is_cast_as_it_is_made_and_equals_casting_the_whole_model(tiny_settings):
+    """`cast_copy` builds its bfloat16 copy tensor by tensor (no whole float32 copy held on the way):
+    every parameter and buffer equals the old way's (a float32 deep copy cast whole), bit for bit,
+    the tied embedding and LM head stay one tensor, and the float32 model is left as it was."""
+    import copy
+
+    from worker.engine.configure import cast_copy
+    from worker.engine.loading import load_model
+
+    model, _ = load_model(tiny_settings.model, CPU, torch.float32)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    copied, _ = cast_copy(model, torch.bfloat16, "torch")
+    whole = copy.deepcopy(model).to(torch.bfloat16)
+    assert copied.state_dict().keys() == whole.state_dict().keys()
+    for name, tensor in whole.state_dict().items():
+        assert copied.state_dict()[name].dtype == tensor.dtype and torch.equal(copied.state_dict()[name], tensor), name
+    for name, tensor in model.state_dict().items():
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, before[name]), name
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert (copied.get_output_embeddings().weight is copied.get_input_embeddings().weight) == tied
+    for (name, buffer), (_, cast) in zip(model.named_buffers(), copied.named_buffers(), strict=True):
+        assert cast.dtype == (torch.bfloat16 if buffer.is_floating_point() else buffer.dtype), name
+    # the bench's memory figure counts a tied tensor once and a bfloat16 copy at half the bytes
+    from ticketq_bench.memory import weights_mb
+
+    distinct = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.state_dict().values()}
+    assert weights_mb(model) == pytest.approx(sum(distinct.values()) / 2**20, rel=0.01)
+    assert weights_mb(copied) == pytest.approx(weights_mb(model) / 2, rel=0.02)
+    assert weights_mb(model, copied) == pytest.approx(weights_mb(model) + weights_mb(copied))

@@ -84,8 +84,9 @@ def load_configured(settings: Settings):
 def cast_copy(model, dtype: torch.dtype, matmul: str = "auto"):
     """(a copy of `model` in `dtype`, the GEMM kernel resolved for it), its decoder's weights packed
     for oneDNN where `matmul` resolves so. The copy's linear layers are its own (dense again where
-    `model`'s are packed: a packed weight is shared by copies); `model` is left as it is."""
-    copied = copy.deepcopy(model)
+    `model`'s are packed: a packed weight is shared by copies); `model` is left as it is. The copy
+    is cast as it is made (`_cast_as_copied`), never held whole in float32."""
+    copied = copy.deepcopy(model, _cast_as_copied(model, dtype))
     decoder = copied.get_decoder()
     for name, module in list(decoder.named_modules()):
         if isinstance(module, PackedLinear):
@@ -94,6 +95,21 @@ def cast_copy(model, dtype: torch.dtype, matmul: str = "auto"):
     chosen = resolve_matmul(matmul, copied.device, dtype)
     _pack(copied, chosen, dtype)
     return copied, chosen
+
+
+def _cast_as_copied(model, dtype: torch.dtype) -> dict:
+    """A `copy.deepcopy` memo that maps each floating-point parameter and buffer of `model` to its
+    cast to `dtype`, so the copy is built cast tensor by tensor: a whole float32 copy is never held
+    (peak: the model and its cast copy, 1.5x a float32 model for bfloat16, not 2.5x). A cast is
+    elementwise, so the values are those of casting a float32 copy; tied weights stay tied (one
+    tensor, one entry)."""
+    memo: dict = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.is_floating_point() and id(tensor) not in memo:
+            cast = tensor.detach().to(dtype)
+            is_param = isinstance(tensor, torch.nn.Parameter)
+            memo[id(tensor)] = torch.nn.Parameter(cast, requires_grad=tensor.requires_grad) if is_param else cast
+    return memo
 
 
 def _pack(model, matmul: str, dtype: torch.dtype) -> None:
