@@ -67,6 +67,7 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None)
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
+        await state.intake.enqueue.aclose()
         state.intake.close()
 
     # /docs and /openapi.json are served by `_ops_routes`, behind TICKETQ_GATEWAY_ADMIN_TOKENS.
@@ -181,7 +182,7 @@ class _State:
             if stored is not None:
                 return JSONResponse(stored, 202, headers={"Idempotent-Replayed": "true"})
         try:
-            rows = await self.run(self.intake.accept, checked, who.tenant, who.token)
+            rows = await self.intake.accept(checked, who.tenant, who.token)
         except Exception:
             if claim is not None:
                 await self.run(self.intake.release, who.tenant, key, claim)

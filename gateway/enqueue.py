@@ -13,21 +13,29 @@ task message, pushed to the queue's own list as kombu's Redis transport would.
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import functools
 import json
-from collections.abc import Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-import redis
-from redis.commands.core import Script
+import redis.asyncio
+from redis.commands.core import AsyncScript
 
 from gateway.keys import QUEUED_KEY
 from gateway.settings import GatewaySettings
 from producer.api import QueuedMessages, idempotent_task_id
+from ticketq import connections
+from ticketq.aioredis import async_redis_client
 from ticketq.lua import script
 from ticketq.names import queue_lists
 
 ENQUEUE = script(__package__, "enqueue")
+LOST = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)  # worth asking again
+RETRY_PAUSE_S = (0.05, 0.5)  # while Redis is away, a POST's pause before asking again: the first, the longest
 
 
 class Outcome(enum.IntEnum):
@@ -67,25 +75,63 @@ def outgoing(messages: QueuedMessages, sent: Sequence[tuple[str, str, str | None
     return Outgoing(task_id, message, [json.dumps({"task_id": task_id, "packed": True, **kept}) for *_, kept in sent])
 
 
+async def asked_again(call: Callable[[], Awaitable[Any]], limit_s: float) -> Any:
+    """`await call()`, asked again through a Redis that went away for up to `limit_s`
+    (TICKETQ_GATEWAY_SEND_RETRY_S), then its error; a refusal (ResponseError) at once. A push whose
+    reply was lost, asked again, finds its tickets `duplicate`."""
+    deadline, pause = time.monotonic() + limit_s, RETRY_PAUSE_S[0]
+    while True:
+        try:
+            return await call()
+        except LOST:
+            if time.monotonic() + pause > deadline:
+                raise
+        await asyncio.sleep(pause)
+        pause = min(2 * pause, RETRY_PAUSE_S[1])
+
+
 class Enqueue:
-    """The accept step for one queue; the message and markers come from `gateway.intake.Intake`."""
+    """The accept step for one queue, on the event loop's own Redis client (no thread hop); the
+    message and markers come from `gateway.intake.Intake`. Redis errors propagate."""
 
     def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
         self.bound = settings.gateway_max_queue_depth
         self.lists = queue_lists(settings.queue)
         self.ledger = QUEUED_KEY.format(queue=settings.queue)
         self.marker_ttl_s = settings.result_expires_s
-        self._script: Script | None = None  # EVALSHA, loaded on first use
+        self._script: AsyncScript | None = None  # EVALSHA, loaded on first use
+        self._client: tuple[asyncio.AbstractEventLoop, redis.asyncio.Redis] | None = None
 
-    def push(self, client: redis.Redis, marker_keys: Sequence[str], carried: Sequence[bool], message: bytes,
-             records: Sequence[str]) -> Step:  # fmt: skip
+    @property
+    def client(self) -> redis.asyncio.Redis:
+        """The running event loop's own client on the broker (one per loop: a test client runs several)."""
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._client[0] is not loop:
+            self._client = (loop, async_redis_client(self.settings.broker_url, **self.settings.sentinel))
+        return self._client[1]
+
+    async def aclose(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client[1].aclose()
+
+    async def push(self, marker_keys: Sequence[str], carried: Sequence[bool], message: bytes,
+                   records: Sequence[str]) -> Step:  # fmt: skip
         """Push `message` (carrying the tickets whose `carried` is set) with `records` as their markers,
-        if exactly those tickets have no marker and the bound has room for them."""
+        if exactly those tickets have no marker and the bound has room for them; asked again through a
+        Redis that went away for TICKETQ_GATEWAY_SEND_RETRY_S."""
         if self._script is None:
-            self._script = client.register_script(ENQUEUE)
+            self._script = self.client.register_script(ENQUEUE)
         mask = "".join("1" if carries else "0" for carries in carried)
-        outcome, depth, *markers = self._script(
-            keys=[*self.lists, self.ledger, *marker_keys], client=client,
-            args=[len(self.lists), self.bound, self.marker_ttl_s, message, mask, *records],
-        )  # fmt: skip
+        args = [len(self.lists), self.bound, self.marker_ttl_s, message, mask, *records]
+        call = functools.partial(self._script, keys=[*self.lists, self.ledger, *marker_keys], args=args,
+                                 client=self.client)  # fmt: skip
+        outcome, depth, *markers = await asked_again(call, self.settings.gateway_send_retry_s)
         return Step(Outcome(int(outcome)), int(depth), markers)
+
+    async def replicated(self, wanted: int, timeout_s: float) -> int:
+        """How many replicas hold every write the master took so far (WAIT, on one connection)."""
+        pipe = self.client.pipeline(transaction=False)
+        connections.confirm_replicas(pipe, wanted, timeout_s)
+        return int((await pipe.execute())[-1])

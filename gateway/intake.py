@@ -36,14 +36,12 @@ a retry finds the tickets `duplicate`).
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import math
 import threading
-import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +52,6 @@ from gateway.enqueue import Enqueue, Outcome, Outgoing, Step, outgoing
 from gateway.keys import IDEMPOTENCY_KEY, TICKET_KEY
 from gateway.settings import GatewaySettings
 from producer.api import Producer, QueuedMessages, TicketResult
-from ticketq import connections
 from ticketq.contract import ID_TENANT_ROOM, MAX_ID_CHARS, Reason, TicketRejected, UniqueIds, validate_ticket
 
 FIELDS = ("id", "text", "schema", "metadata")
@@ -67,8 +64,6 @@ REASON_FIELDS = {Reason.MISSING_FIELD: "text", Reason.EMPTY_ID: "id", Reason.INV
                  Reason.INVALID_UTF8: "text", Reason.OVERSIZE: "text", Reason.EMPTY_TEXT: "text",
                  Reason.DUPLICATE_ID: "id"}  # fmt: skip
 _REDIS_ERRORS = (redis.exceptions.RedisError, OSError)
-_LOST = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)  # worth asking again
-RETRY_PAUSE_S = (0.05, 0.5)  # while Redis is away, a POST's pause before asking again: the first, the longest
 
 
 @dataclass
@@ -226,24 +221,10 @@ def check_room(step: Step, settings: GatewaySettings) -> None:
                   settings.gateway_retry_after_s)  # fmt: skip
 
 
-def asked_again(call: Callable[[], Any], limit_s: float) -> Any:
-    """`call()`, asked again through a Redis that went away for up to `limit_s` (TICKETQ_GATEWAY_SEND_RETRY_S),
-    then its error; a refusal (a ResponseError) at once. A push whose reply was lost, asked again, finds its
-    tickets `duplicate`."""
-    deadline, pause = time.monotonic() + limit_s, RETRY_PAUSE_S[0]
-    while True:
-        try:
-            return call()
-        except _LOST:
-            if time.monotonic() + pause > deadline:
-                raise
-        time.sleep(pause)
-        pause = min(2 * pause, RETRY_PAUSE_S[1])
-
-
 class Intake:
-    """Sends checked tickets, once, through a `Producer` per thread (Celery's clients are not
-    shared across threads here); `accept` and `lookup` are blocking, for a worker thread."""
+    """Sends checked tickets, once: `accept` on the event loop (`gateway.enqueue`, one script); the
+    rest blocking, for a worker thread, through a `Producer` per thread (Celery's clients are not
+    shared across threads here)."""
 
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
@@ -314,7 +295,7 @@ class Intake:
     def _idempotency_key(self, tenant: str, key: str) -> str:
         return IDEMPOTENCY_KEY.format(tenant=tenant, digest=hashlib.sha256(key.encode()).hexdigest())
 
-    def accept(self, tickets: Sequence[Checked], tenant: str = DEFAULT_TENANT, token: str = "") -> list[dict]:
+    async def accept(self, tickets: Sequence[Checked], tenant: str = DEFAULT_TENANT, token: str = "") -> list[dict]:
         """Send `tenant`'s tickets not accepted before, as one packed message; one row per ticket: id,
         task_id, status (`accepted`, or `duplicate` for one accepted by an earlier POST). `Refused` 413/429/503."""
         wire = [self.wire_id(tenant, ticket.id) for ticket in tickets]
@@ -322,14 +303,17 @@ class Intake:
         carried = [True] * len(tickets)
         for _ in range(len(tickets) + 2):  # a marker only ever appears: each try carries fewer, or ends
             out = self._message(wire, tickets, carried, tenant, token)
-            step = self._push(keys, carried, out)
+            try:
+                step = await self.enqueue.push(keys, carried, out.message, out.records)
+            except _REDIS_ERRORS as exc:
+                raise self._refusal(exc) from None
             if step.outcome is not Outcome.CHANGED:
                 break
             carried = [marker is None for marker in step.markers]
         else:
             raise self._unavailable("contended", "other POSTs kept taking these tickets; send again")
         check_room(step, self.settings)
-        self._confirm_replicas()
+        await self._confirm_replicas()
         before = {w: json.loads(marker) for w, marker in zip(wire, step.markers, strict=True) if marker is not None}
         return [{"id": t.id, "task_id": before[w]["task_id"], "status": "duplicate"} if w in before
                 else {"id": t.id, "task_id": out.task_id, "status": "accepted"}
@@ -342,11 +326,14 @@ class Intake:
         return outgoing(self._messages, [(w, t.text, t.schema, {"metadata": t.metadata, "token": token,
                         "tenant": tenant, "id": t.id}) for w, t, c in zip(wire, tickets, carried, strict=True) if c])
 
-    def _confirm_replicas(self) -> None:
+    async def _confirm_replicas(self) -> None:
         """With TICKETQ_REPLICA_ACKS, `Refused` 503 unless that many replicas hold every write so far
         (a retry of the same tickets, answered `duplicate`, asks again)."""
-        wanted, timeout_s = self.settings.replica_acks, self.settings.replica_timeout_s
-        acked = self._redis_call(lambda r: connections.replicated(r, wanted, timeout_s)) if wanted else 0
+        wanted = self.settings.replica_acks
+        try:
+            acked = await self.enqueue.replicated(wanted, self.settings.replica_timeout_s) if wanted else 0
+        except _REDIS_ERRORS as exc:
+            raise self._refusal(exc) from None
         if acked < wanted:
             raise self._unavailable("not_replicated", f"the tickets are queued, but only {acked} of {wanted} "
                                     "replica(s) (TICKETQ_REPLICA_ACKS) confirmed them; send again")  # fmt: skip
@@ -373,14 +360,13 @@ class Intake:
     def _redis_call(self, call: Any) -> Any:
         try:
             return call(self.producer.redis)
-        except redis.exceptions.ResponseError as exc:  # OOM, READONLY, NOREPLICAS on a read-modify path
-            raise self._unavailable("redis_refused_write", f"Redis refused: {exc}") from None
         except _REDIS_ERRORS as exc:
-            raise self._unavailable("redis_unavailable", f"Redis is not reachable: {exc}") from None
+            raise self._refusal(exc) from None
 
-    def _push(self, keys: list[str], carried: list[bool], out: Outgoing) -> Step:
-        push = functools.partial(self.enqueue.push, self.producer.redis, keys, carried, out.message, out.records)
-        return self._redis_call(lambda _: asked_again(push, self.settings.gateway_send_retry_s))
+    def _refusal(self, exc: BaseException) -> Refused:
+        if isinstance(exc, redis.exceptions.ResponseError):  # OOM, READONLY, NOREPLICAS on a read-modify path
+            return self._unavailable("redis_refused_write", f"Redis refused: {exc}")
+        return self._unavailable("redis_unavailable", f"Redis is not reachable: {exc}")
 
     def _unavailable(self, reason: str, message: str) -> Refused:
         return Refused(503, reason, message.splitlines()[0] if message else reason, [],

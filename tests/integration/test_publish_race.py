@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import redis
+import redis.asyncio
 from fastapi.testclient import TestClient
 
 from gateway.app import create_app
@@ -83,20 +84,20 @@ def gateway_client(url: str) -> TestClient:
 
 @pytest.fixture
 def dropped_pushes(monkeypatch):
-    """`drop(n)`: the gateway's next `n` pushes (its script, EVALSHA) in this process raise ConnectionError
+    """`drop(n)`: the gateway's next `n` pushes (its script, EVALSHA, on its asyncio client) raise ConnectionError
     (None: all), as on a Redis that dropped the connection. The gateway pushes its messages in one script
     of its own (`gateway.enqueue`), not through kombu, so this is where its connection can be lost."""
-    execute = redis.client.Redis.execute_command
+    execute = redis.asyncio.Redis.execute_command
     state = {"left": 0, "dropped": 0}
 
-    def failing(self, *args, **kwargs):
+    async def failing(self, *args, **kwargs):
         if str(args[0]).upper() == "EVALSHA" and (state["left"] is None or state["left"] > 0):
             state["left"] = None if state["left"] is None else state["left"] - 1
             state["dropped"] += 1
             raise redis.exceptions.ConnectionError("connection dropped (injected by the test)")
-        return execute(self, *args, **kwargs)
+        return await execute(self, *args, **kwargs)
 
-    monkeypatch.setattr(redis.client.Redis, "execute_command", failing)
+    monkeypatch.setattr(redis.asyncio.Redis, "execute_command", failing)
 
     def drop(n: int | None) -> dict:
         state["left"] = n
