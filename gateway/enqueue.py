@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import functools
-import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from redis.commands.core import AsyncScript
 from gateway.keys import QUEUED_KEY
 from gateway.settings import GatewaySettings
 from producer.api import QueuedMessages, idempotent_task_id
-from ticketq import connections
+from ticketq import codec, connections
 from ticketq.aioredis import async_redis_client
 from ticketq.lua import script
 from ticketq.names import queue_lists
@@ -62,7 +61,7 @@ class Outgoing:
 
     task_id: str
     message: bytes
-    records: list[str]
+    records: list[bytes]
 
 
 def outgoing(messages: QueuedMessages, sent: Sequence[tuple[str, str, str | None, dict]]) -> Outgoing:
@@ -72,7 +71,7 @@ def outgoing(messages: QueuedMessages, sent: Sequence[tuple[str, str, str | None
         return Outgoing("", b"", [])
     task_id = idempotent_task_id(messages.queue, [wire for wire, *_ in sent], True)
     message = messages.encode(task_id, [(wire, text, schema) for wire, text, schema, _ in sent])
-    return Outgoing(task_id, message, [json.dumps({"task_id": task_id, "packed": True, **kept}) for *_, kept in sent])
+    return Outgoing(task_id, message, [codec.dumps({"task_id": task_id, "packed": True, **kept}) for *_, kept in sent])
 
 
 async def asked_again(call: Callable[[], Awaitable[Any]], limit_s: float) -> Any:
@@ -117,7 +116,7 @@ class Enqueue:
             await client[1].aclose()
 
     async def push(self, marker_keys: Sequence[str], carried: Sequence[bool], message: bytes,
-                   records: Sequence[str]) -> Step:  # fmt: skip
+                   records: Sequence[bytes]) -> Step:  # fmt: skip
         """Push `message` (carrying the tickets whose `carried` is set) with `records` as their markers,
         if exactly those tickets have no marker and the bound has room for them; asked again through a
         Redis that went away for TICKETQ_GATEWAY_SEND_RETRY_S."""
