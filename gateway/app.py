@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any, NamedTuple
@@ -187,8 +188,8 @@ class _State:
             if claim is not None:
                 await self.run(self.intake.release, who.tenant, key, claim)
             raise
-        for row in rows:
-            self.metrics.tickets.labels(row["status"]).inc()
+        for status, count in Counter(row["status"] for row in rows).items():
+            self.metrics.tickets.labels(status).inc(count)
         answer = {"tickets": rows}
         if claim is not None:
             await self.run(self.intake.remember, who.tenant, key, claim, answer)
