@@ -39,7 +39,7 @@ from gateway.keys import IDEMPOTENCY_HEADER
 from gateway.metrics import GatewayMetrics
 from gateway.review import pages as review_pages
 from gateway.settings import GatewaySettings
-from ticketq import connections
+from ticketq import codec, connections
 
 log = logging.getLogger(__name__)
 MAX_WAIT_S = 30.0  # the longest long-poll of GET /v1/tickets/{id}?wait=
@@ -193,7 +193,7 @@ class _State:
         answer = {"tickets": rows}
         if claim is not None:
             await self.run(self.intake.remember, who.tenant, key, claim, answer)
-        return JSONResponse(answer, 202)
+        return Response(codec.dumps(answer), 202, media_type="application/json")  # orjson: the stdlib's cost, a fifth
 
 
 class Caller(NamedTuple):

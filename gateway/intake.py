@@ -52,6 +52,7 @@ from gateway.enqueue import Enqueue, Outcome, Outgoing, Step, outgoing
 from gateway.keys import IDEMPOTENCY_KEY, TICKET_KEY
 from gateway.settings import GatewaySettings
 from producer.api import Producer, QueuedMessages, TicketResult
+from ticketq import codec
 from ticketq.contract import ID_TENANT_ROOM, MAX_ID_CHARS, Reason, TicketRejected, UniqueIds, validate_ticket
 
 FIELDS = ("id", "text", "schema", "metadata")
@@ -99,7 +100,7 @@ def parse_body(body: bytes) -> list[object]:
     """The tickets of a POST body (one object or a list), or `Refused` 400: not JSON, nested deeper
     than MAX_NESTING, or holding a number that is not finite (NaN, Infinity, or one like 1e999)."""
     try:
-        data = json.loads(body, parse_constant=_no_constant)
+        data = codec.loads_finite(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise Refused(400, Reason.INVALID_JSON.value, f"the body is not JSON: {exc}") from None
     except RecursionError:  # deeper than the parser goes: far past MAX_NESTING
@@ -111,10 +112,6 @@ def parse_body(body: bytes) -> list[object]:
         return data
     shown = "an empty list" if data == [] else type(data).__name__
     raise Refused(400, Reason.BAD_PAYLOAD.value, f"the body must be a ticket object or a list of them, got {shown}")
-
-
-def _no_constant(name: str) -> object:
-    raise ValueError(f"{name} is not a JSON number (numbers must be finite)")
 
 
 def _check_shape(data: object) -> None:
