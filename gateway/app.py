@@ -179,20 +179,20 @@ class _State:
         checked = intake.check_tickets(tickets, self.settings, seed)
         claim = None
         if key is not None:
-            claim, stored = await self.run(self.intake.claim, who.tenant, key, intake.body_digest(body))
+            claim, stored = await self.intake.claim(who.tenant, key, intake.body_digest(body))
             if stored is not None:
                 return JSONResponse(stored, 202, headers={"Idempotent-Replayed": "true"})
         try:
             rows = await self.intake.accept(checked, who.tenant, who.token)
         except Exception:
             if claim is not None:
-                await self.run(self.intake.release, who.tenant, key, claim)
+                await self.intake.release(who.tenant, key, claim)
             raise
         for status, count in Counter(row["status"] for row in rows).items():
             self.metrics.tickets.labels(status).inc(count)
         answer = {"tickets": rows}
         if claim is not None:
-            await self.run(self.intake.remember, who.tenant, key, claim, answer)
+            await self.intake.remember(who.tenant, key, claim, answer)
         return Response(codec.dumps(answer), 202, media_type="application/json")  # orjson: the stdlib's cost, a fifth
 
 

@@ -219,8 +219,8 @@ def check_room(step: Step, settings: GatewaySettings) -> None:
 
 
 class Intake:
-    """Sends checked tickets, once: `accept` on the event loop (`gateway.enqueue`, one script); the
-    rest blocking, for a worker thread, through a `Producer` per thread (Celery's clients are not
+    """Sends checked tickets, once: a POST's steps on the event loop (`gateway.enqueue`'s client);
+    `lookup` blocking, for a worker thread, through a `Producer` per thread (Celery's clients are not
     shared across threads here)."""
 
     def __init__(self, settings: GatewaySettings) -> None:
@@ -257,13 +257,16 @@ class Intake:
 
     # --- POST ---
 
-    def claim(self, tenant: str, key: str, digest: str) -> tuple[str | None, dict | None]:
+    async def claim(self, tenant: str, key: str, digest: str) -> tuple[str | None, dict | None]:
         """Claim an Idempotency-Key for a body: (the claim to `release` or `remember` with, None) when
         this POST is its first, (None, the stored answer) for a retry of an answered one; `Refused`
         422 when another body holds it, 409 while the same body's first POST is still in flight."""
         claim = json.dumps({"body": digest, "answer": None, "claim": uuid.uuid4().hex})
         name = self._idempotency_key(tenant, key)
-        found = self._redis_call(lambda r: r.register_script(CLAIM_SCRIPT)(keys=[name], args=[claim, CLAIM_TTL_S]))
+        try:
+            found = await self.enqueue.client.eval(CLAIM_SCRIPT, 1, name, claim, CLAIM_TTL_S)
+        except _REDIS_ERRORS as exc:
+            raise self._refusal(exc) from None
         if found is None:
             return claim, None
         entry = json.loads(found)
@@ -275,19 +278,19 @@ class Intake:
                           "being answered; send again to get its answer", [], 1)  # fmt: skip
         return None, entry["answer"]
 
-    def release(self, tenant: str, key: str, claim: str) -> None:
+    async def release(self, tenant: str, key: str, claim: str) -> None:
         """Give back a claimed key whose POST failed, so its retry is taken (best effort: it lapses anyway)."""
         name = self._idempotency_key(tenant, key)
         with contextlib.suppress(*_REDIS_ERRORS):  # else the claim lapses after CLAIM_TTL_S
-            self.producer.redis.register_script(RELEASE_SCRIPT)(keys=[name], args=[claim])
+            await self.enqueue.client.eval(RELEASE_SCRIPT, 1, name, claim)
 
-    def remember(self, tenant: str, key: str, claim: str, answer: dict) -> None:
+    async def remember(self, tenant: str, key: str, claim: str, answer: dict) -> None:
         """Store `answer` in the key this POST claimed."""
         entry = {**json.loads(claim), "answer": answer}
         # On a Redis error the tickets are in: a retry is answered 409 until the claim lapses, then by their markers.
         with contextlib.suppress(*_REDIS_ERRORS):
-            self.producer.redis.set(self._idempotency_key(tenant, key), json.dumps(entry), xx=True,
-                                    ex=self.settings.gateway_idempotency_ttl_s)  # fmt: skip
+            await self.enqueue.client.set(self._idempotency_key(tenant, key), json.dumps(entry), xx=True,
+                                          ex=self.settings.gateway_idempotency_ttl_s)  # fmt: skip
 
     def _idempotency_key(self, tenant: str, key: str) -> str:
         return IDEMPOTENCY_KEY.format(tenant=tenant, digest=hashlib.sha256(key.encode()).hexdigest())
@@ -340,7 +343,10 @@ class Intake:
     def lookup(self, ticket_id: str, tenant: str = DEFAULT_TENANT) -> tuple[int, dict]:
         """(200, the result) / (202, pending) / (404, unknown) for `tenant`'s ticket id."""
         wire = self.wire_id(tenant, ticket_id)
-        marker = self._redis_call(lambda r: r.get(self.ticket_key(wire)))
+        try:
+            marker = self.producer.redis.get(self.ticket_key(wire))
+        except _REDIS_ERRORS as exc:
+            raise self._refusal(exc) from None
         if marker is None:
             return 404, {"error": "unknown_ticket", "message": f"no ticket {ticket_id!r} was accepted (or its result "
                          "expired: TICKETQ_RESULT_EXPIRES_S)"}  # fmt: skip
@@ -353,12 +359,6 @@ class Intake:
         return 202, {"id": ticket_id, "task_id": result.id, "status": "pending"}
 
     # --- Redis ---
-
-    def _redis_call(self, call: Any) -> Any:
-        try:
-            return call(self.producer.redis)
-        except _REDIS_ERRORS as exc:
-            raise self._refusal(exc) from None
 
     def _refusal(self, exc: BaseException) -> Refused:
         if isinstance(exc, redis.exceptions.ResponseError):  # OOM, READONLY, NOREPLICAS on a read-modify path
