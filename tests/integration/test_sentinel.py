@@ -349,7 +349,8 @@ def test_a_producer_caught_mid_send_by_a_failover_rides_it_out_and_accounts_for_
 
 def test_the_gateway_pushes_through_sentinel_to_the_master(tmp_path):
     """The gateway's POST goes through its own asyncio client (`ticketq.aioredis`), on the master the
-    sentinels name: the tickets and their records land there, and a GET reads them back."""
+    sentinels name: the tickets and their records land there, the replica confirms them
+    (TICKETQ_REPLICA_ACKS=1, WAIT on that client), and a GET reads them back."""
     from fastapi.testclient import TestClient
 
     from gateway.app import create_app
@@ -358,7 +359,7 @@ def test_the_gateway_pushes_through_sentinel_to_the_master(tmp_path):
     require_redis_server()
     with sentinel_set(tmp_path / "redis") as servers:
         settings = GatewaySettings(broker_url=servers.url, sentinel_master=MASTER_NAME, queue="gw-sentinel",
-                                   gateway_anonymous=True)  # fmt: skip
+                                   gateway_anonymous=True, replica_acks=1)  # fmt: skip
         with TestClient(create_app(settings)) as client:
             answer = client.post("/v1/tickets", json=[{"id": f"s{n}", "text": "my invoice is wrong"} for n in range(3)])
             assert answer.status_code == 202, answer.text
