@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any, NamedTuple
@@ -39,7 +40,7 @@ from gateway.keys import IDEMPOTENCY_HEADER
 from gateway.metrics import GatewayMetrics
 from gateway.review import pages as review_pages
 from gateway.settings import GatewaySettings
-from ticketq import connections
+from ticketq import codec, connections
 
 log = logging.getLogger(__name__)
 MAX_WAIT_S = 30.0  # the longest long-poll of GET /v1/tickets/{id}?wait=
@@ -68,6 +69,7 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None)
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
+        await state.intake.enqueue.aclose()
         state.intake.close()
 
     # /docs and /openapi.json are served by `_ops_routes`, behind TICKETQ_GATEWAY_ADMIN_TOKENS.
@@ -178,21 +180,21 @@ class _State:
         checked = intake.check_tickets(tickets, self.settings, seed)
         claim = None
         if key is not None:
-            claim, stored = await self.run(self.intake.claim, who.tenant, key, intake.body_digest(body))
+            claim, stored = await self.intake.claim(who.tenant, key, intake.body_digest(body))
             if stored is not None:
                 return JSONResponse(stored, 202, headers={"Idempotent-Replayed": "true"})
         try:
-            rows = await self.run(self.intake.accept, checked, who.tenant, who.token)
+            rows = await self.intake.accept(checked, who.tenant, who.token)
         except Exception:
             if claim is not None:
-                await self.run(self.intake.release, who.tenant, key, claim)
+                await self.intake.release(who.tenant, key, claim)
             raise
-        for row in rows:
-            self.metrics.tickets.labels(row["status"]).inc()
+        for status, count in Counter(row["status"] for row in rows).items():
+            self.metrics.tickets.labels(status).inc(count)
         answer = {"tickets": rows}
         if claim is not None:
-            await self.run(self.intake.remember, who.tenant, key, claim, answer)
-        return JSONResponse(answer, 202)
+            await self.intake.remember(who.tenant, key, claim, answer)
+        return Response(codec.dumps(answer), 202, media_type="application/json")  # orjson: the stdlib's cost, a fifth
 
 
 class Caller(NamedTuple):

@@ -9,10 +9,9 @@ workers as `tenant:id` (`Intake.wire_id`), so its marker, task id and result are
 the same id in two tenants is two tickets; with the one tenant `default` ids are sent as given.
 
 Idempotency, in two parts, both keyed in Redis (`gateway.keys`):
-- a ticket id: its task id is `idempotent_task_id(queue, [id])`, the same on every POST, and a
-  marker written after the send says it was accepted; a POST of a marked id sends nothing and is
-  answered with the same task id. Two copies racing past the marker are both sent under that id,
-  and the worker publishes the ticket once.
+- a ticket id: a marker written with the message that carries it, in the same atomic step
+  (`gateway.enqueue`), says it was accepted and under which task id; a POST of a marked id sends
+  nothing and is answered with that task id. Two POSTs racing with the same id cannot both send it.
 - an `Idempotency-Key` header: the first POST claims the key atomically (`CLAIM_SCRIPT`) with its
   body's digest, then stores its answer there (TICKETQ_GATEWAY_IDEMPOTENCY_TTL_S); the same key
   again gets that answer, a different body under it a 422 (at once or later: one is queued), the
@@ -20,15 +19,18 @@ Idempotency, in two parts, both keyed in Redis (`gateway.keys`):
   its claim gives the key back; a claim left by a dead process lapses after CLAIM_TTL_S.
   Tickets without an id get one derived from the key, so a retry names the same tickets.
 
-The queue-depth bound is hard (`gateway.capacity`): a POST reserves room for its new tickets,
-atomically with reading their markers, and is refused 429 when they would take the queue past it.
+A POST's new tickets go as one packed message (task id `idempotent_task_id(queue, their ids,
+packed=True)`); each has its own result, under its own id, carrying that task id. The queue-depth
+bound is hard and counts tickets (`gateway.enqueue`): a POST is refused 429 when its new tickets
+would take the queue past it.
 
-Cost: one script per POST (the markers and the reservation), the send, and one pipeline of a SET
-per accepted ticket and the reservation's release.
+Cost: one script per POST, one round trip (markers, bound, push, markers written), and a WAIT with
+TICKETQ_REPLICA_ACKS; with an Idempotency-Key, its claim and its answer are one more each.
 
-A 202 means `Producer.submit_many` returned: Redis took every message (and TICKETQ_REPLICA_ACKS
-replicas hold them, where set). Anything else is a 503 with Retry-After, and some of the tickets
-may be queued: a retry under the same ids or key is answered once.
+A 202 means Redis took the message and its markers (and TICKETQ_REPLICA_ACKS replicas hold them,
+where set). Anything else is a 503 with Retry-After; nothing was queued, except when the replicas
+did not confirm (then a retry is answered `duplicate` once they do) or the reply was lost (then
+a retry finds the tickets `duplicate`).
 """
 
 from __future__ import annotations
@@ -46,10 +48,11 @@ from typing import Any
 import redis
 
 from gateway.auth import DEFAULT_TENANT
-from gateway.capacity import Capacity, Room
+from gateway.enqueue import Enqueue, Outcome, Outgoing, Step, outgoing
 from gateway.keys import IDEMPOTENCY_KEY, TICKET_KEY
 from gateway.settings import GatewaySettings
-from producer.api import BrokerUnavailable, NotReplicated, Producer, TicketResult, idempotent_task_id
+from producer.api import Producer, QueuedMessages, TicketResult
+from ticketq import codec
 from ticketq.contract import ID_TENANT_ROOM, MAX_ID_CHARS, Reason, TicketRejected, UniqueIds, validate_ticket
 
 FIELDS = ("id", "text", "schema", "metadata")
@@ -97,7 +100,7 @@ def parse_body(body: bytes) -> list[object]:
     """The tickets of a POST body (one object or a list), or `Refused` 400: not JSON, nested deeper
     than MAX_NESTING, or holding a number that is not finite (NaN, Infinity, or one like 1e999)."""
     try:
-        data = json.loads(body, parse_constant=_no_constant)
+        data = codec.loads_finite(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise Refused(400, Reason.INVALID_JSON.value, f"the body is not JSON: {exc}") from None
     except RecursionError:  # deeper than the parser goes: far past MAX_NESTING
@@ -109,10 +112,6 @@ def parse_body(body: bytes) -> list[object]:
         return data
     shown = "an empty list" if data == [] else type(data).__name__
     raise Refused(400, Reason.BAD_PAYLOAD.value, f"the body must be a ticket object or a list of them, got {shown}")
-
-
-def _no_constant(name: str) -> object:
-    raise ValueError(f"{name} is not a JSON number (numbers must be finite)")
 
 
 def _check_shape(data: object) -> None:
@@ -205,30 +204,32 @@ return 0
 """
 
 
-def check_room(room: Room, settings: GatewaySettings) -> None:
+def check_room(step: Step, settings: GatewaySettings) -> None:
     """`Refused` 429 when the POST's new tickets would take the queue past TICKETQ_GATEWAY_MAX_QUEUE_DEPTH,
     413 when they alone are more than it (no retry would be taken)."""
-    bound = settings.gateway_max_queue_depth
-    if room.new == 0 or room.granted:
+    bound, new = settings.gateway_max_queue_depth, step.markers.count(None)
+    if step.outcome is not Outcome.FULL:
         return
-    if room.new > bound:
-        raise Refused(413, "too_many_tickets", f"{room.new} new tickets in one request, above "
+    if new > bound:
+        raise Refused(413, "too_many_tickets", f"{new} new tickets in one request, above "
                       f"TICKETQ_GATEWAY_MAX_QUEUE_DEPTH={bound}: send them in smaller requests")  # fmt: skip
-    raise Refused(429, "queue_full", f"{room.depth} messages wait or are being sent, and this request's {room.new} "
-                  f"would pass TICKETQ_GATEWAY_MAX_QUEUE_DEPTH={bound}; retry later", [],
+    raise Refused(429, "queue_full", f"{step.depth} tickets wait, and this request's {new} would pass "
+                  f"TICKETQ_GATEWAY_MAX_QUEUE_DEPTH={bound}; retry later", [],
                   settings.gateway_retry_after_s)  # fmt: skip
 
 
 class Intake:
-    """Sends checked tickets, once, through a `Producer` per thread (Celery's clients are not
-    shared across threads here); `accept` and `lookup` are blocking, for a worker thread."""
+    """Sends checked tickets, once: a POST's steps on the event loop (`gateway.enqueue`'s client);
+    `lookup` blocking, for a worker thread, through a `Producer` per thread (Celery's clients are not
+    shared across threads here)."""
 
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self._local = threading.local()
         self._producers: list[Producer] = []
         self._lock = threading.Lock()
-        self.capacity = Capacity(settings)
+        self.enqueue = Enqueue(settings)
+        self._messages: QueuedMessages | None = None
 
     @property
     def producer(self) -> Producer:
@@ -254,18 +255,18 @@ class Intake:
     def ticket_key(self, wire_id: str) -> str:
         return TICKET_KEY.format(queue=self.settings.queue, ticket_id=wire_id)
 
-    def task_id(self, wire_id: str) -> str:
-        return idempotent_task_id(self.settings.queue, [wire_id], False)
-
     # --- POST ---
 
-    def claim(self, tenant: str, key: str, digest: str) -> tuple[str | None, dict | None]:
+    async def claim(self, tenant: str, key: str, digest: str) -> tuple[str | None, dict | None]:
         """Claim an Idempotency-Key for a body: (the claim to `release` or `remember` with, None) when
         this POST is its first, (None, the stored answer) for a retry of an answered one; `Refused`
         422 when another body holds it, 409 while the same body's first POST is still in flight."""
         claim = json.dumps({"body": digest, "answer": None, "claim": uuid.uuid4().hex})
         name = self._idempotency_key(tenant, key)
-        found = self._redis_call(lambda r: r.register_script(CLAIM_SCRIPT)(keys=[name], args=[claim, CLAIM_TTL_S]))
+        try:
+            found = await self.enqueue.client.eval(CLAIM_SCRIPT, 1, name, claim, CLAIM_TTL_S)
+        except _REDIS_ERRORS as exc:
+            raise self._refusal(exc) from None
         if found is None:
             return claim, None
         entry = json.loads(found)
@@ -277,92 +278,92 @@ class Intake:
                           "being answered; send again to get its answer", [], 1)  # fmt: skip
         return None, entry["answer"]
 
-    def release(self, tenant: str, key: str, claim: str) -> None:
+    async def release(self, tenant: str, key: str, claim: str) -> None:
         """Give back a claimed key whose POST failed, so its retry is taken (best effort: it lapses anyway)."""
         name = self._idempotency_key(tenant, key)
         with contextlib.suppress(*_REDIS_ERRORS):  # else the claim lapses after CLAIM_TTL_S
-            self.producer.redis.register_script(RELEASE_SCRIPT)(keys=[name], args=[claim])
+            await self.enqueue.client.eval(RELEASE_SCRIPT, 1, name, claim)
 
-    def remember(self, tenant: str, key: str, claim: str, answer: dict) -> None:
+    async def remember(self, tenant: str, key: str, claim: str, answer: dict) -> None:
         """Store `answer` in the key this POST claimed."""
         entry = {**json.loads(claim), "answer": answer}
         # On a Redis error the tickets are in: a retry is answered 409 until the claim lapses, then by their markers.
         with contextlib.suppress(*_REDIS_ERRORS):
-            self.producer.redis.set(self._idempotency_key(tenant, key), json.dumps(entry), xx=True,
-                                    ex=self.settings.gateway_idempotency_ttl_s)  # fmt: skip
+            await self.enqueue.client.set(self._idempotency_key(tenant, key), json.dumps(entry), xx=True,
+                                          ex=self.settings.gateway_idempotency_ttl_s)  # fmt: skip
 
     def _idempotency_key(self, tenant: str, key: str) -> str:
         return IDEMPOTENCY_KEY.format(tenant=tenant, digest=hashlib.sha256(key.encode()).hexdigest())
 
-    def accept(self, tickets: Sequence[Checked], tenant: str = DEFAULT_TENANT, token: str = "") -> list[dict]:
-        """Send `tenant`'s tickets not accepted before; one row per ticket: id, task_id, status
-        (`accepted`, or `duplicate` for one accepted by an earlier POST). `Refused` 413/429/503."""
+    async def accept(self, tickets: Sequence[Checked], tenant: str = DEFAULT_TENANT, token: str = "") -> list[dict]:
+        """Send `tenant`'s tickets not accepted before, as one packed message; one row per ticket: id,
+        task_id, status (`accepted`, or `duplicate` for one accepted by an earlier POST). `Refused` 413/429/503."""
         wire = [self.wire_id(tenant, ticket.id) for ticket in tickets]
-        room = self._redis_call(lambda r: self.capacity.reserve(r, [self.ticket_key(w) for w in wire]))
-        check_room(room, self.settings)
-        new = [(w, ticket) for w, ticket, marker in zip(wire, tickets, room.markers, strict=True) if marker is None]
-        if new:
+        keys = [self.ticket_key(w) for w in wire]
+        carried = [True] * len(tickets)
+        for _ in range(len(tickets) + 2):  # a marker only ever appears: each try carries fewer, or ends
+            out = self._message(wire, tickets, carried, tenant, token)
             try:
-                self._send(new)
-            except Exception:
-                with contextlib.suppress(*_REDIS_ERRORS):  # else it lapses (capacity.RESERVE_TTL_S)
-                    self.capacity.release(self.producer.redis, room)
-                raise
-            self._mark(new, tenant, token, room)
-        fresh = {w for w, _ in new}
-        return [{"id": t.id, "task_id": self.task_id(w), "status": "accepted" if w in fresh else "duplicate"}
+                step = await self.enqueue.push(keys, carried, out.message, out.records)
+            except _REDIS_ERRORS as exc:
+                raise self._refusal(exc) from None
+            if step.outcome is not Outcome.CHANGED:
+                break
+            carried = [marker is None for marker in step.markers]
+        else:
+            raise self._unavailable("contended", "other POSTs kept taking these tickets; send again")
+        check_room(step, self.settings)
+        await self._confirm_replicas()
+        before = {w: json.loads(marker) for w, marker in zip(wire, step.markers, strict=True) if marker is not None}
+        return [{"id": t.id, "task_id": before[w]["task_id"], "status": "duplicate"} if w in before
+                else {"id": t.id, "task_id": out.task_id, "status": "accepted"}
                 for w, t in zip(wire, tickets, strict=True)]  # fmt: skip
 
-    def _send(self, tickets: Sequence[tuple[str, Checked]]) -> None:
-        payload = [{"id": w, "text": t.text, **({"schema": t.schema} if t.schema else {})} for w, t in tickets]
-        try:
-            self.producer.submit_many(payload, idempotent=True)
-        except NotReplicated as exc:
-            raise self._unavailable("not_replicated", str(exc)) from None
-        except BrokerUnavailable as exc:  # SendStopped too: Redis away past the retry, or refusing writes
-            reason = "redis_refused_write" if exc.write_refused else "redis_unavailable"
-            raise self._unavailable(reason, str(exc)) from None
+    def _message(self, wire: Sequence[str], tickets: Sequence[Checked], carried: Sequence[bool], tenant: str,
+                 token: str) -> Outgoing:  # fmt: skip
+        if self._messages is None:
+            self._messages = QueuedMessages(self.producer.app, self.settings.queue)
+        return outgoing(self._messages, [(w, t.text, t.schema, {"metadata": t.metadata, "token": token,
+                        "tenant": tenant, "id": t.id}) for w, t, c in zip(wire, tickets, carried, strict=True) if c])
 
-    def _mark(self, tickets: Sequence[tuple[str, Checked]], tenant: str, token: str, room: Room) -> None:
-        """Record each sent ticket (after the send: a marker never stands for a ticket Redis lacks), and give
-        the POST's reserved room back (its tickets are in the queue now), in one round trip."""
-        pipe = self.producer.redis.pipeline(transaction=False)
-        self.capacity.release(pipe, room)
-        for wire, ticket in tickets:
-            value = json.dumps({"task_id": self.task_id(wire), "metadata": ticket.metadata, "token": token,
-                                "tenant": tenant, "id": ticket.id})  # fmt: skip
-            pipe.set(self.ticket_key(wire), value, nx=True, ex=self.settings.result_expires_s)
+    async def _confirm_replicas(self) -> None:
+        """With TICKETQ_REPLICA_ACKS, `Refused` 503 unless that many replicas hold every write so far
+        (a retry of the same tickets, answered `duplicate`, asks again)."""
+        wanted = self.settings.replica_acks
         try:
-            pipe.execute()
-        except _REDIS_ERRORS as exc:  # sent, not marked: a retry sends again under the same task ids
-            raise self._unavailable("redis_refused_write", f"the tickets were sent but not recorded ({exc}); "
-                                    "send again: the same ids are answered once") from None  # fmt: skip
+            acked = await self.enqueue.replicated(wanted, self.settings.replica_timeout_s) if wanted else 0
+        except _REDIS_ERRORS as exc:
+            raise self._refusal(exc) from None
+        if acked < wanted:
+            raise self._unavailable("not_replicated", f"the tickets are queued, but only {acked} of {wanted} "
+                                    "replica(s) (TICKETQ_REPLICA_ACKS) confirmed them; send again")  # fmt: skip
 
     # --- GET ---
 
     def lookup(self, ticket_id: str, tenant: str = DEFAULT_TENANT) -> tuple[int, dict]:
         """(200, the result) / (202, pending) / (404, unknown) for `tenant`'s ticket id."""
         wire = self.wire_id(tenant, ticket_id)
-        marker = self._redis_call(lambda r: r.get(self.ticket_key(wire)))
-        result = TicketResult(self.task_id(wire), app=self.producer.app)
-        result.ticket_ids = (wire,)
-        rows = self.producer.ready_now([result])
+        try:
+            marker = self.producer.redis.get(self.ticket_key(wire))
+        except _REDIS_ERRORS as exc:
+            raise self._refusal(exc) from None
+        if marker is None:
+            return 404, {"error": "unknown_ticket", "message": f"no ticket {ticket_id!r} was accepted (or its result "
+                         "expired: TICKETQ_RESULT_EXPIRES_S)"}  # fmt: skip
+        record = json.loads(marker)
+        result = TicketResult(record["task_id"], app=self.producer.app)
+        result.ticket_ids, result.packed = (wire,), bool(record.get("packed"))
+        rows = [row for row in self.producer.ready_now([result]) if row.get("id") == wire]  # its own of a pack
         if rows:
             return 200, {**rows[0], "id": ticket_id}
-        if marker is not None:
-            return 202, {"id": ticket_id, "task_id": result.id, "status": "pending"}
-        return 404, {"error": "unknown_ticket", "message": f"no ticket {ticket_id!r} was accepted (or its result "
-                     "expired: TICKETQ_RESULT_EXPIRES_S)"}  # fmt: skip
+        return 202, {"id": ticket_id, "task_id": result.id, "status": "pending"}
 
     # --- Redis ---
 
-    def _redis_call(self, call: Any) -> Any:
-        try:
-            return call(self.producer.redis)
-        except redis.exceptions.ResponseError as exc:  # OOM, READONLY, NOREPLICAS on a read-modify path
-            raise self._unavailable("redis_refused_write", f"Redis refused: {exc}") from None
-        except _REDIS_ERRORS as exc:
-            raise self._unavailable("redis_unavailable", f"Redis is not reachable: {exc}") from None
+    def _refusal(self, exc: BaseException) -> Refused:
+        if isinstance(exc, redis.exceptions.ResponseError):  # OOM, READONLY, NOREPLICAS on a read-modify path
+            return self._unavailable("redis_refused_write", f"Redis refused: {exc}")
+        return self._unavailable("redis_unavailable", f"Redis is not reachable: {exc}")
 
     def _unavailable(self, reason: str, message: str) -> Refused:
         return Refused(503, reason, message.splitlines()[0] if message else reason, [],

@@ -4,15 +4,17 @@ The broker's own names (queue, results stream) are `ticketq.names`; these are th
 """
 
 # A ticket the gateway accepted: `{queue}` and the ticket's id as sent to the workers (`tenant:id`
-# with several tenants, see `gateway.intake.Intake.wire_id`) -> JSON {task_id, metadata, token,
-# tenant, id (as the tenant sent it)}, kept as long as results are (TICKETQ_RESULT_EXPIRES_S). A
+# with several tenants, see `gateway.intake.Intake.wire_id`) -> JSON {task_id (of the packed message
+# that carries it), packed, metadata, token, tenant, id (as the tenant sent it)}, written with the
+# message in one step (gateway.enqueue) and kept as long as results are (TICKETQ_RESULT_EXPIRES_S). A
 # retried POST finds it and sends nothing; GET /v1/tickets/{id} tells "pending" from "unknown" by
 # it; the dispatcher finds it by the result's `id` (that same sent id) and delivers the result to
 # its tenant, with its metadata.
 TICKET_KEY = "ticketq:gateway:ticket:{queue}:{ticket_id}"
-# Room reserved in `{queue}` by POSTs sending now (gateway.capacity, reserve.lua): a sorted set of
-# `<uuid>:<ticket count>` scored by the unix ms each lapses at.
-RESERVED_KEY = "ticketq:gateway:reserved:{queue}"
+# The messages the gateway queued to `{queue}` (gateway.enqueue, enqueue.lua), newest first: a list of
+# `<running total of tickets>:<tickets of the message>`, trimmed to the queue's length at each push; the
+# queue's depth in tickets is summed from it.
+QUEUED_KEY = "ticketq:gateway:queued:{queue}"
 # An Idempotency-Key seen: per tenant, sha256 of the key -> JSON {body sha256, answer, claim}; the
 # answer is null while the first POST under the key is in flight (`gateway.intake.CLAIM_SCRIPT`).
 IDEMPOTENCY_KEY = "ticketq:gateway:idem:{tenant}:{digest}"

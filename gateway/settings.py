@@ -71,8 +71,8 @@ class GatewaySettings(ClientSettings, ReviewSettings):
     )
     gateway_max_tickets: int = Field(1000, ge=1, description="Tickets one POST may carry.")
     gateway_max_queue_depth: int = Field(
-        100_000, ge=1, description="A POST whose new tickets would take the queue past this many waiting messages "
-        "(counting those other POSTs are sending) is answered 429 with Retry-After."
+        100_000, ge=1, description="A POST whose new tickets would take the queue past this many waiting tickets "
+        "(another producer's message counted as one) is answered 429 with Retry-After."
     )
     gateway_retry_after_s: int = Field(5, ge=1, description="Retry-After of a 429/503 for a full queue or Redis.")
     gateway_idempotency_ttl_s: int = Field(86400, ge=60, description="How long an Idempotency-Key is remembered.")

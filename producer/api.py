@@ -39,7 +39,8 @@ from __future__ import annotations
 from producer.client import Producer
 from producer.errors import BrokerUnavailable, NotReplicated, SendInterrupted, SendStopped, WaitStopped
 from producer.messages import TicketResult, idempotent_task_id
+from producer.queued import QueuedMessages
 
 # The public surface: the client, what it raises, what it returns.
-__all__ = ["BrokerUnavailable", "NotReplicated", "Producer", "SendInterrupted", "SendStopped", "TicketResult",
-           "WaitStopped", "idempotent_task_id"]  # fmt: skip
+__all__ = ["BrokerUnavailable", "NotReplicated", "Producer", "QueuedMessages", "SendInterrupted", "SendStopped",
+           "TicketResult", "WaitStopped", "idempotent_task_id"]  # fmt: skip

@@ -72,6 +72,8 @@ class Sender:
                 attempted: list[TicketResult] = []
                 try:
                     with self.broker.acquire_producer() as kombu_producer, publish_batch(kombu_producer):
+                        # The queue declared once a block (kombu remembers it per connection), not per message.
+                        kombu_producer.maybe_declare(self.broker.app.amqp.queues[self.broker.settings.queue])
                         for chunk, task_id in zip(chunks, task_ids, strict=True):
                             attempted.append(self.send(chunk, packed, kombu_producer, task_id))
                             maybe = max(maybe, attempted, key=len)
@@ -116,6 +118,9 @@ class Sender:
                 # tickets carry customer text, so the headers name the ticket ids only.
                 argsrepr=argsrepr(list(ticket_ids), packed),
                 producer=producer,  # None: Celery acquires one from its pool for this message
+                # A block's producer declared the queue before its first message (`_send_block`);
+                # kombu's per-message check costs a tenth of a bulk send's CPU. Alone, Celery declares.
+                **({"declare": []} if producer is not None else {}),
             )
         except (*CONNECTION_ERRORS, RuntimeError) as exc:
             self.broker.checked = False

@@ -4,18 +4,23 @@ Starts a private redis-server, one null-classifier worker (`ticketq worker`) and
 (`python -m gateway`), then measures, in this order:
 
 1. `Producer.submit_many(idempotent=True)`, one message per ticket: tickets/s enqueued.
-2. gateway capacity, closed loop: `--clients` concurrent clients POSTing one ticket per request
-   (and, separately, `--batch` tickets per request) as fast as answers come, for `--seconds`; then
-   the minimal app (docs/bench/minimal_app.py: one LPUSH a POST, uvicorn's h11 as the gateway's)
-   under the same loops, and the gateway's share of its requests/s (`beside_minimal_app`).
+2. side by side, closed loop: `--clients` concurrent clients POSTing one ticket per request as
+   fast as answers come, for `--seconds`, to the gateway, then the same to the minimal app
+   (docs/bench/minimal_app.py: one LPUSH a POST, uvicorn's h11 as the gateway's); then both again
+   with `--batch` tickets per request; `--rounds` times. Printed per pair: requests/s, CPU ms per
+   request of each process and the load average; in the JSON, `beside_minimal_app` (each round and
+   the medians) and the gateway's capacity (`closed_loop_single`, `closed_loop_batched`).
 3. open loop at 50% and 90% of that single-ticket capacity: Poisson arrivals, each a POST of one
    ticket; requests/s achieved, p50 and p99 latency, non-202 answers.
-Last, every ticket sent is waited for in the results stream (none lost).
+Last, every ticket sent is waited for in the results stream (none lost). `--compare-only` runs
+step 2 alone (and the check that every ticket was answered).
 
 The load generator runs in this process (asyncio + httpx) on the same machine: its CPU is taken
-from the gateway's, so the figures are a floor. Usage:
+from the gateway's and the minimal app's alike, so requests/s are a floor, and on a loaded machine
+mostly the neighbours'; CPU per request is the steadier figure. Usage:
 
     python docs/bench/gateway_load.py --seconds 10 --out docs/bench/gateway-load.json
+    python docs/bench/gateway_load.py --compare-only --seconds 10 --rounds 3
 """
 
 from __future__ import annotations
@@ -194,19 +199,39 @@ def measured(stack: Stack, phase) -> dict:
     return figures
 
 
-def beside_minimal(stack: Stack, args: argparse.Namespace, single: dict, batched: dict) -> dict:
-    """The minimal app (one LPUSH per POST) under the same closed loops, and the gateway's share of its requests/s."""
-    spare: list[str] = []  # its tickets are no Celery messages: never answered
-    out = {}
-    for name, batch, gateway in (("single", 1, single), ("batched", args.batch, batched)):
-        minimal = measured(stack, closed_loop(stack.minimal, args.clients, args.seconds, batch, spare))
-        out[name] = {"minimal_requests_per_s": minimal["requests_per_s"], "gateway_requests_per_s":
-                     gateway["requests_per_s"], "ratio": gateway["requests_per_s"] / minimal["requests_per_s"],
-                     "minimal_cpu_ms_per_request": minimal["minimal_cpu_ms_per_request"],
-                     "gateway_cpu_ms_per_request": gateway["gateway_cpu_ms_per_request"]}  # fmt: skip
-        print(f"{name} ({batch} ticket(s) a POST): gateway {gateway['requests_per_s']:.0f} req/s, minimal app "
-              f"{minimal['requests_per_s']:.0f} req/s: {out[name]['ratio']:.2f}x", file=sys.stderr)  # fmt: skip
-    return out
+def side_by_side(stack: Stack, args: argparse.Namespace, ids: list[str]) -> tuple[dict, dict, dict]:
+    """The gateway and the minimal app (one LPUSH per POST) under the same closed loops, one after the
+    other, `--rounds` times: (`beside_minimal_app`, the gateway's last single-ticket and batched figures)."""
+    spare: list[str] = []  # the minimal app's tickets are no Celery messages: never answered
+    rounds: dict[str, list[dict]] = {"single": [], "batched": []}
+    gateway: dict[str, dict] = {}
+    for number in range(args.rounds):
+        for name, batch in (("single", 1), ("batched", args.batch)):
+            gateway[name] = measured(stack, closed_loop(stack.gateway, args.clients, args.seconds, batch, ids))
+            minimal = measured(stack, closed_loop(stack.minimal, args.clients, args.seconds, batch, spare))
+            row = {"gateway_requests_per_s": gateway[name]["requests_per_s"],
+                   "minimal_requests_per_s": minimal["requests_per_s"],
+                   "ratio": gateway[name]["requests_per_s"] / minimal["requests_per_s"],
+                   "gateway_cpu_ms_per_request": gateway[name]["gateway_cpu_ms_per_request"],
+                   "minimal_cpu_ms_per_request": minimal["minimal_cpu_ms_per_request"],
+                   "loadavg_1m": os.getloadavg()[0]}  # fmt: skip
+            rounds[name].append(row)
+            _say(f"round {number + 1}", batch, row)
+    out = {name: {"rounds": rows, **{f"median_{key}": statistics.median(row[key] for row in rows)
+                                     for key in rows[0] if key != "loadavg_1m"}}
+           for name, rows in rounds.items()}  # fmt: skip
+    for name, batch in (("single", 1), ("batched", args.batch)):
+        _say("median", batch, {key.removeprefix("median_"): value for key, value in out[name].items()})
+    return out, gateway["single"], gateway["batched"]
+
+
+def _say(what: str, batch: int, row: dict) -> None:
+    """One side-by-side line on stderr: both processes' requests/s and CPU per request, the ratio, the load."""
+    load = f" | load {row['loadavg_1m']:.2f}" if "loadavg_1m" in row else ""
+    print(f"{what}, {batch:2d} ticket(s) a POST: gateway {row['gateway_requests_per_s']:6.0f} req/s "
+          f"{row['gateway_cpu_ms_per_request']:.2f} ms CPU/req | minimal app {row['minimal_requests_per_s']:6.0f} "
+          f"req/s {row['minimal_cpu_ms_per_request']:.2f} ms CPU/req | ratio {row['ratio']:.2f}x{load}",
+          file=sys.stderr)  # fmt: skip
 
 
 def _percentiles(latencies: list[float]) -> dict:
@@ -232,23 +257,25 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="length of each load phase")
     parser.add_argument("--clients", type=int, default=32, help="closed-loop concurrent clients")
     parser.add_argument("--batch", type=int, default=10, help="tickets per request in the batched phase")
+    parser.add_argument("--rounds", type=int, default=1, help="gateway/minimal-app pairs of each closed loop")
+    parser.add_argument("--compare-only", action="store_true", help="only the side-by-side closed loops")
     parser.add_argument("--producer-tickets", type=int, default=5000)
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     args = parser.parse_args()
+    loadavg_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         stack = Stack(Path(tmp))
         try:
-            baseline = producer_rate(stack, args.producer_tickets)
-            ids = list(baseline.pop("ids"))
-            single = measured(stack, closed_loop(stack.gateway, args.clients, args.seconds, 1, ids))
-            batched = measured(stack, closed_loop(stack.gateway, args.clients, args.seconds, args.batch, ids))
-            ratios = beside_minimal(stack, args, single, batched)
-            capacity = single["requests_per_s"]
-            loads = [asyncio.run(open_loop(stack.gateway, share * capacity, args.seconds, ids)) for share in (0.5, 0.9)]
+            baseline = {} if args.compare_only else producer_rate(stack, args.producer_tickets)
+            ids = list(baseline.pop("ids", []))
+            ratios, single, batched = side_by_side(stack, args, ids)
+            shares = () if args.compare_only else (0.5, 0.9)
+            loads = [asyncio.run(open_loop(stack.gateway, share * single["requests_per_s"], args.seconds, ids))
+                     for share in shares]  # fmt: skip
             answered = all_answered(stack, ids, 300)
         finally:
             stack.close()
-    report = {"cpu": _cpu(), "loadavg_1m": os.getloadavg()[0], "beside_minimal_app": ratios,
+    report = {"cpu": _cpu(), "loadavg_1m": [loadavg_before, os.getloadavg()[0]], "beside_minimal_app": ratios,
               "producer_submit_many": baseline, "closed_loop_single": single,
               "closed_loop_batched": batched, "open_loop": loads, "sent": len(ids), "answered": answered}  # fmt: skip
     print(json.dumps(report, indent=2))

@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 import httpx
 import pytest
 import redis
-from gateways import ADMIN, SECRETS, TOKEN, running_gateway
+from gateways import ADMIN, SECRETS, TOKEN, queued_tickets, running_gateway
 from workers import RedisServer, null_classifier_service, wait_for
 
 from gateway import webhooks
@@ -26,7 +26,7 @@ from gateway.auth import TokenBuckets, caller, token_digest
 from gateway.intake import Refused, check_tickets, parse_body
 from gateway.settings import GatewaySettings
 from ticketq import codec
-from ticketq.names import RESULTS_STREAM, queue_lists
+from ticketq.names import RESULTS_STREAM
 
 pytestmark = pytest.mark.integration
 
@@ -211,12 +211,7 @@ def test_get_pending_unknown_and_long_poll(service, idle_gateway):
 
 
 def _queued_ids(url: str, queue: str) -> list[str]:
-    client, ids = redis.Redis.from_url(url), []
-    for name in queue_lists(queue):
-        for raw in client.lrange(name, 0, -1):
-            body = json.loads(base64.b64decode(json.loads(raw)["body"]))
-            ids.append(body[0][0]["id"])
-    return ids
+    return [ticket["id"] for ticket in queued_tickets(url, queue)]
 
 
 def test_bad_input_is_refused_with_a_reason_and_nothing_enqueued(service, idle_gateway):

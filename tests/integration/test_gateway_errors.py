@@ -16,10 +16,8 @@ from urllib.parse import urlsplit
 
 import pytest
 import redis
-from gateways import TOKEN, running_gateway
+from gateways import TOKEN, queued_tickets, running_gateway
 from workers import ROOT, null_classifier_service
-
-from ticketq.names import queue_lists
 
 pytestmark = pytest.mark.integration
 
@@ -45,8 +43,8 @@ def idle(service, tmp_path):
 
 
 def queued(url: str, queue: str) -> int:
-    client = redis.Redis.from_url(url)
-    return sum(client.llen(name) for name in queue_lists(queue))
+    """Tickets waiting in `queue` (a POST's are one packed message)."""
+    return len(queued_tickets(url, queue))
 
 
 def raw_request(base_url: str, request: bytes, timeout: float = 10) -> tuple[int, dict, bytes]:
@@ -125,6 +123,47 @@ def test_concurrent_posts_never_overshoot_the_bound(service, idle):
     assert len(accepted) + len(refused) == 30 and accepted
     assert all(a.json()["error"] == "queue_full" and a.headers["Retry-After"] for a in refused)
     assert queued(url, queue) == 10 * len(accepted) <= BOUND
+
+
+def test_the_bound_counts_the_tickets_of_packed_messages_as_workers_take_them(service, idle):
+    """A POST is one packed message, yet the bound counts tickets: after a worker's worth of takes
+    (the oldest messages, as a worker fetches them), exactly the tickets taken are room again."""
+    url, _, _ = service
+    gateway, queue = idle
+    client = redis.Redis.from_url(url)
+    for n in range(10):  # 10, 9, ..., 1 tickets: 55 waiting, in 10 messages
+        tickets = [{"text": f"p{n}-{k}"} for k in range(10 - n)]
+        assert gateway.client.post("/v1/tickets", json=tickets).status_code == 202
+    assert client.llen(queue) == 10 and queued(url, queue) == 55
+    for _ in range(3):  # the three oldest messages: 10 + 9 + 8 tickets
+        client.rpop(queue)
+    assert queued(url, queue) == 28
+    refused = gateway.client.post("/v1/tickets", json=[{"text": f"big{k}"} for k in range(BOUND - 28 + 1)])
+    assert (refused.status_code, refused.json()["error"]) == (429, "queue_full")
+    assert gateway.client.post("/v1/tickets", json=[{"text": f"fits{k}"} for k in range(BOUND - 28)]).status_code == 202
+    assert queued(url, queue) == BOUND
+
+
+def test_concurrent_posts_of_the_same_tickets_queue_each_once(service, idle):
+    """POSTs racing with overlapping tickets: each ticket is in exactly one message, and every POST that
+    names it is answered with that message's task id."""
+    url, _, _ = service
+    gateway, queue = idle
+
+    def post(n: int):
+        return gateway.client.post("/v1/tickets", json=[{"id": f"o{k}", "text": "same"} for k in range(n, n + 8)])
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(post, range(0, 24, 2)))
+    assert all(answer.status_code == 202 for answer in answers)
+    ids = [ticket["id"] for ticket in queued_tickets(url, queue)]
+    assert sorted(ids) == sorted({f"o{k}" for k in range(30)})
+    task_ids: dict[str, set] = {}
+    for answer in answers:
+        for row in answer.json()["tickets"]:
+            task_ids.setdefault(row["id"], set()).add(row["task_id"])
+    assert all(len(named) == 1 for named in task_ids.values()), task_ids
+    assert sum(row["status"] == "accepted" for a in answers for row in a.json()["tickets"]) == 30
 
 
 def test_every_refusal_has_the_error_shape(service):

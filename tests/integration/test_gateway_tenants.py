@@ -5,7 +5,6 @@ in front of a private Redis and a null-classifier worker, as in test_gateway."""
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import socket
@@ -17,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import redis
-from gateways import running_gateway
+from gateways import queued_tickets, running_gateway
 from test_gateway import zendesk_headers
 from workers import null_classifier_service, wait_for
 
@@ -26,7 +25,7 @@ from gateway.keys import TICKET_KEY
 from gateway.settings import GatewaySettings
 from ticketq import codec
 from ticketq.config import SettingsError
-from ticketq.names import RESULTS_STREAM, queue_lists
+from ticketq.names import RESULTS_STREAM
 
 pytestmark = pytest.mark.integration
 
@@ -115,12 +114,7 @@ def test_a_tenants_webhook_source_takes_its_secret_and_feeds_its_tenant(service)
 
 
 def _queued_ids(url: str, queue: str) -> list[str]:
-    client, ids = redis.Redis.from_url(url), []
-    for name in queue_lists(queue):
-        for raw in client.lrange(name, 0, -1):
-            body = json.loads(base64.b64decode(json.loads(raw)["body"]))
-            ids.append(body[0][0]["id"])
-    return ids
+    return [ticket["id"] for ticket in queued_tickets(url, queue)]
 
 
 @pytest.fixture

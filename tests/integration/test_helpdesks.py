@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from gateways import running_gateway
+from gateways import queued_tickets, running_gateway
 from helpdesks import FakeHelpdesk
 from workers import (
     ROOT,
@@ -39,7 +39,7 @@ from workers import (
 
 from gateway.keys import WRITEBACK_DEAD_STREAM
 from ticketq import codec
-from ticketq.names import RESULTS_STREAM, queue_lists
+from ticketq.names import RESULTS_STREAM
 
 pytestmark = pytest.mark.integration
 
@@ -66,14 +66,7 @@ def zendesk_event(ticket_id: str, description: str, event_id: str | None = None,
     }).encode()  # fmt: skip
 
 
-def queued(url: str, queue: str) -> list[dict]:
-    """The tickets waiting in the queue (no worker consumes it)."""
-    client, tickets = redis.Redis.from_url(url), []
-    for name in queue_lists(queue):
-        for raw in client.lrange(name, 0, -1):
-            arg = json.loads(base64.b64decode(json.loads(raw)["body"]))[0][0]
-            tickets.extend(arg if isinstance(arg, list) else [arg])
-    return tickets
+queued = queued_tickets  # the tickets waiting in the queue (no worker consumes it)
 
 
 @pytest.fixture(scope="module")

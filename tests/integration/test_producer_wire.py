@@ -15,7 +15,7 @@ import pytest
 from celery import states
 from workers import redis_or_skip
 
-from producer.api import Producer
+from producer.api import Producer, QueuedMessages
 from producer.backend import POLL_WINDOW
 from producer.messages import idempotent_task_id
 from ticketq.config import ClientSettings
@@ -149,3 +149,30 @@ def test_idempotent_sends_reuse_task_ids_and_skip_what_was_sent(redis_db15):
         assert resumed.sent_before and resumed.id == pending.id and redis_db15.llen(queue) == 3
         # a ticket without an id gets a random one: sent again, it is another ticket
         assert producer.submit_many(tickets[2:], idempotent=True)[0].id != again[1].id
+
+
+def _comparable(raw: bytes) -> tuple[dict, list]:
+    """A queued message less what differs between two sends of it: the delivery tag, the send time, and
+    the copy of `argsrepr` Celery's `send_task` also leaves among the properties."""
+    envelope = json.loads(raw)
+    envelope["properties"].pop("delivery_tag")
+    envelope["properties"].pop("argsrepr", None)
+    body = json.loads(base64.b64decode(envelope.pop("body")))
+    for ticket in body[0][0] if isinstance(body[0][0], list) else [body[0][0]]:
+        assert isinstance(ticket.pop("submitted_at"), float)
+    return envelope, body
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_queued_messages_encode_what_kombu_pushes(redis_db15, packed):
+    """`QueuedMessages` (the gateway pushes its messages in its own script) writes what kombu's Redis
+    transport writes for the same task, field for field: a kombu or Celery that changes it fails here."""
+    tickets = [("q1", "my invoice is wrong", None), ("q2", "crash 💥", "triage")][: 2 if packed else 1]
+    with Producer(ClientSettings(), broker_url=REDIS_URL) as producer:
+        [sent] = producer.submit_many([{"id": i, "text": t, "schema": s} for i, t, s in tickets],
+                                      pack=2 if packed else 1, idempotent=True)  # fmt: skip
+        queue = producer.settings.queue
+        kombus = redis_db15.lpop(queue)
+        ours = QueuedMessages(producer.app, queue).encode(sent.id, tickets, packed)
+        assert _comparable(ours) == _comparable(kombus)
+        assert json.loads(ours)["properties"]["delivery_tag"] != json.loads(kombus)["properties"]["delivery_tag"]

@@ -8,7 +8,8 @@ and `producer.outage` rides the error out.
 
 The fault is injected in this process, at redis-py's pipeline (kombu declares a queue in one):
 the next pipelines of kombu (those that declare a queue, SADD, or publish, LPUSH) raise
-`ConnectionError`, as on a Redis that dropped the connection; the gateway's own reads go through.
+`ConnectionError`, as on a Redis that dropped the connection. The gateway publishes without kombu
+(one script of its own), so its test drops that script's connection instead.
 A private Redis (`redis_server`), so the queue holds only this test's messages.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import redis
+import redis.asyncio
 from fastapi.testclient import TestClient
 
 from gateway.app import create_app
@@ -80,16 +82,41 @@ def gateway_client(url: str) -> TestClient:
     return TestClient(create_app(settings), raise_server_exceptions=False)
 
 
-def test_gateway_answers_202_through_a_dropped_declare_and_503_with_retry_after_past_the_retry(
-        redis_server, dropped_pipelines):  # fmt: skip
-    """Before the fix: a plain-text 500 for both."""
+@pytest.fixture
+def dropped_pushes(monkeypatch):
+    """`drop(n)`: the gateway's next `n` pushes (its script, EVALSHA, on its asyncio client) raise ConnectionError
+    (None: all), as on a Redis that dropped the connection. The gateway pushes its messages in one script
+    of its own (`gateway.enqueue`), not through kombu, so this is where its connection can be lost."""
+    execute = redis.asyncio.Redis.execute_command
+    state = {"left": 0, "dropped": 0}
+
+    async def failing(self, *args, **kwargs):
+        if str(args[0]).upper() == "EVALSHA" and (state["left"] is None or state["left"] > 0):
+            state["left"] = None if state["left"] is None else state["left"] - 1
+            state["dropped"] += 1
+            raise redis.exceptions.ConnectionError("connection dropped (injected by the test)")
+        return await execute(self, *args, **kwargs)
+
+    monkeypatch.setattr(redis.asyncio.Redis, "execute_command", failing)
+
+    def drop(n: int | None) -> dict:
+        state["left"] = n
+        return state
+
+    return drop
+
+
+def test_gateway_rides_out_a_dropped_push_and_answers_503_with_retry_after_past_the_retry(
+        redis_server, dropped_pushes):  # fmt: skip
+    """Before issue 44's fix: a plain-text 500 for both."""
     with gateway_client(redis_server.url) as client:
-        dropped_pipelines(1)
+        dropped = dropped_pushes(1)
         response = client.post("/v1/tickets", json={"id": "G-1", "text": "the app crashes on upload"})
         assert response.status_code == 202, response.text
-        dropped_pipelines(None)  # Redis drops every pipeline for longer than TICKETQ_GATEWAY_SEND_RETRY_S
+        assert dropped["dropped"] == 1
+        dropped_pushes(None)  # Redis drops every push for longer than TICKETQ_GATEWAY_SEND_RETRY_S
         response = client.post("/v1/tickets", json={"id": "G-2", "text": "the app crashes on upload"})
-        dropped_pipelines(0)
+        dropped_pushes(0)
         assert response.status_code == 503, response.text
         assert response.headers["Retry-After"] == "7"
         assert response.json()["error"] == "redis_unavailable"

@@ -345,3 +345,23 @@ def test_a_producer_caught_mid_send_by_a_failover_rides_it_out_and_accounts_for_
     assert statuses(out) == {"ok": n}
     assert len(counts) == n and set(counts.values()) == {1}, "every ticket answered once"
     assert "Unrecoverable error" not in log
+
+
+def test_the_gateway_pushes_through_sentinel_to_the_master(tmp_path):
+    """The gateway's POST goes through its own asyncio client (`ticketq.aioredis`), on the master the
+    sentinels name: the tickets and their records land there, the replica confirms them
+    (TICKETQ_REPLICA_ACKS=1, WAIT on that client), and a GET reads them back."""
+    from fastapi.testclient import TestClient
+
+    from gateway.app import create_app
+    from gateway.settings import GatewaySettings
+
+    require_redis_server()
+    with sentinel_set(tmp_path / "redis") as servers:
+        settings = GatewaySettings(broker_url=servers.url, sentinel_master=MASTER_NAME, queue="gw-sentinel",
+                                   gateway_anonymous=True, replica_acks=1)  # fmt: skip
+        with TestClient(create_app(settings)) as client:
+            answer = client.post("/v1/tickets", json=[{"id": f"s{n}", "text": "my invoice is wrong"} for n in range(3)])
+            assert answer.status_code == 202, answer.text
+            assert client.get("/v1/tickets/s1").json()["status"] == "pending"
+        assert servers.primary.client().llen("gw-sentinel") == 1  # one packed message

@@ -3,6 +3,8 @@ and queue, with a tickets token (TOKEN) and an admin token (ADMIN_TOKEN)."""
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import subprocess
 import sys
@@ -11,9 +13,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import redis
 from workers import ROOT, free_port, wait_for
 
 from gateway.auth import token_digest
+from ticketq.names import queue_lists
 
 TOKEN = "test-token-" + uuid.uuid4().hex
 ADMIN_TOKEN = "test-admin-" + uuid.uuid4().hex
@@ -63,3 +67,15 @@ def running_gateway(workdir: Path, broker_url: str, queue: str, **extra: str):
         yield gateway
     finally:
         gateway.stop()
+
+
+def queued_tickets(url: str, queue: str) -> list[dict]:
+    """The tickets waiting in `queue` (no worker consumes it), oldest message last: a gateway's POST is
+    one packed message (its argument a list of tickets), another producer's message one ticket."""
+    client, tickets = redis.Redis.from_url(url), []
+    for name in queue_lists(queue):
+        for raw in client.lrange(name, 0, -1):
+            arg = json.loads(base64.b64decode(json.loads(raw)["body"]))[0][0]
+            tickets.extend(arg if isinstance(arg, list) else [arg])
+    client.close()
+    return tickets

@@ -70,6 +70,24 @@ def test_loads_edge_cases(text: str) -> None:
     assert same(codec.kombu_loads(text.encode()), kombu_loads(text.encode()))
 
 
+@given(values)
+def test_loads_finite_equals_the_standard_library_and_refuses_the_non_finite_literals(value: object) -> None:
+    """The gateway's body parser: what `json.loads(parse_constant=refuse)` answers, value or ValueError."""
+    data = json.dumps(value).encode()
+    try:
+        expected = json.loads(data, parse_constant=lambda name: (_ for _ in ()).throw(ValueError(name)))
+    except ValueError:
+        with pytest.raises(ValueError, match="numbers must be finite"):
+            codec.loads_finite(data)
+        return
+    assert same(codec.loads_finite(data), expected)
+
+
+@pytest.mark.parametrize("text", ['{"id": 12345678901234567890123}', '"\\ud800"', "1e400", "-0"])
+def test_loads_finite_edge_cases(text: str) -> None:
+    assert same(codec.loads_finite(text.encode()), json.loads(text))
+
+
 @pytest.mark.parametrize(
     "value",
     [datetime.datetime(2026, 12, 1, 1, 2, 3), datetime.date(2026, 12, 1), uuid.UUID(int=7), decimal.Decimal("1.5")],
