@@ -83,7 +83,10 @@ class Stack:
         self.queue = f"bench-{uuid.uuid4().hex[:8]}"
         self.gateway = f"http://127.0.0.1:{self.gateway_port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
-        env.update(PYTHONPATH=str(ROOT), TICKETQ_BROKER_URL=self.broker, TICKETQ_QUEUE=self.queue)
+        # every answer kept for `all_answered` to count: a run sends 100,000+ tickets, above the
+        # results stream's default cap (TICKETQ_STREAM_MAXLEN), which would trim answers, not lose them
+        env.update(PYTHONPATH=str(ROOT), TICKETQ_BROKER_URL=self.broker, TICKETQ_QUEUE=self.queue,
+                   TICKETQ_STREAM_MAXLEN="10000000")  # fmt: skip
         self._start(["redis-server", "--port", str(self.redis_port), "--save", "", "--appendonly", "no"], env)
         wait_until(lambda: self._pings(), 10, "redis-server")
         worker = shutil.which("ticketq", path=str(Path(sys.executable).parent)) or "ticketq"
