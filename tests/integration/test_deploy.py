@@ -82,7 +82,8 @@ EXPECTED_KINDS: dict[str, str] = {
 NOT_YET_IN_CONSTANTS = {"ticketq_queue_depth"}
 # The gateway's series the dashboard shows (the review page's), by kind; names from gateway/keys.py.
 # Not a worker's: no `instance=~"$instance"` (a worker variable), and the live check below, which
-# scrapes a worker and an exporter only, leaves them out (tests/integration/test_review.py reads them).
+# scrapes a worker and an exporter only, leaves them out (tests/integration/test_deploy_gateway.py
+# evaluates them on a Prometheus scraping a real gateway).
 GATEWAY_KINDS = {"ticketq_gateway_review_decisions": "counter", "ticketq_gateway_review_conflicts": "counter"}
 SERIES_SUFFIXES = {
     "counter": ("_total",),
@@ -984,17 +985,18 @@ def _rfc3339(stamp: str) -> float:
 
 
 class _Prometheus:
-    """A throwaway Prometheus on a free port: job `ticketq` scrapes `targets` every second and the
-    rule groups of deploy/prometheus/alerts.yml are evaluated every second."""
+    """A throwaway Prometheus on a free port: job `ticketq` scrapes `targets` every second (or
+    `jobs`, scrape configs of its own) and the rule groups of deploy/prometheus/alerts.yml are
+    evaluated every second."""
 
-    def __init__(self, binary: str, workdir: Path, targets: list[str]):
+    def __init__(self, binary: str, workdir: Path, targets: list[str], jobs: list[dict] | None = None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = workdir / "prometheus.log"
         config = {
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(ALERTS)],
-            "scrape_configs": [
+            "scrape_configs": jobs or [
                 {"job_name": "ticketq", "scrape_interval": "1s", "static_configs": [{"targets": targets}]}
             ],
         }
@@ -1130,7 +1132,8 @@ def test_live_dashboard_expressions(prometheus, metrics_target, exporter_target,
     prom.wait_for_scrapes(2)
     models = {r["metric"]["model"] for r in prom.query("ticketq_model_info")}
     assert models and "fixture-exporter" not in models, f"the dashboard must be checked on a real worker: {models}"
-    exprs = sorted(e for e in set(_dashboard_exprs()) if "ticketq_gateway_" not in e)  # no gateway scraped here
+    # The gateway's panels: tests/integration/test_deploy_gateway.py, against a real gateway.
+    exprs = sorted(e for e in set(_dashboard_exprs()) if "ticketq_gateway_" not in e)
 
     def all_non_empty():
         return not [e for e in exprs if not prom.query(e)]
