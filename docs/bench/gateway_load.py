@@ -58,6 +58,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# httpx's default keep-alive expiry (5 s) is uvicorn's keep-alive (5 s), the gateway's and the minimal app's:
+# an idle pooled connection was reused just as the server closed it, and the POST failed (httpx.ReadError)
+# whichever server it was. Below the servers' 5 s, the client drops an idle connection first.
+KEEPALIVE_EXPIRY_S = 2.0
+
+
 def wait_until(predicate, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -151,7 +157,8 @@ async def closed_loop(url: str, clients: int, seconds: float, batch: int, ids: l
             else:
                 failures += 1
 
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients,
+                          keepalive_expiry=KEEPALIVE_EXPIRY_S)  # fmt: skip
     async with httpx.AsyncClient(limits=limits, timeout=60) as http:
         started = time.perf_counter()
         await asyncio.gather(*(client(http) for _ in range(clients)))
@@ -175,7 +182,7 @@ async def open_loop(url: str, rate: float, seconds: float, ids: list[str]) -> di
         else:
             failures += 1
 
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256, keepalive_expiry=KEEPALIVE_EXPIRY_S)
     async with httpx.AsyncClient(limits=limits, timeout=60) as http:
         started = time.perf_counter()
         at = started
