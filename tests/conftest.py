@@ -58,3 +58,16 @@ def redis_server(tmp_path):
     server = RedisServer(workdir, aof=True).start()
     yield server
     server.kill()
+
+
+@pytest.fixture
+def volatile_redis_server(tmp_path):
+    """A private redis-server without persistence: killed and started again, it comes back empty
+    (Redis losing its data, as a restart without AOF does)."""
+    from servers import require_redis_server
+    from workers import RedisServer
+
+    require_redis_server()
+    server = RedisServer(tmp_path, aof=False).start()
+    yield server
+    server.kill()

@@ -16,8 +16,7 @@ import sys
 import uuid
 
 import pytest
-from servers import require_redis_server
-from workers import ROOT, RedisServer, running_worker, wait_for, worker_env
+from workers import ROOT, running_worker, wait_for, worker_env
 
 from producer.api import Producer
 from ticketq import epoch, names
@@ -33,11 +32,8 @@ LOST = "Redis lost its data"
 
 
 @pytest.fixture
-def server(tmp_path):
-    require_redis_server()
-    server = RedisServer(tmp_path, aof=False).start()
-    yield server
-    server.kill()
+def server(volatile_redis_server):
+    return volatile_redis_server
 
 
 def test_the_marker_is_adopted_then_a_vanished_or_replaced_one_is_one_loss_each(server):

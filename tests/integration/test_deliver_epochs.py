@@ -12,9 +12,8 @@ from collections import Counter
 
 import pytest
 import redis
-from servers import require_redis_server
 from test_deliver import dispatching, receiving
-from workers import RedisServer, running_worker, wait_for, worker_env
+from workers import running_worker, wait_for, worker_env
 
 from gateway.keys import DELIVER_DEAD_STREAM
 from producer.api import Producer
@@ -26,11 +25,8 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def server(tmp_path):
-    require_redis_server()
-    server = RedisServer(tmp_path, aof=False).start()
-    yield server
-    server.kill()
+def server(volatile_redis_server):
+    return volatile_redis_server
 
 
 def test_a_ticket_answered_before_and_after_a_data_loss_is_delivered_once(server, tmp_path):

@@ -17,9 +17,8 @@ import httpx
 import pytest
 import uvicorn
 from gateways import ADMIN, TOKEN, running_gateway
-from servers import require_redis_server
 from test_gateway_errors import raw_request
-from workers import RedisServer, wait_for
+from workers import wait_for
 
 from gateway.metrics import GatewayMetrics
 from gateway.server import uvicorn_options
@@ -29,11 +28,8 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def redis_server(tmp_path):
-    require_redis_server()
-    server = RedisServer(tmp_path, aof=False).start()
-    yield server
-    server.kill()
+def redis_server(volatile_redis_server):
+    return volatile_redis_server
 
 
 def test_above_the_connection_limit_the_answer_is_the_error_shape_with_retry_after(redis_server, tmp_path):
