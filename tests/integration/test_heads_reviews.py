@@ -7,13 +7,13 @@ nothing to fit for a tenant without decisions (exit status 3)."""
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Iterator
 
 import pytest
-import redis
 from commands import engine_env, run
+from schemas import write_review_all
 from servers import require_redis_server
+from test_review import LABELS, seed
 from workers import RedisServer
 
 from gateway.review.store import ReviewStore
@@ -21,37 +21,10 @@ from producer.synthetic import generate_tickets
 from ticketq.exits import EXIT_NOTHING, EXIT_USAGE
 from ticketq.names import LABELLED_STREAM
 from worker.engine.head import LabelHead
-from worker.health import Health
-from worker.redis.outbox import Outbox
 
 pytestmark = pytest.mark.integration
 
-LABELS = ("billing", "technical", "account")
 DECIDED = 80
-SCHEMA = """
-name = "review-all"
-[fields.team]
-instruction = "Which team should handle the ticket?"
-labels = ["billing", "technical", "account"]
-threshold = 1.0
-"""
-
-
-def review_result(wire_id: str) -> dict:
-    """A result flagged for review as a worker publishes it: the model answered `technical`."""
-    probs = {name: (0.4 if name == "technical" else 0.3) for name in LABELS}
-    return {"id": wire_id, "task_id": "t", "status": "ok", "schema": "review-all", "review": True,
-            "model": "stand-in", "standin": True,
-            "fields": {"team": {"label": "technical", "probs": probs, "confidence": 0.1, "review": True}}}  # fmt: skip
-
-
-def publish_for_review(client: redis.Redis, tickets: dict[str, str]) -> None:
-    """Publish results flagged for review (wire id -> text) through the worker's outbox."""
-    task = f"review-{uuid.uuid4().hex}"
-    slots = [(task, n, json.dumps(review_result(wire)).encode()) for n, wire in enumerate(tickets)]
-    review = {(task, n): text for n, text in enumerate(tickets.values())}
-    outbox = Outbox(client, Health(), stream_maxlen=100_000, result_expires_s=600, worst_batch_s=5)
-    outbox.publish(slots, [task], review)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +33,7 @@ def decided(tmp_path_factory) -> Iterator[RedisServer]:
     require_redis_server()
     server = RedisServer(tmp_path_factory.mktemp("reviews"), aof=False).start()
     tickets = generate_tickets(DECIDED, seed=5)
-    publish_for_review(server.client(), {f"acme:{t['id']}": t["text"] for t in tickets})
+    seed(server.client(), {f"acme:{t['id']}": t["text"] for t in tickets})
     store = ReviewStore(server.client(), multi_tenant=True, decision_ttl_s=600, stream_maxlen=100_000)
     expected = {t["id"]: t["expected"] for t in tickets}
     items = store.pending("acme", DECIDED)
@@ -89,8 +62,7 @@ def test_fit_from_reviews_writes_a_head_for_the_single_field(decided, tiny_model
 
 
 def test_fit_from_reviews_and_a_file_writes_a_schema_fields_head(decided, tiny_model_dir, tmp_path):
-    schema = tmp_path / "review-all.toml"
-    schema.write_text(SCHEMA)
+    schema = write_review_all(tmp_path)
     labelled = tmp_path / "more.jsonl"
     rows = [{"text": t["text"], "schema": "review-all", "expected": {"team": t["expected"]}}
             for t in generate_tickets(40, seed=6)]  # fmt: skip

@@ -100,7 +100,7 @@ def cast_copy(model, dtype: torch.dtype, matmul: str = "auto"):
 def _cast_as_copied(model, dtype: torch.dtype) -> dict:
     """A `copy.deepcopy` memo that maps each floating-point parameter and buffer of `model` to its
     cast to `dtype`, so the copy is built cast tensor by tensor: a whole float32 copy is never held
-    (peak: the model and its cast copy, 1.5x a float32 model for bfloat16, not 2.5x). A cast is
+    (peak: the model and its cast copy, never a second float32 model). A cast is
     elementwise, so the values are those of casting a float32 copy; tied weights stay tied (one
     tensor, one entry)."""
     memo: dict = {}
