@@ -34,7 +34,7 @@ class ModelInfo:
     device: str
     dtype: str
     matmul: str = "torch"  # who runs the decoder's float32 linear layers: "torch" (its GEMM) or "onednn"
-    fused: bool = False  # batches run through `FusedDecoder` (oneDNN post-ops, float32 attention)
+    fused: bool = False  # batches run through `FusedDecoder` (oneDNN post-ops; bf16 on a float32 residual stream)
     recheck: bool = False  # answers within the precision's error bound are computed again in float32
     # the load-time self-check's verdict (`selfcheck.verify`): the batched path's largest |Δp| against
     # the reference, and whether the fused decoder had to give way to transformers' layers

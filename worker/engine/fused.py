@@ -20,9 +20,17 @@ family may add a term this loop would silently skip: `FusedDecoder.build(decoder
 it, as for another MLP, a sliding window, weights not packed or int8, and the engine runs
 transformers' decoder instead. The engine's load-time self-check (`selfcheck`) holds whatever
 runs to the reference all the same. In float32 the arithmetic is the same up to rounding (the post-op runs on the
-accumulator, attention sums in another order); bfloat16 attention is computed in float32, as
-torch's SDPA kernel accumulates. The engine's reference path (`Engine.reference`) never runs
-through here, so the tests hold this path to it.
+accumulator, attention sums in another order). The engine's reference path (`Engine.reference`)
+never runs through here, so the tests hold this path to it.
+
+In a low precision (bfloat16) the GEMMs and attention run in it, but the residual stream (the
+hidden state each layer adds its branches to, and the norms that read it) stays in float32:
+transformers' layers round that sum to bfloat16 at every add, 2 x layers times a ticket. Keeping
+it costs one cast per GEMM input and nothing measurable in speed, and cuts the label decisions'
+error against float32 by about a third (docs/performance.md) — the error a re-checked precision's
+bound (`precision`) is measured on, so fewer tickets are computed again. Attention there is torch's
+SDPA kernel on the low-precision queries, keys and values (it accumulates in float32; faster than
+`_attention`'s float32 matmuls at that precision).
 
 `keep` (B, K) asks for the hidden states at K positions per row only: the last layer then runs its
 attention output, `o` and the MLP for those positions alone (its keys and values are computed for
@@ -43,6 +51,9 @@ from worker.engine.kernels import PackedLinear, dtype_name
 log = logging.getLogger(__name__)
 
 _ACTIVATIONS = ("SiLU", "SiLUActivation")
+# Which rounding this forward does in a low precision: part of a re-checked precision's cached
+# calibration key (`policy`), so a bound measured on an earlier arithmetic is measured again.
+ARITHMETIC = "low-precision GEMMs and SDPA, float32 residual stream"
 # The model types whose decoder layer this forward computes term for term (see the module doc).
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite")
 
@@ -74,6 +85,7 @@ class FusedDecoder:
     def __init__(self, decoder: torch.nn.Module, layers: list[_Layer]) -> None:
         self.rope = _model_module(decoder).apply_rotary_pos_emb  # the model family's own, op for op
         self.embed = decoder.embed_tokens
+        self.dtype = decoder.embed_tokens.weight.dtype  # the GEMMs' and attention's; the residual stream is float32
         self.rotary = decoder.rotary_emb
         self.norm = decoder.norm
         self.embedding_scale = float(getattr(decoder, "embedding_multiplier", 1.0))  # Granite's
@@ -109,14 +121,15 @@ class FusedDecoder:
                  keep: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """The final hidden states (B, W, H) of `ids` (B, W) after `cache`'s contents, or (B, K, H)
         at the positions `keep` (B, K). `mask` is the additive (B, 1, W, KV) mask, `positions` (B, W)."""
-        hidden = self.embed(ids)  # (B, W, H)
+        low = self.dtype  # each GEMM's input is cast to it; the residual stream `hidden` stays float32
+        hidden = self.embed(ids).float()  # (B, W, H)
         if self.embedding_scale != 1.0:
             hidden = hidden * self.embedding_scale
-        cos, sin = self.rotary(hidden, positions)  # (B, W, D) each
+        cos, sin = self.rotary(hidden[:, :, :0].to(low), positions)  # (B, W, D) each, in the GEMMs' precision
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             rows, width, _ = hidden.shape
-            x = layer.input_norm(hidden)
+            x = layer.input_norm(hidden).to(low)
             q = layer.q(x).view(rows, width, layer.heads, layer.head_dim)  # (B, W, Hq, D)
             k = layer.k(x).view(rows, width, layer.kv_heads, layer.head_dim)  # (B, W, KVH, D)
             if layer.q_norm is not None:  # per head, before the heads move forward (as Qwen3 does)
@@ -131,7 +144,7 @@ class FusedDecoder:
                 q = q.gather(2, at.expand(-1, layer.heads, -1, layer.head_dim))  # (B, Hq, K, D)
                 mask = mask.gather(2, at.expand(-1, -1, -1, mask.shape[-1]))  # (B, 1, K, KV)
                 hidden = hidden.gather(1, keep[:, :, None].expand(-1, -1, hidden.shape[-1]))  # (B, K, H)
-            attended = _attention(q, k, v, mask, layer)  # (B, Hq, Q, D)
+            attended = _attention(q, k, v, mask, layer) if low == torch.float32 else _sdpa(q, k, v, mask, layer)
             attended = attended.transpose(1, 2).reshape(*hidden.shape[:2], -1)  # (B, Q, Hq * D)
             if self.post_ops:
                 hidden = layer.o.then(attended, hidden, "add")  # o(attended) + hidden
@@ -139,11 +152,11 @@ class FusedDecoder:
                 gated = layer.gate(x, "swish")  # silu(gate(x)), in the GEMM
                 product = layer.up.then(x, gated, "mul")  # up(x) * silu(gate(x))
                 hidden = layer.down.then(product, hidden, "add")  # down(...) + hidden
-            else:
+            else:  # a low precision's branch is added to the float32 stream (type promotion)
                 hidden = hidden + _scaled(layer.o(attended), layer.residual)
-                x = layer.post_norm(hidden)
+                x = layer.post_norm(hidden).to(low)
                 hidden = hidden + _scaled(layer.down(F.silu(layer.gate(x)) * layer.up(x)), layer.residual)
-        return self.norm(hidden)
+        return self.norm(hidden).to(low)
 
 
 def _scaled(branch: torch.Tensor, multiplier: float) -> torch.Tensor:
@@ -168,6 +181,17 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     probs = torch.softmax(scores, dim=-1).view(rows, kv_heads, groups * queries, keys)
     out = torch.matmul(probs, v.float()).view(rows, heads, queries, dim)  # (B, Hq, Q, D)
     return out.to(q.dtype)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, layer: _Layer) -> torch.Tensor:
+    """softmax(q kᵀ scale + mask) v by torch's SDPA kernel in the tensors' (low) precision, which
+    accumulates in float32; `_attention` where this torch has no grouped-query SDPA (before 2.5)."""
+    if not _SDPA_GQA:
+        return _attention(q, k, v, mask, layer)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), scale=layer.scaling, enable_gqa=True)
+
+
+_SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
 def _model_module(decoder: torch.nn.Module):

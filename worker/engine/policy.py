@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ticketq.schema import Field
+from worker.engine.fused import ARITHMETIC
 from worker.engine.precision import (
     SAFETY,
     ErrorBound,
@@ -210,7 +211,8 @@ def check(fast: Any, exact: Any, precision: str, prompt_ids: Sequence[int], fiel
 
 def _key(fast: Any, precision: str, prompt_ids: Sequence[int], fields: Mapping[str, Field]) -> list:
     """What the calibration depends on: the machine, torch, the model's weights, the prompt, the
-    precision, the thresholds that decide with the labels (the share within the bound), and the scorer
+    precision, the forward that rounds (fused or transformers' layers), the thresholds that decide with
+    the labels (the share within the bound), and the scorer
     (issue 43: a label head, TICKETQ_HEAD or a schema field's, has its own bound)."""
     host = getattr(fast, "engine", fast)
     head = host.model.get_output_embeddings().weight
@@ -220,6 +222,7 @@ def _key(fast: Any, precision: str, prompt_ids: Sequence[int], fields: Mapping[s
     weights = [float(head[:64].detach().double().sum()), sum(float(p.detach().double().sum()) for p in vectors)]
     return [cpu_model(), sorted(cpu_flags()), platform.machine(), torch.__version__, torch.get_num_threads(),
             getattr(host.model, "name_or_path", "?"), weights, precision, getattr(host.info, "matmul", ""),
+            ARITHMETIC if getattr(host.info, "fused", False) else "transformers",
             list(prompt_ids), sorted((name, f.select, f.threshold) for name, f in fields.items()),
             getattr(host.info, "scorer", "zero-shot"),
             *([fast.heads.scorer] if getattr(fast, "heads", None) else [])]  # a schema's field heads  # fmt: skip

@@ -75,9 +75,9 @@ def check_with(fast: Engine, exact: Engine, force: bool = False) -> bool:
 
 
 def sibling(engine: Engine, model, info: ModelInfo, int8: bool = False) -> Engine:
-    """`model` with `engine`'s prompt, planner and options (its cost model copied): unchecked."""
-    options = replace(engine.options, fuse=engine.fused)
-    return Engine(model, engine.tokenizer, options, cost=replace(engine.cost), info=info, int8=int8)
+    """`model` with `engine`'s prompt, planner and options (its cost model copied): unchecked. It runs
+    fused where its own weights are packed, as a worker's would, unless the self-check unfused `engine`."""
+    return Engine(model, engine.tokenizer, engine.options, cost=replace(engine.cost), info=info, int8=int8)
 
 
 def with_int8(engine: Engine) -> Engine:
