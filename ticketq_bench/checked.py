@@ -36,7 +36,7 @@ def _models(engine) -> list:
 def describe_fast(mode: str, engine) -> str:
     """The note under a fast mode's row: what it computes, and for ticketq-checked its bound and calibration."""
     from worker.engine.policy import MIN_GAIN
-    from worker.engine.precision import SAFETY, expected_gain
+    from worker.engine.precision import SAFETY, TAIL_CHANCE, expected_gain
 
     if mode == "ticketq-checked":
         bound = engine.policy.bound
@@ -45,7 +45,8 @@ def describe_fast(mode: str, engine) -> str:
                   f"a worker would answer in float32 here (< {MIN_GAIN}x): shown for the figures")  # fmt: skip
         return (f"ticketq-checked: answers in {engine.precision}, a ticket whose decision gap is under "
                 f"{SAFETY:g} x {bound.rate:.3g} x tokens^{bound.exponent:g} (the envelope of the {engine.precision} "
-                f"errors measured, largest {bound.measured:.3g}) computed again in float32, a length whose tickets "
+                f"errors measured over {bound.samples} tickets, or their fitted tail's at {TAIL_CHANCE:g} a ticket "
+                f"where wider; largest {bound.measured:.3g}) computed again in float32, a length whose tickets "
                 f"mostly are sent straight to float32; every label is compared with the reference. Its calibration: "
                 f"{engine.precision} {bound.speed:.2f}x float32's speed, {bound.share:.0%} of its tickets re-checked, "
                 f"{gain:.2f}x predicted: {served}")  # fmt: skip

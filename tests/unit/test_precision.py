@@ -17,12 +17,16 @@ from worker.engine.cost import CostModel
 from worker.engine.precision import (
     FLOOR,
     SAFETY,
+    TAIL_CHANCE,
     Calibration,
     ErrorBound,
+    calibrate,
     decision_error,
     decision_gap,
     envelope,
+    fit_tail,
     load_calibration,
+    tail_bound,
 )
 from worker.engine.prompt import EncodedTicket
 from worker.engine.scheduler import DEFER_FORWARDS, PlannedRun, Ticketed, Unsettled, drain
@@ -155,6 +159,41 @@ def test_a_live_error_above_the_envelope_at_its_length_widens_it():
     assert not bound.observe(0.15, "re-check", tokens=400)  # under 0.01 x 20 at that length: kept
     assert bound.observe(0.15, "shadow check", tokens=100)  # 0.015 per sqrt-token: the envelope rises
     assert bound.rate == pytest.approx(0.015) and bound.bound_at(400) == pytest.approx(0.6)
+
+
+def exponential_errors(n: int, scale: float) -> list[float]:
+    """n errors at the quantiles of an exponential of `scale`: a sample with no luck in it."""
+    return [-scale * math.log(1 - (i + 0.5) / n) for i in range(n)]
+
+
+def test_the_tail_fit_bounds_the_error_a_ticket_exceeds_with_the_stated_chance():
+    """Exponential errors of scale 0.01: one ticket in 10,000 exceeds 0.092. The fitted tail's bound
+    is above that (its scale taken at 99% confidence from 25 excesses) and not far above it."""
+    errors = exponential_errors(128, 0.01)
+    tail = fit_tail(errors)
+    truth = -0.01 * math.log(TAIL_CHANCE)
+    assert truth < tail.bound() < 1.7 * truth
+    assert tail.chance(tail.bound()) == pytest.approx(TAIL_CHANCE)
+    assert fit_tail(errors[:30]) is None and tail_bound(errors[:30]) == 0.0  # 6 excesses: too few to fit
+
+
+def test_a_calibration_whose_largest_error_was_lucky_is_bounded_by_its_tail():
+    """128 calibration tickets whose errors are exponential but none above the 90th percentile: SAFETY
+    x the largest would trust that luck; the bound is the tail's, the wider. With the whole sample,
+    the wider of the two all the same."""
+    def run(errors: list[float]) -> ErrorBound:
+        texts = [str(i) for i in range(len(errors))]
+        fast = {t: prediction({"a": 0.0, "b": -1.0 - e}, "bfloat16") for t, e in zip(texts, errors, strict=True)}
+        exact = prediction({"a": 0.0, "b": -1.0}, "float32")
+        calibration = calibrate("bfloat16", lambda batch: [fast[t] for t in batch], lambda batch: [exact] * len(batch),
+                                texts=texts)  # fmt: skip
+        return ErrorBound("bfloat16", calibration)
+
+    whole = exponential_errors(128, 0.01)
+    lucky = [min(e, whole[115]) for e in whole]
+    assert tail_bound(lucky) > 1.5 * SAFETY * max(lucky)
+    assert run(lucky).bound == pytest.approx(tail_bound(lucky))
+    assert run(whole).bound == pytest.approx(max(SAFETY * max(whole), tail_bound(whole)))
 
 
 def test_the_predicted_gain_counts_each_recheck_as_a_float32_answer():

@@ -41,7 +41,9 @@ import torch
 from ticketq.schema import Field
 from worker.engine.fused import ARITHMETIC
 from worker.engine.precision import (
+    CALIBRATION_SIZE,
     SAFETY,
+    TAIL_CHANCE,
     ErrorBound,
     calibrate,
     decision_error,
@@ -211,9 +213,9 @@ def check(fast: Any, exact: Any, precision: str, prompt_ids: Sequence[int], fiel
 
 def _key(fast: Any, precision: str, prompt_ids: Sequence[int], fields: Mapping[str, Field]) -> list:
     """What the calibration depends on: the machine, torch, the model's weights, the prompt, the
-    precision, the forward that rounds (fused or transformers' layers), the thresholds that decide with
-    the labels (the share within the bound), and the scorer
-    (issue 43: a label head, TICKETQ_HEAD or a schema field's, has its own bound)."""
+    precision, the forward that rounds (fused or transformers' layers), the bound's rule, the
+    thresholds that decide with the labels (the share within the bound), and the scorer (issue 43:
+    a label head, TICKETQ_HEAD or a schema field's, has its own bound)."""
     host = getattr(fast, "engine", fast)
     head = host.model.get_output_embeddings().weight
     # a checksum: the head's first rows and the decoder's dense vectors (its norms' weights, biases),
@@ -223,6 +225,7 @@ def _key(fast: Any, precision: str, prompt_ids: Sequence[int], fields: Mapping[s
     return [cpu_model(), sorted(cpu_flags()), platform.machine(), torch.__version__, torch.get_num_threads(),
             getattr(host.model, "name_or_path", "?"), weights, precision, getattr(host.info, "matmul", ""),
             ARITHMETIC if getattr(host.info, "fused", False) else "transformers",
+            [CALIBRATION_SIZE, SAFETY, TAIL_CHANCE],  # the rule that turned the errors into a bound
             list(prompt_ids), sorted((name, f.select, f.threshold) for name, f in fields.items()),
             getattr(host.info, "scorer", "zero-shot"),
             *([fast.heads.scorer] if getattr(fast, "heads", None) else [])]  # a schema's field heads  # fmt: skip

@@ -24,9 +24,14 @@ over tokens**exponent measured. Short tickets are held to a tight bound, long on
 The bound only widens: every re-checked ticket and every live shadow check measures the error
 again, and one above the envelope at its length raises `rate` at once.
 
-Margin: for n calibration tickets whose normalised errors are exchangeable, the chance that the
-next ticket's exceeds all n is at most 1/(n+1) (2% at the 48 of `calibration_texts`); SAFETY
-multiplies that largest value, and the live checks widen the bound where the tail is reached.
+Margin: the bound is the wider of SAFETY x the largest (normalised) error of the calibration and
+the error one ticket exceeds with at most TAIL_CHANCE under an exponential tail fitted to the
+calibration's largest errors, its scale at 99% confidence (`tail_bound`). A doubled maximum alone
+is only as good as its sample: on the full-size stand-in, 48 calibration tickets' doubled largest
+error was exceeded by a ticket in about 1e-3 (docs/performance.md); so the calibration is
+CALIBRATION_SIZE tickets and the tail sets a floor. For exchangeable errors the chance that the
+next exceeds all n measured is at most 1/(n+1) whatever the tail; the live checks widen the bound
+at once where a re-check or a shadow check measures more.
 
 Cost: the calibration runs `calibration_texts()` once in each precision, at the first start on a
 machine for a model, prompt and precision (the verdict is cached, `cache_dir("precision")`).
@@ -93,12 +98,62 @@ CALIBRATION_TEXTS = (
 
 
 def calibration_texts() -> list[str]:
-    """The calibration batch: CALIBRATION_TEXTS, then each followed by the next, then by the next two
-    (longer tickets: a low precision's error grows with the tokens it runs over)."""
+    """The calibration batch, CALIBRATION_SIZE tickets: CALIBRATION_TEXTS, each followed by the 1st,
+    2nd, 3rd and 4th after it, by the next two, by every second of the next four, and by the next
+    three. Longer tickets, since a low precision's error may grow with the tokens it runs over; many
+    of them, since the bound is read from the tail of what they measure (`tail_bound`)."""
     texts = list(CALIBRATION_TEXTS)
-    shifted = texts[1:] + texts[:1]
-    pairs = [f"{a}\n\n{b}" for a, b in zip(texts, shifted, strict=True)]
-    return texts + pairs + [f"{a}\n\n{b}" for a, b in zip(pairs, shifted[1:] + shifted[:1], strict=True)]
+    def joined(*offsets: int) -> list[str]:
+        return ["\n\n".join(texts[(i + k) % len(texts)] for k in (0, *offsets)) for i in range(len(texts))]
+    return texts + [t for offsets in ((1,), (2,), (3,), (4,), (1, 2), (2, 4), (1, 2, 3)) for t in joined(*offsets)]
+
+
+CALIBRATION_SIZE = 8 * len(CALIBRATION_TEXTS)
+# The bound's stated margin: at most this chance per ticket that its decision error exceeds the bound,
+# under the exponential tail fitted to the calibration's errors (`tail_bound`).
+TAIL_CHANCE = 1e-4
+TAIL_FROM = 0.8  # the tail is fitted to the errors above this quantile of the calibration's
+TAIL_MIN = 8  # errors above it, at least, for a fit (fewer calibration tickets: SAFETY x the largest alone)
+Z_99 = 2.326  # the tail's scale is taken at its 99% upper confidence bound
+
+
+class Tail(NamedTuple):
+    """An exponential tail fitted to errors: above `threshold` lie a `share` of them, their excess
+    over it exponential with `scale` (at its 99% upper confidence)."""
+
+    threshold: float
+    share: float
+    scale: float
+
+    def bound(self, chance: float = TAIL_CHANCE) -> float:
+        """The error one ticket exceeds with at most `chance`."""
+        return self.threshold + self.scale * math.log(self.share / chance)
+
+    def chance(self, bound: float) -> float:
+        """The chance that one ticket's error exceeds `bound`."""
+        return self.share * math.exp(-max(bound - self.threshold, 0.0) / self.scale)
+
+
+def fit_tail(errors: Sequence[float]) -> Tail | None:
+    """The exponential tail of `errors` above their TAIL_FROM quantile (peaks over a threshold:
+    Pickands-Balkema-de Haan; exponential is the conservative fit for the light tails of rounding
+    errors), its scale at 99% confidence (2k x mean excess / scale is chi-square with 2k degrees of
+    freedom; Wilson-Hilferty's quantile). None where fewer than TAIL_MIN errors lie above it."""
+    ranked = sorted(errors)
+    threshold = ranked[int(TAIL_FROM * len(ranked))] if ranked else 0.0
+    excess = [e - threshold for e in ranked if e > threshold]
+    if len(excess) < TAIL_MIN:
+        return None
+    degrees = 2 * len(excess)
+    low = degrees * (1 - 2 / (9 * degrees) - Z_99 * math.sqrt(2 / (9 * degrees))) ** 3
+    return Tail(threshold, len(excess) / len(ranked), sum(excess) / len(excess) * degrees / low)
+
+
+def tail_bound(errors: Sequence[float], chance: float = TAIL_CHANCE) -> float:
+    """The error one ticket exceeds with at most `chance` under `errors`' fitted tail (`fit_tail`);
+    0.0 where there are too few errors for a fit."""
+    tail = fit_tail(errors)
+    return tail.bound(chance) if tail is not None else 0.0
 
 
 def _log_probs(probs: dict[str, float]) -> dict[str, float]:
@@ -201,8 +256,9 @@ class ErrorBound:
 
     @property
     def bound(self) -> float:
-        """SAFETY x the largest error measured: the flat bound (the metric's figure)."""
-        return max(self.measured * SAFETY, FLOOR)
+        """The flat bound (the metric's figure): SAFETY x the largest error measured, or the bound at
+        every length where the envelope is flat (the tail's where that is wider, `calibrate`)."""
+        return max(self.measured * SAFETY, self.rate * SAFETY if self.exponent == 0 else 0.0, FLOOR)
 
     def bound_at(self, tokens: int) -> float:
         """The bound on a ticket of `tokens` tokens."""
@@ -294,14 +350,17 @@ def calibrate(precision: str, fast: Callable[[Sequence[str]], list], exact: Call
     ended = time.perf_counter()
     errors = [(f.tokens, decision_error(f, e)) for f, e in zip(answers, reference, strict=True)]
     exponent, rate = envelope(errors)
+    tail = tail_bound([error / _scale(tokens, exponent) for tokens, error in errors])
+    rate = max(rate, tail / SAFETY)  # the bound: SAFETY x the largest error, or the tail's, whichever is wider
     speed = (ended - between) / max(between - started, 1e-9)
     calibration = Calibration(max(e for _, e in errors), len(texts), speed, 0.0, exponent, rate)
     bound = ErrorBound(precision, calibration)
     calibration = calibration._replace(share=sum(bound.unsettled(a, fields) for a in answers) / len(answers))
-    log.info("%s calibrated against float32 on %d tickets in %.1fs: largest decision error %.3g (bound %.3g x "
-             "tokens^%g), %.2fx float32's speed, %.0f%% within the bound: re-checked, %.2fx float32's speed "
-             "predicted", precision, len(texts), ended - started, bound.measured, SAFETY * rate, exponent,
-             calibration.speed, 100 * calibration.share, calibration.gain)  # fmt: skip
+    log.info("%s calibrated against float32 on %d tickets in %.1fs: largest decision error %.3g, tail's %.3g at "
+             "%g a ticket (bound %.3g x tokens^%g), %.2fx float32's speed, %.0f%% within the bound: re-checked, "
+             "%.2fx float32's speed predicted", precision, len(texts), ended - started, bound.measured, tail,
+             TAIL_CHANCE, SAFETY * rate, exponent, calibration.speed, 100 * calibration.share,
+             calibration.gain)  # fmt: skip
     return calibration
 
 
