@@ -133,8 +133,7 @@ class Engine(Offline):
 
     def unfuse(self) -> None:
         """Run batches through transformers' layers from now on (the self-check's fallback, `selfcheck`)."""
-        self._fused = None
-        self.options = replace(self.options, fuse=False)  # and an engine built on its options (`replicas.sibling`)
+        self._fused, self.options = None, replace(self.options, fuse=False)  # as an engine on its options (`sibling`)
         self.info = replace(self.info, fused=False)
 
     def error_bounds(self) -> dict[str, tuple[str, float]]:
