@@ -51,12 +51,41 @@ def test_a_gap_is_the_top_labels_log_probability_over_the_runner_ups():
     assert decision_gap(answer) == pytest.approx(0.5, abs=1e-9)
 
 
-def test_the_error_is_the_largest_change_of_a_difference_of_two_labels():
+def test_the_error_is_the_largest_change_of_the_top_labels_lead_over_another():
     exact = prediction(normalised({"billing": 2.0, "technical": 1.5, "account": -3.0}), "float32")
     shifted = prediction(normalised({"billing": 2.3, "technical": 1.8, "account": -2.7}))  # every logit +0.3
     assert decision_error(shifted, exact) == pytest.approx(0.0, abs=1e-9)  # a shift changes no decision
     moved = prediction(normalised({"billing": 2.0, "technical": 1.7, "account": -3.1}))
-    assert decision_error(moved, exact) == pytest.approx(0.3, abs=1e-9)  # technical +0.2 against account -0.1
+    # billing's lead over technical shrinks by 0.2, over account grows by 0.1; technical against
+    # account moved 0.3, but no label decision rests on that pair
+    assert decision_error(moved, exact) == pytest.approx(0.2, abs=1e-9)
+    below = prediction(normalised({"billing": 2.0, "technical": 1.6, "account": -2.6}))
+    assert decision_error(below, exact) == pytest.approx(0.4, abs=1e-9)  # a lead that grew counts too
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_no_label_changes_under_an_error_smaller_than_the_gap(seed):
+    """Random answers over several labels moved by random errors: wherever the label changed, the
+    error measured on the fast answer's top label was at least its gap, and the top label's error is
+    never more than any two labels' nor less than half of it."""
+    import random
+
+    rng = random.Random(seed)
+    labels = [f"label{i}" for i in range(rng.choice((3, 6, 12)))]
+    changed = 0
+    for _ in range(2000):
+        logits = {name: rng.gauss(0, 1.0) for name in labels}
+        scale = rng.choice((0.01, 0.1, 0.5))
+        exact = prediction(normalised(logits), "float32")
+        fast = prediction(normalised({name: x + rng.uniform(-scale, scale) for name, x in logits.items()}))
+        error = decision_error(fast, exact)
+        every_pair = max(math.log(fast.probs[n] / exact.probs[n]) for n in labels) - min(
+            math.log(fast.probs[n] / exact.probs[n]) for n in labels)  # fmt: skip
+        assert every_pair / 2 - 1e-9 <= error <= every_pair + 1e-9
+        if fast.label != exact.label:
+            changed += 1
+            assert error >= decision_gap(fast) - 1e-9
+    assert changed > 20  # the test saw labels change
 
 
 CATEGORY = Field("category", ("billing", "technical"))

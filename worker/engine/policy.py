@@ -42,6 +42,7 @@ from ticketq.schema import Field
 from worker.engine.fused import ARITHMETIC
 from worker.engine.precision import (
     CALIBRATION_SIZE,
+    ERROR_MEASURE,
     SAFETY,
     TAIL_CHANCE,
     ErrorBound,
@@ -225,7 +226,7 @@ def _key(fast: Any, precision: str, prompt_ids: Sequence[int], fields: Mapping[s
     return [cpu_model(), sorted(cpu_flags()), platform.machine(), torch.__version__, torch.get_num_threads(),
             getattr(host.model, "name_or_path", "?"), weights, precision, getattr(host.info, "matmul", ""),
             ARITHMETIC if getattr(host.info, "fused", False) else "transformers",
-            [CALIBRATION_SIZE, SAFETY, TAIL_CHANCE],  # the rule that turned the errors into a bound
+            [CALIBRATION_SIZE, SAFETY, TAIL_CHANCE, ERROR_MEASURE],  # the rule that turned the errors into a bound
             list(prompt_ids), sorted((name, f.select, f.threshold) for name, f in fields.items()),
             getattr(host.info, "scorer", "zero-shot"),
             *([fast.heads.scorer] if getattr(fast, "heads", None) else [])]  # a schema's field heads  # fmt: skip

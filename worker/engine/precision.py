@@ -5,7 +5,8 @@ can only change where the fast answer's *gap* is smaller than the error a gap ca
 
 - single-label (the engine's own field, a schema's single-label field): the gap between the top
   label's log-probability and each other label's (for one-token labels, a difference of two
-  logits; for multi-token labels, of sums over every step of the label trie, so every step counts);
+  logits; for multi-token labels, of sums over every step of the label trie, so every step counts).
+  The engine's label: only the top label's differences' changes count (`_single_error`);
 - multi-label: each label's yes/no log-odds against the field's `select` threshold's;
 - a field's review flag (confidence < `threshold`): the error under which the confidence cannot
   cross the threshold (`_review_gap`), in the same space.
@@ -112,6 +113,7 @@ CALIBRATION_SIZE = 8 * len(CALIBRATION_TEXTS)
 # The bound's stated margin: at most this chance per ticket that its decision error exceeds the bound,
 # under the exponential tail fitted to the calibration's errors (`tail_bound`).
 TAIL_CHANCE = 1e-4
+ERROR_MEASURE = "label: top against each; field: any two"  # `decision_error`'s, in the calibration's key
 TAIL_FROM = 0.8  # the tail is fitted to the errors above this quantile of the calibration's
 TAIL_MIN = 8  # errors above it, at least, for a fit (fewer calibration tickets: SAFETY x the largest alone)
 Z_99 = 2.326  # the tail's scale is taken at its 99% upper confidence bound
@@ -171,11 +173,19 @@ def _single_gap(probs: dict[str, float]) -> float:
     return ranked[0] - ranked[1] if len(ranked) > 1 else math.inf
 
 
-def _single_error(fast: dict[str, float], exact: dict[str, float]) -> float:
-    """The largest change of a difference of two labels' log-probabilities (both carried in each)."""
+def _single_error(fast: dict[str, float], exact: dict[str, float], top_only: bool = False) -> float:
+    """The largest change of a difference of two labels' log-probabilities (both carried in each): of
+    any two (what moves each probability: a review flag's), or (`top_only`) of the fast top label's
+    against each other's, all a label decision can carry (float32 picks another label j only where
+    the top's lead over j moved by more than that lead): at most the any-two figure, at least half."""
     fast_lp, exact_lp = _log_probs(fast), _log_probs(exact)
-    moved = [fast_lp[name] - exact_lp[name] for name in fast_lp.keys() & exact_lp.keys()]
-    return max(moved) - min(moved) if len(moved) > 1 else 0.0
+    moved = {name: fast_lp[name] - exact_lp[name] for name in fast_lp.keys() & exact_lp.keys()}
+    if len(moved) < 2:
+        return 0.0
+    top = max(fast_lp, key=fast_lp.__getitem__)
+    if top_only and top in moved:
+        return max(abs(moved[top] - other) for other in moved.values())
+    return max(moved.values()) - min(moved.values())
 
 
 def _review_gap(result: FieldResult, spec: Field) -> float:
@@ -215,7 +225,7 @@ def decision_gap(answer: Prediction | TicketFields, fields: Mapping[str, Field] 
 def decision_error(fast: Prediction | TicketFields, exact: Prediction | TicketFields) -> float:
     """The largest change, fast against exact, of a gap `decision_gap` measures, for one ticket."""
     if isinstance(fast, Prediction):
-        return _single_error(fast.probs, exact.probs)
+        return _single_error(fast.probs, exact.probs, top_only=True)
     errors = [0.0]
     for name, result in fast.fields.items():
         other = exact.fields[name]
