@@ -241,7 +241,8 @@ def exactness_lines(rows: list[dict]) -> list[str]:
         if weights := recheck.get("weights_mb"):
             lines.append(f"ticketq-checked memory: {weights['both']:.0f} MiB of weights resident, its "
                          f"{recheck['precision']} copy {weights['fast']:.0f} MiB and the float32 twin "
-                         f"{weights['twin']:.0f} MiB (shared tensors counted once)")  # fmt: skip
+                         f"{weights['twin']:.0f} MiB (shared tensors counted once: the copy reads the twin's embedding "
+                         "table and LM head)")  # fmt: skip
         ratios = [f"{mode} {checked['items_per_s'] / row['items_per_s']:.2f}x" for mode, row in ran.items()
                   if mode in RIVALS and row.get("items_per_s")]  # fmt: skip
         if ratios:

@@ -268,29 +268,43 @@ def test_the_bf16_calibration_hands_onednn_one_dtype_and_the_layer_width_per_cal
 def test_a_cast_copy_is_cast_as_it_is_made_and_equals_casting_the_whole_model(tiny_settings):
     """`cast_copy` builds its bfloat16 copy tensor by tensor (no whole float32 copy held on the way):
     every parameter and buffer equals the old way's (a float32 deep copy cast whole), bit for bit,
-    the tied embedding and LM head stay one tensor, and the float32 model is left as it was."""
+    but the embedding table and LM head, which it reads from the float32 model, each row cast as it
+    is read: a lookup, the head's logits and the whole model's equal the cast copy's bit for bit, no
+    second table is resident, and the float32 model is left as it was."""
     import copy
 
-    from worker.engine.configure import cast_copy
+    from worker.engine.configure import CastTable, cast_copy
     from worker.engine.loading import load_model
+    from worker.engine.scoring import HeadRows
 
     model, _ = load_model(tiny_settings.model, CPU, torch.float32)
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     copied, _ = cast_copy(model, torch.bfloat16, "torch")
     whole = copy.deepcopy(model).to(torch.bfloat16)
-    assert copied.state_dict().keys() == whole.state_dict().keys()
+    tables = {"model.embed_tokens.weight", "lm_head.weight"}
+    assert copied.state_dict().keys() == whole.state_dict().keys() - tables
+    cast = copied.state_dict()
     for name, tensor in whole.state_dict().items():
-        assert copied.state_dict()[name].dtype == tensor.dtype and torch.equal(copied.state_dict()[name], tensor), name
+        if name not in tables:
+            assert cast[name].dtype == tensor.dtype and torch.equal(cast[name], tensor), name
     for name, tensor in model.state_dict().items():
         assert tensor.dtype == torch.float32 and torch.equal(tensor, before[name]), name
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    assert (copied.get_output_embeddings().weight is copied.get_input_embeddings().weight) == tied
-    for (name, buffer), (_, cast) in zip(model.named_buffers(), copied.named_buffers(), strict=True):
-        assert cast.dtype == (torch.bfloat16 if buffer.is_floating_point() else buffer.dtype), name
-    # the bench's memory figure counts a tied tensor once and a bfloat16 copy at half the bytes
+    embed, head = copied.get_input_embeddings(), copied.get_output_embeddings()
+    assert isinstance(embed, CastTable) and embed.weight is model.get_input_embeddings().weight
+    assert isinstance(head, CastTable) and head.weight is model.get_output_embeddings().weight
+    ids = torch.tensor([[0, 5, 17, model.config.vocab_size - 1]])
+    assert torch.equal(embed(ids), whole.get_input_embeddings()(ids)) and embed(ids).dtype == torch.bfloat16
+    hidden = torch.randn(3, model.config.hidden_size).to(torch.bfloat16)
+    assert torch.equal(head(hidden), whole.get_output_embeddings()(hidden))
+    rows, cast_rows = HeadRows.of(copied, [3, 9]), HeadRows.of(whole, [3, 9])
+    assert rows.weight.dtype == torch.bfloat16 and torch.equal(rows.logits(hidden), cast_rows.logits(hidden))
+    with torch.no_grad():
+        assert torch.equal(copied(input_ids=ids).logits, whole(input_ids=ids).logits)
+    # the bench's memory figure: the copy holds its own tensors at half the bytes, not the tables
     from ticketq_bench.memory import weights_mb
 
     distinct = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.state_dict().values()}
     assert weights_mb(model) == pytest.approx(sum(distinct.values()) / 2**20, rel=0.01)
-    assert weights_mb(copied) == pytest.approx(weights_mb(model) / 2, rel=0.02)
+    tables_mb = weights_mb(model.get_input_embeddings(), model.get_output_embeddings())
+    assert weights_mb(copied) == pytest.approx((weights_mb(model) - tables_mb) / 2, rel=0.02)
     assert weights_mb(model, copied) == pytest.approx(weights_mb(model) + weights_mb(copied))

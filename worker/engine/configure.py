@@ -85,28 +85,73 @@ def cast_copy(model, dtype: torch.dtype, matmul: str = "auto"):
     """(a copy of `model` in `dtype`, the GEMM kernel resolved for it), its decoder's weights packed
     for oneDNN where `matmul` resolves so. The copy's linear layers are its own (dense again where
     `model`'s are packed: a packed weight is shared by copies); `model` is left as it is. The copy
-    is cast as it is made (`_cast_as_copied`), never held whole in float32."""
-    copied = copy.deepcopy(model, _cast_as_copied(model, dtype))
+    is cast as it is made (`_cast_as_copied`), never held whole in float32. Its embedding table and
+    LM head are `model`'s, each row cast as it is read (`CastTable`): `model` is the copy's float32
+    twin and stays resident beside it (`load_configured`, the bench)."""
+    tables = _tables(model)
+    copied = copy.deepcopy(model, _cast_as_copied(model, dtype, skip=[t.weight for t in tables.values()]))
     decoder = copied.get_decoder()
     for name, module in list(decoder.named_modules()):
         if isinstance(module, PackedLinear):
             replace_module(decoder, name, module.to_linear())
     copied = copied.to(dtype)
+    if "input" in tables:
+        copied.set_input_embeddings(CastTable(tables["input"], dtype))
+    if "output" in tables:
+        copied.set_output_embeddings(CastTable(tables["output"], dtype))
     chosen = resolve_matmul(matmul, copied.device, dtype)
     _pack(copied, chosen, dtype)
     return copied, chosen
 
 
-def _cast_as_copied(model, dtype: torch.dtype) -> dict:
+class CastTable(torch.nn.Module):
+    """A float32 model's embedding table or LM head read by its copy in a low precision: the rows a
+    lookup takes, or the whole weight for a full-vocabulary head (the unbatched reference only; the
+    batches score the label rows, `scoring.HeadRows`, cast once), cast to `dtype` as they are read.
+    The same values as a cast copy's (a cast is elementwise), without a second table resident (a
+    vocabulary of 151,936 x 896 is 272 MB in bfloat16). `weight` is the float32 one; `dtype` says
+    what the copy computes in. The source is not a submodule: neither cast nor moved with the copy."""
+
+    def __init__(self, source: torch.nn.Embedding | torch.nn.Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.__dict__["source"] = source
+        self.dtype = dtype
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.source.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return getattr(self.source, "bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.source, torch.nn.Embedding):
+            return self.source(x).to(self.dtype)
+        bias = None if self.bias is None else self.bias.to(self.dtype)
+        return torch.nn.functional.linear(x, self.weight.to(self.dtype), bias)
+
+
+def _tables(model) -> dict[str, torch.nn.Module]:
+    """`model`'s input embeddings and LM head where they are a plain float32 `nn.Embedding` and
+    `nn.Linear` (a cast copy reads those, `CastTable`); a table of another kind is copied."""
+    tables = {"input": model.get_input_embeddings(), "output": model.get_output_embeddings()}
+    kinds = {"input": torch.nn.Embedding, "output": torch.nn.Linear}
+    return {side: table for side, table in tables.items()
+            if type(table) is kinds[side] and table.weight.dtype == torch.float32}  # fmt: skip
+
+
+def _cast_as_copied(model, dtype: torch.dtype, skip: list[torch.Tensor] = ()) -> dict:
     """A `copy.deepcopy` memo that maps each floating-point parameter and buffer of `model` to its
     cast to `dtype`, so the copy is built cast tensor by tensor: a whole float32 copy is never held
     (peak: the model and its cast copy, never a second float32 model). A cast is
     elementwise, so the values are those of casting a float32 copy; tied weights stay tied (one
-    tensor, one entry)."""
+    tensor, one entry). Those in `skip` (the tables the copy will read from `model`) map to an empty
+    tensor: never cast whole."""
     memo: dict = {}
     for tensor in (*model.parameters(), *model.buffers()):
         if tensor.is_floating_point() and id(tensor) not in memo:
-            cast = tensor.detach().to(dtype)
+            cast = tensor.detach().to(dtype) if not any(tensor is t for t in skip) else torch.empty(0, dtype=dtype)
             is_param = isinstance(tensor, torch.nn.Parameter)
             memo[id(tensor)] = torch.nn.Parameter(cast, requires_grad=tensor.requires_grad) if is_param else cast
     return memo

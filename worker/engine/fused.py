@@ -85,7 +85,7 @@ class FusedDecoder:
     def __init__(self, decoder: torch.nn.Module, layers: list[_Layer]) -> None:
         self.rope = _model_module(decoder).apply_rotary_pos_emb  # the model family's own, op for op
         self.embed = decoder.embed_tokens
-        self.dtype = decoder.embed_tokens.weight.dtype  # the GEMMs' and attention's; the residual stream is float32
+        self.dtype = _dtype(decoder)  # the GEMMs' and attention's; the residual stream is float32
         self.rotary = decoder.rotary_emb
         self.norm = decoder.norm
         self.embedding_scale = float(getattr(decoder, "embedding_multiplier", 1.0))  # Granite's
@@ -93,7 +93,7 @@ class FusedDecoder:
         # float32: SiLU, product and residuals inside the GEMMs. bfloat16 tensors are half the
         # bytes and the post-ops are no faster there, so bf16 runs them as separate ops. A scaled
         # residual (Granite) is not a plain add: separate ops too.
-        self.post_ops = decoder.embed_tokens.weight.dtype == torch.float32 and all(
+        self.post_ops = self.dtype == torch.float32 and all(
             layer.residual == 1.0 for layer in layers)  # fmt: skip
 
     @classmethod
@@ -191,12 +191,18 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), scale=layer.scaling, enable_gqa=True)
 
 
-_SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+_SDPA_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa came in 2.5
 
 
 def _model_module(decoder: torch.nn.Module):
     """The transformers module defining `decoder`'s layers (`modeling_qwen2`, `modeling_llama`, ...)."""
     return sys.modules[type(decoder.layers[0].self_attn).__module__]
+
+
+def _dtype(decoder: torch.nn.Module) -> torch.dtype:
+    """What the decoder computes in: its embeddings' (a cast copy's `configure.CastTable` says)."""
+    embed = decoder.embed_tokens
+    return getattr(embed, "dtype", None) or embed.weight.dtype
 
 
 def _unsupported(decoder: torch.nn.Module) -> str | None:
@@ -209,8 +215,8 @@ def _unsupported(decoder: torch.nn.Module) -> str | None:
             return f"{type(decoder).__name__} has no {attr}"
     if not len(decoder.layers):
         return f"{type(decoder).__name__} has no layers"
-    if decoder.embed_tokens.weight.dtype not in (torch.float32, torch.bfloat16):
-        return f"its weights are {dtype_name(decoder.embed_tokens.weight.dtype)}"
+    if _dtype(decoder) not in (torch.float32, torch.bfloat16):
+        return f"its weights are {dtype_name(_dtype(decoder))}"
     for layer in decoder.layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         linears = [getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]

@@ -65,8 +65,8 @@ class HeadRows:
     def of(cls, model: Any, tokens: Iterable[int]) -> HeadRows:
         """`model`'s (a causal LM's) head rows of `tokens`."""
         head, tokens = model.get_output_embeddings(), list(tokens)
-        bias = getattr(head, "bias", None)
-        return cls(head.weight[tokens].detach(), None if bias is None else bias[tokens].detach(),
+        bias, dtype = getattr(head, "bias", None), getattr(head, "dtype", head.weight.dtype)  # a `CastTable`'s
+        return cls(head.weight[tokens].detach().to(dtype), None if bias is None else bias[tokens].detach().to(dtype),
                    OutputTerms.of(model.config))  # fmt: skip
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
