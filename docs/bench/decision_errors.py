@@ -52,6 +52,8 @@ def main() -> int:
     from producer.synthetic import generate_tickets
     from worker.engine.precision import (
         SAFETY,
+        Calibration,
+        ErrorBound,
         calibration_texts,
         decision_error,
         decision_gap,
@@ -104,12 +106,10 @@ def main() -> int:
         normalised = [e / max(t, 1) ** exponent for t, e in calibration]
         largest, tail = SAFETY * max(normalised), tail_bound(normalised)
         rate = max(largest, tail) / SAFETY  # as `precision.calibrate` sets it
-
-        def bound(row: dict, rate=rate, exponent=exponent) -> float:
-            return SAFETY * rate * max(row["tokens"], 1) ** exponent
-
-        checked = [r for r in tickets if r["gap"] < bound(r)]
-        missed = sum(not r["same"] for r in tickets if r["gap"] >= bound(r))
+        bound = ErrorBound(args.precision, Calibration(max(e for _, e in calibration), len(calibration), 0.0, 0.0,
+                                                       exponent, rate))  # fmt: skip
+        checked = [r for r in tickets if r["gap"] < bound.bound_at(r["tokens"])]
+        missed = sum(not r["same"] for r in tickets if r["gap"] >= bound.bound_at(r["tokens"]))
         flat = f"bound {SAFETY * rate:.4f}" + (f" x tokens^{exponent:g}" if exponent else "")
         flat += f" (SAFETY x the largest {largest:.4f}, the tail's {tail:.4f})"
         exceed = fit_tail([r["error"] / max(r["tokens"], 1) ** exponent for r in everything]).chance(SAFETY * rate)
