@@ -109,6 +109,21 @@ def test_a_schema_gap_is_its_closest_decision_over_every_field():
     assert decision_error(answer, exact) == pytest.approx(2 * abs(math.log(0.45 / 0.55)), abs=1e-6)
 
 
+def test_a_field_without_a_review_threshold_is_measured_on_its_top_labels_leads():
+    """billing leads; technical's log-probability moved +0.1, account's -0.1: the label decision can
+    carry 0.1 (billing's lead over each moved by 0.1), any two labels' difference 0.2. A review
+    threshold makes every probability's move count; without the field's spec, so does the error."""
+    three = Field("category", ("billing", "technical", "account"))
+    fast = {"billing": 0.5, "technical": 0.3, "account": 0.2}
+    exact = {"billing": 0.5, "technical": 0.3 / math.exp(0.1), "account": 0.2 * math.exp(0.1)}
+    tags = {"refund": 0.9, "outage": 0.1}
+    answer, reference = fields_answer(fast, tags, category=three), fields_answer(exact, tags, "float32", three)
+    assert decision_error(answer, reference, {"category": three, "tags": TAGS}) == pytest.approx(0.1, abs=1e-9)
+    reviewed = replace(three, threshold=0.35)
+    assert decision_error(answer, reference, {"category": reviewed, "tags": TAGS}) == pytest.approx(0.2, abs=1e-9)
+    assert decision_error(answer, reference) == pytest.approx(0.2, abs=1e-9)
+
+
 def test_a_review_threshold_is_a_decision_too():
     """confidence 0.4 (0.7 - 0.3) against threshold 0.35: settled while (0.7 + 0.3)(e^gap - 1) < 0.05."""
     category = replace(CATEGORY, threshold=0.35)
@@ -123,14 +138,16 @@ def test_a_review_threshold_is_a_decision_too():
     assert gap == pytest.approx(math.log1p(0.01 * 0.5 / 0.0099), abs=1e-6)
 
 
+@pytest.mark.parametrize("review", (0.2, 0.0))
 @pytest.mark.parametrize("seed", range(3))
-def test_no_decision_changes_under_an_error_smaller_than_the_gap(seed):
+def test_no_decision_changes_under_an_error_smaller_than_the_gap(seed, review):
     """Random answers moved by random errors: wherever a label, a chosen label or a review flag
-    changed, the error measured was at least the answer's gap (the bound's promise)."""
+    changed, the error measured was at least the answer's gap (the bound's promise); with the
+    single-label field's review threshold (every label's move counts) and without (its top's leads)."""
     import random
 
     rng = random.Random(seed)
-    category = replace(CATEGORY, labels=("billing", "technical", "account"), threshold=0.2)
+    category = replace(CATEGORY, labels=("billing", "technical", "account"), threshold=review)
     tags = replace(TAGS, threshold=0.3)
     fields = {"category": category, "tags": tags}
     changed = 0
@@ -146,7 +163,7 @@ def test_no_decision_changes_under_an_error_smaller_than_the_gap(seed):
                       for n in fields)  # fmt: skip
         if differs:
             changed += 1
-            assert decision_error(fast, exact) >= decision_gap(fast, fields) - 1e-9
+            assert decision_error(fast, exact, fields) >= decision_gap(fast, fields) - 1e-9
     assert changed > 20  # the test saw decisions change
 
 

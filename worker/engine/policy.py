@@ -130,7 +130,7 @@ class Checked:
 
     def settle(self, fast: Any, exact: Any) -> Any:
         """The ticket's answer: float32's, marked re-checked; their difference is measured."""
-        self.bound.observe(decision_error(fast, exact), "re-check", fast.tokens)
+        self.bound.observe(decision_error(fast, exact, self.fields), "re-check", fast.tokens)
         return replace(exact, rechecked=True)
 
     def reference(self, text: object) -> Any:

@@ -6,7 +6,8 @@ can only change where the fast answer's *gap* is smaller than the error a gap ca
 - single-label (the engine's own field, a schema's single-label field): the gap between the top
   label's log-probability and each other label's (for one-token labels, a difference of two
   logits; for multi-token labels, of sums over every step of the label trie, so every step counts).
-  The engine's label: only the top label's differences' changes count (`_single_error`);
+  Where only the label decides (the engine's; a field without a review threshold), only the top
+  label's differences' changes count (`_single_error`);
 - multi-label: each label's yes/no log-odds against the field's `select` threshold's;
 - a field's review flag (confidence < `threshold`): the error under which the confidence cannot
   cross the threshold (`_review_gap`), in the same space.
@@ -113,7 +114,7 @@ CALIBRATION_SIZE = 8 * len(CALIBRATION_TEXTS)
 # The bound's stated margin: at most this chance per ticket that its decision error exceeds the bound,
 # under the exponential tail fitted to the calibration's errors (`tail_bound`).
 TAIL_CHANCE = 1e-4
-ERROR_MEASURE = "label: top against each; field: any two"  # `decision_error`'s, in the calibration's key
+ERROR_MEASURE = "label, field without review: top against each; else any two"  # `decision_error`, in the key
 TAIL_FROM = 0.8  # the tail is fitted to the errors above this quantile of the calibration's
 TAIL_MIN = 8  # errors above it, at least, for a fit (fewer calibration tickets: SAFETY x the largest alone)
 Z_99 = 2.326  # the tail's scale is taken at its 99% upper confidence bound
@@ -222,17 +223,19 @@ def decision_gap(answer: Prediction | TicketFields, fields: Mapping[str, Field] 
     return min(gaps)
 
 
-def decision_error(fast: Prediction | TicketFields, exact: Prediction | TicketFields) -> float:
-    """The largest change, fast against exact, of a gap `decision_gap` measures, for one ticket."""
+def decision_error(fast: Prediction | TicketFields, exact: Prediction | TicketFields,
+                   fields: Mapping[str, Field] | None = None) -> float:  # fmt: skip
+    """The largest change, fast against exact, of a gap `decision_gap` measures, for one ticket
+    (`fields`: the schema's specs, which say which single-label fields have no review threshold)."""
     if isinstance(fast, Prediction):
         return _single_error(fast.probs, exact.probs, top_only=True)
-    errors = [0.0]
+    errors, specs = [0.0], fields or {}
     for name, result in fast.fields.items():
         other = exact.fields[name]
         if result.multi:
             errors += [abs(_log_odds(p) - _log_odds(other.probs[label])) for label, p in result.probs.items()]
         else:
-            errors.append(_single_error(result.probs, other.probs))
+            errors.append(_single_error(result.probs, other.probs, name in specs and specs[name].threshold <= 0))
     return max(errors)
 
 
@@ -241,16 +244,13 @@ def fields_of(schema: Any) -> dict[str, Field]:
     return {spec.name: spec for spec in getattr(schema, "fields", ())}
 
 
-# The length exponents a bound may take (`bound_at`): flat, square-root and linear growth.
-EXPONENTS = (0.0, 0.5, 1.0)
+EXPONENTS = (0.0, 0.5, 1.0)  # the length exponents a bound may take (`bound_at`): flat, square root, linear
 
 
 class ErrorBound:
     """What a fast precision's error against float32 was measured to be, and the bound it sets on
-    a ticket of each length (`bound_at`).
-
-    Thread-safe: the classifying thread reads it, the shadow checker's thread may widen it.
-    """
+    a ticket of each length (`bound_at`). Thread-safe: the classifying thread reads it, the shadow
+    checker's thread may widen it."""
 
     def __init__(self, precision: str, calibration: Calibration, path: Path | None = None,
                  on_change: Callable[[ErrorBound], None] | None = None) -> None:  # fmt: skip
@@ -358,7 +358,7 @@ def calibrate(precision: str, fast: Callable[[Sequence[str]], list], exact: Call
     log.info("%s: %d tickets answered in %.1fs; now the float32 reference", what, len(texts), between - started)
     reference = exact(texts)
     ended = time.perf_counter()
-    errors = [(f.tokens, decision_error(f, e)) for f, e in zip(answers, reference, strict=True)]
+    errors = [(f.tokens, decision_error(f, e, fields)) for f, e in zip(answers, reference, strict=True)]
     exponent, rate = envelope(errors)
     tail = tail_bound([error / _scale(tokens, exponent) for tokens, error in errors])
     rate = max(rate, tail / SAFETY)  # the bound: SAFETY x the largest error, or the tail's, whichever is wider
