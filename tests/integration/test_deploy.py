@@ -422,9 +422,17 @@ def test_prometheus_compose_config_discovers_every_replica():
 
 
 def test_prometheus_local_config():
+    """By hand, one worker, and the gateway and its dispatcher where they run: each on its default port."""
+    from gateway.settings import GatewaySettings
+
     config = _load_yaml(PROM_DIR / "prometheus.local.yml")
-    job = next(j for j in config["scrape_configs"] if j["job_name"] == "ticketq")
-    assert job["static_configs"][0]["targets"] == [f"127.0.0.1:{DEFAULT_METRICS_PORT}"]
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    assert jobs["ticketq"]["static_configs"][0]["targets"] == [f"127.0.0.1:{DEFAULT_METRICS_PORT}"]
+    defaults = GatewaySettings.model_fields
+    gateway, deliver = jobs["ticketq-gateway"], jobs["ticketq-deliver"]
+    assert gateway["static_configs"][0]["targets"] == [f"127.0.0.1:{defaults['gateway_port'].default}"]
+    assert (PROM_DIR / gateway["authorization"]["credentials_file"]).is_file()  # the token, as compose's
+    assert deliver["static_configs"][0]["targets"] == [f"127.0.0.1:{defaults['deliver_metrics_port'].default}"]
 
 
 @pytest.mark.parametrize("path", PROM_CONFIGS, ids=lambda p: p.name)
@@ -433,8 +441,7 @@ def test_prometheus_rule_files_resolve(path: Path):
     loaded = {(path.parent / rule_file).resolve() for rule_file in config["rule_files"]}
     assert ALERTS.resolve() in loaded, "alert rules are not loaded"
     assert loaded <= {ALERTS.resolve(), DELIVER_ALERTS.resolve()}
-    if path.name == "prometheus.yml":  # compose runs the dispatcher (profile gateway): its alerts are loaded
-        assert DELIVER_ALERTS.resolve() in loaded
+    assert DELIVER_ALERTS.resolve() in loaded  # both scrape the dispatcher: its alerts are loaded
 
 
 def test_alert_rules_present():
