@@ -19,7 +19,7 @@ import redis
 from celery import Celery, states
 from celery_batches import SimpleRequest
 from prometheus_client import CollectorRegistry
-from workers import RedisServer
+from workers import RedisServer, close_results_app
 
 from ticketq import names
 from worker.health import Health, Progress
@@ -57,7 +57,7 @@ def app(server) -> Iterator[Celery]:
     app.conf.update(result_serializer="json", accept_content=["json"], result_accept_content=["json"],
                     result_expires=600, result_extended=False)  # fmt: skip
     yield app
-    app.close()
+    close_results_app(app)  # before the module's redis-server goes
 
 
 def service_on(server: RedisServer, client: redis.Redis) -> tuple[TicketService, CollectorRegistry]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 import redis
 from celery import Celery, states
-from workers import ROOT, RedisServer, Worker, wait_for, worker_env
+from workers import ROOT, RedisServer, Worker, close_results_app, wait_for, worker_env
 
 from ticketq import dead_letters, names
 from ticketq.contract import TicketRejected
@@ -69,7 +69,7 @@ def setup(tmp_path_factory) -> Iterator[Setup]:
 def app(setup) -> Iterator[Celery]:
     app = Celery(broker=setup.server.url, backend=setup.server.url, set_as_current=False)
     yield app
-    app.close()
+    close_results_app(app)  # before the module's redis-server goes
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import shutil
@@ -13,7 +12,7 @@ import pytest
 import redis
 from celery import Celery
 from servers import require_redis_server
-from workers import ROOT, free_port, null_classifier_service, skip_or_fail, wait_for
+from workers import ROOT, close_results_app, free_port, null_classifier_service, skip_or_fail, wait_for
 
 from ticketq import names
 
@@ -26,6 +25,13 @@ def service(tmp_path_factory):
         yield service
 
 
+@pytest.fixture
+def app(service):
+    app = Celery(broker=service[0], backend=service[0])
+    yield app
+    close_results_app(app)  # before the module's redis-server goes
+
+
 def ticketq(args: list[str], url: str, queue: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TICKETQ_")}
     env.update(TICKETQ_BROKER_URL=url, TICKETQ_QUEUE=queue)
@@ -33,9 +39,8 @@ def ticketq(args: list[str], url: str, queue: str) -> subprocess.CompletedProces
                           text=True, timeout=60)  # fmt: skip
 
 
-def test_status_dead_letters_requeue_and_result_lookup(service):
+def test_status_dead_letters_requeue_and_result_lookup(service, app):
     url, queue = service
-    app = Celery(broker=url, backend=url)
     client = redis.Redis.from_url(url)
     good = app.send_task(names.TASK_CLASSIFY, args=[{"id": "OK-1", "text": "refund please"}], queue=queue)
     bad = app.send_task(names.TASK_CLASSIFY, args=[{"id": "BAD-1", "text": "   "}], queue=queue)
@@ -76,13 +81,9 @@ def test_status_dead_letters_requeue_and_result_lookup(service):
     assert len(listed) == 1 and shown["entry_id"] in listed[0] and bad.id in listed[0], listed
 
 
-def test_an_empty_pack_is_refused_with_a_reason_that_names_it(service):
-    url, queue = service
-    app = Celery(broker=url, backend=url)
-    result = app.send_task(names.TASK_CLASSIFY, args=[[]], queue=queue)
-    [failed] = result.get(timeout=60)
-    del result
-    gc.collect()  # results held in reference cycles unsubscribe when collected: while their Redis is up
+def test_an_empty_pack_is_refused_with_a_reason_that_names_it(service, app):
+    _, queue = service
+    [failed] = app.send_task(names.TASK_CLASSIFY, args=[[]], queue=queue).get(timeout=60)
     assert failed["reason"] == "bad_payload" and "empty pack `[]`" in failed["error"], failed
     assert "NoneType" not in failed["error"]
 

@@ -177,10 +177,30 @@ def skip_or_fail(reason: str) -> None:
 
 def celery_results_app(name: str, url: str):
     """A Celery app on `url` with Celery's Redis result backend, JSON only: the backend a test
-    hands the service, as a worker's app has it. Close it after the test."""
+    hands the service, as a worker's app has it. Close it after the test (`close_results_app`
+    where the Redis is a private one the test stops)."""
     from celery import Celery
 
     app = Celery(name, broker=url, backend=url, set_as_current=False)
     app.conf.update(result_serializer="json", accept_content=["json"], result_accept_content=["json"],
                     result_expires=600, result_extended=False)  # fmt: skip
     return app
+
+
+def close_results_app(app) -> None:
+    """Close a Celery app whose AsyncResults read a Redis the test will stop, while it still answers.
+
+    Celery's `AsyncResult.__del__` unsubscribes its task from the result pub/sub. One held in a
+    reference cycle does so at whatever later garbage collection frees it: once the test's
+    redis-server is gone, it retries the connection for seconds and ends in "Exception ignored in"
+    (a warning in some later test, and its seconds). So: collect them now, then close the pub/sub
+    for good, so that an unsubscribe after this is a no-op (as `producer.backend.BulkRedisBackend.
+    stop_consumer` does for the producer's own backend)."""
+    import gc
+
+    gc.collect()
+    consumer = getattr(app.backend, "result_consumer", None)
+    if getattr(consumer, "_pubsub", None) is not None:
+        consumer._pubsub.close()
+        consumer._pubsub = None
+    app.close()
