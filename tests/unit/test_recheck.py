@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 
 import pytest
 
 from producer.synthetic import generate_tickets
-from ticketq.schema import load_schema
+from ticketq.fieldanswers import FieldResult
+from ticketq.schema import TicketFields, load_schema
 from worker.engine import Engine
 from worker.engine.precision import decision_error
 from worker.engine.replicas import load_engine
@@ -120,6 +122,31 @@ def test_every_field_of_a_schema_is_checked(cache, tmp_path, tiny_settings, tiny
         assert {n: (f.labels, f.review) for n, f in got.fields.items()} == {
             n: (f.labels, f.review) for n, f in want.fields.items()}
     assert any(a.rechecked for a in answers) and {a.precision for a in answers} <= {"int8", "float32"}
+
+
+def test_a_shadow_check_measures_a_schema_answer_on_what_decides_it(cache, tmp_path, tiny_settings):
+    """category has no review threshold here, so only its label decides: a reference whose two
+    trailing labels' log-probabilities moved 3 apart each way (billing's lead over each by 3) widens
+    the schema's bound to 3, where every two labels' difference (6) would count with a threshold."""
+    path = tmp_path / "triage.toml"
+    path.write_text(SCHEMA.replace("threshold = 0.2\n", ""))
+    schema = load_schema(path)
+    engine = checked(tiny_settings)
+    engine.fields(schema)
+    bound = engine.bounds["triage"]
+    assert bound.measured < 3.0  # the calibration's: below what the shadow check brings
+    category, tags = schema.fields
+
+    def answer(probs: dict[str, float], precision: str) -> TicketFields:
+        total = sum(probs.values())
+        results = {"category": FieldResult.single(category, {k: p / total for k, p in probs.items()}),
+                   "tags": FieldResult.several(tags, {"refund": 0.9, "outage": 0.1, "login": 0.5})}  # fmt: skip
+        return TicketFields("triage", results, 10, 10, None, precision=precision)
+
+    served = answer({"billing": 0.98, "technical": 0.01, "account": 0.01}, "int8")
+    reference = answer({"billing": 0.98, "technical": 0.01 * math.exp(-3), "account": 0.01 * math.exp(3)}, "float32")
+    engine.observe_shadow(served, reference)
+    assert bound.measured == pytest.approx(3.0, abs=1e-6)
 
 
 def test_a_checked_worker_measures_its_schemas_bounds_before_its_first_job(cache, tmp_path, tiny_settings, caplog):

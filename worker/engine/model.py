@@ -144,7 +144,7 @@ class Engine(Offline):
         """A live shadow check of a fast answer: its error against the reference may widen the bound."""
         bound = self.bounds.get(served.schema if isinstance(served, TicketFields) else self._own_schema)
         if bound is not None and served.precision != "float32":
-            bound.observe(decision_error(served, reference), "shadow check", served.tokens)
+            bound.observe(decision_error(served, reference, _deciding(self, served)), "shadow check", served.tokens)
 
     @property
     def _own_schema(self) -> str:
@@ -274,6 +274,12 @@ class Engine(Offline):
         branch = {path: choice_logprobs(self.last_logits([*full, *path]), kids)  # (C,) per branch
                   for path, kids in self.prompt.trie.branches.items()}  # fmt: skip
         return self._prediction(encoded, lambda path, child: float(branch[path][child]), dtype_name(self.dtype))
+
+
+def _deciding(engine: Engine, answer: Prediction | TicketFields) -> dict:
+    """The field specs that say what decides a schema's answer (`decision_error`): its runner's schema's."""
+    runner = engine._fields.get(answer.schema) if isinstance(answer, TicketFields) else None
+    return fields_of(runner.schema) if runner is not None else {}
 
 
 def _check_chat_template(tokenizer) -> None:
