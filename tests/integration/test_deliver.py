@@ -285,11 +285,12 @@ def test_a_restart_under_the_default_name_takes_its_own_pending_entries(results)
     url, entries, workdir, queue = results
     group, env = _group(), {"TICKETQ_DELIVER_CLAIM_IDLE_S": "3600", "TICKETQ_DELIVER_CONCURRENCY": "4"}
     client = redis.Redis.from_url(url)
-    with receiving(delay_s=0.02) as receiver:
+    with receiving(delay_s=0.02, hold_after=40) as receiver:
         first = Dispatcher(workdir, url, queue, receiver.url, group, **env).start()
         wait_for(lambda: sum(receiver.seen.values()) >= 40, 60, "the first deliveries")
-        first.kill()
+        first.kill()  # its next POSTs wait in the receiver: entries in flight, whatever the machine's load
         assert client.xpending(RESULTS_STREAM, group)["pending"] > 0, "killed with nothing in flight"
+        receiver.release()
         with dispatching(workdir, url, queue, receiver.url, group, **env):
             wait_for(lambda: set(receiver.seen) >= set(entries), 60, "every result delivered")
     assert [c["name"].decode() for c in client.xinfo_consumers(RESULTS_STREAM, group)] == [socket.gethostname()]
