@@ -41,7 +41,7 @@ from worker.engine.kernels import dtype_name
 from worker.engine.layout import padded_ids, prefix_mask
 from worker.engine.loading import ModelNotFound, cache_tensors, prefix_cache
 from worker.engine.policy import Checked, check
-from worker.engine.precision import ErrorBound, decision_error, fields_of
+from worker.engine.precision import fields_of
 from worker.engine.prompt import EncodedTicket, PromptTemplate
 from worker.engine.scheduler import Exact, Offline, Policy
 from worker.engine.scoring import HeadRows, branch_logprobs, choice_logprobs, label_logprobs, make_prediction
@@ -100,7 +100,7 @@ class Engine(Offline):
         self.int8 = int8
         self.policy: Policy = Exact(self)  # how its answers are held to float32's (`replicas.check_with`)
         self.head: LabelHead | None = None  # issue 43: a fitted label head scores the answer position (`head`)
-        self.bounds: dict[str, ErrorBound] = {}  # schema name -> its runner's error bound, where checked
+        self.checks: dict[str, Checked] = {}  # schema name -> its runner's re-check policy, where checked
         self.force_recheck = False  # checked whatever the calibration predicts (TICKETQ_RECHECK=always)
         self.float_decoder = model.get_decoder()  # the prefix cache is computed once, exactly, in float32
         self.decoder = quantize_linears_int8(self.float_decoder) if int8 else self.float_decoder
@@ -125,7 +125,7 @@ class Engine(Offline):
     def held_to(self, policy: Checked) -> None:
         """From now on the scheduler routes and screens this engine's tickets by `policy` (its float32 twin's)."""
         self.policy = policy
-        self.bounds[self._own_schema] = policy.bound
+        self.checks[self._own_schema] = policy
 
     @property
     def fused(self) -> bool:
@@ -138,13 +138,13 @@ class Engine(Offline):
 
     def error_bounds(self) -> dict[str, tuple[str, float]]:
         """Each re-checked runner's (precision, bound) by schema name (the metrics read it)."""
-        return {name: (bound.precision, bound.bound) for name, bound in list(self.bounds.items())}
+        return {name: (check.bound.precision, check.bound.bound) for name, check in list(self.checks.items())}
 
     def observe_shadow(self, served: Prediction | TicketFields, reference: Prediction | TicketFields) -> None:
         """A live shadow check of a fast answer: its error against the reference may widen the bound."""
-        bound = self.bounds.get(served.schema if isinstance(served, TicketFields) else self._own_schema)
-        if bound is not None and served.precision != "float32":
-            bound.observe(decision_error(served, reference, _deciding(self, served)), "shadow check", served.tokens)
+        check = self.checks.get(served.schema if isinstance(served, TicketFields) else self._own_schema)
+        if check is not None and served.precision != "float32":
+            check.observe(served, reference, "shadow check")
 
     @property
     def _own_schema(self) -> str:
@@ -176,7 +176,7 @@ class Engine(Offline):
         if policy is None:  # the check would not pay for this schema: float32 answers it
             return exact
         runner.policy = policy
-        self.bounds[schema.name] = policy.bound
+        self.checks[schema.name] = policy
         return runner
 
     # ----- the model: prefix cache, batched decode, last-position logits --------------------
@@ -274,12 +274,6 @@ class Engine(Offline):
         branch = {path: choice_logprobs(self.last_logits([*full, *path]), kids)  # (C,) per branch
                   for path, kids in self.prompt.trie.branches.items()}  # fmt: skip
         return self._prediction(encoded, lambda path, child: float(branch[path][child]), dtype_name(self.dtype))
-
-
-def _deciding(engine: Engine, answer: Prediction | TicketFields) -> dict:
-    """The field specs that say what decides a schema's answer (`decision_error`): its runner's schema's."""
-    runner = engine._fields.get(answer.schema) if isinstance(answer, TicketFields) else None
-    return fields_of(runner.schema) if runner is not None else {}
 
 
 def _check_chat_template(tokenizer) -> None:

@@ -130,8 +130,13 @@ class Checked:
 
     def settle(self, fast: Any, exact: Any) -> Any:
         """The ticket's answer: float32's, marked re-checked; their difference is measured."""
-        self.bound.observe(decision_error(fast, exact, self.fields), "re-check", fast.tokens)
+        self.observe(fast, exact, "re-check")
         return replace(exact, rechecked=True)
+
+    def observe(self, fast: Any, exact: Any, source: str) -> None:
+        """A fast answer against float32's for the same ticket (a re-check, a live shadow check): their
+        error on the decisions this runner's fields make may widen the bound."""
+        self.bound.observe(decision_error(fast, exact, self.fields), source, fast.tokens)
 
     def reference(self, text: object) -> Any:
         return self.exact.reference(text)
